@@ -1,0 +1,179 @@
+// Query boundary, CPU: the fused RoPE / concatenation / quantisation producer
+// and its fan-out into every consumer's inbox through a host workspace.
+
+#include "query.h"
+
+#include "host_signal.h"
+#include "semantics.h"
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace sdcp {
+
+QueryShape check_query_inputs(const at::Tensor& ql_nope, const at::Tensor& q_pe,
+                              const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                              const std::optional<at::Tensor>& q_scale, at::ScalarType out_dtype) {
+  check_dim(ql_nope, "ql_nope", 3);
+  check_dim(q_pe, "q_pe", 3);
+  check_dtype(ql_nope, "ql_nope", at::kBFloat16);
+  check_dtype(q_pe, "q_pe", at::kBFloat16);
+  check_size(q_pe, "q_pe", 0, ql_nope.size(0));
+  check_size(q_pe, "q_pe", 1, ql_nope.size(1));
+  SDCP_CHECK_ARG(ql_nope.stride(2) == 1, "ql_nope", "unit stride in the last dimension",
+                 "strides " << ql_nope.strides());
+  SDCP_CHECK_ARG(q_pe.stride(2) == 1, "q_pe", "unit stride in the last dimension",
+                 "strides " << q_pe.strides());
+  const int64_t rope = q_pe.size(2);
+  SDCP_CHECK_ARG(rope % 2 == 0 && rope > 0, "q_pe", "an even, positive last dimension", rope);
+  check_dim(positions, "positions", 1);
+  check_size(positions, "positions", 0, ql_nope.size(0));
+  SDCP_CHECK_ARG(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
+                 "positions", "dtype int64 or int32", "dtype " << positions.scalar_type());
+  check_dim(cos_sin_cache, "cos_sin_cache", 2);
+  check_size(cos_sin_cache, "cos_sin_cache", 1, rope);
+  SDCP_CHECK_ARG(cos_sin_cache.scalar_type() == at::kFloat || cos_sin_cache.scalar_type() == at::kBFloat16,
+                 "cos_sin_cache", "dtype float32 or bfloat16", "dtype " << cos_sin_cache.scalar_type());
+  check_contiguous(cos_sin_cache, "cos_sin_cache");
+  check_same_device(q_pe, "q_pe", ql_nope, "ql_nope");
+  check_same_device(positions, "positions", ql_nope, "ql_nope");
+  check_same_device(cos_sin_cache, "cos_sin_cache", ql_nope, "ql_nope");
+  SDCP_CHECK_ARG(out_dtype == at::kBFloat16 || out_dtype == at::kFloat8_e4m3fn, "out_dtype",
+                 "bfloat16 or float8_e4m3fn", out_dtype);
+  if (q_scale.has_value()) {
+    const auto& s = *q_scale;
+    SDCP_CHECK_ARG(s.numel() == 1, "q_scale", "one element", "shape " << s.sizes());
+    check_dtype(s, "q_scale", at::kFloat);
+    check_same_device(s, "q_scale", ql_nope, "ql_nope");
+    SDCP_CHECK_ARG(out_dtype == at::kFloat8_e4m3fn, "q_scale", "None for a bfloat16 output",
+                   "a scale tensor");
+  }
+  return QueryShape{ql_nope.size(0), ql_nope.size(1), ql_nope.size(2), rope};
+}
+
+void check_query_workspace(const Workspace& ws, const QueryShape& s, at::ScalarType out_dtype) {
+  const auto& p = ws.params;  // max_rows, local_heads, head_dim, elem_bytes
+  SDCP_CHECK_ARG(s.rows <= p[0], "ql_nope", "at most max_rows = " << p[0] << " rows",
+                 s.rows << " (larger batches take the collective path)");
+  SDCP_CHECK_ARG(s.heads == p[1], "ql_nope", "local_heads = " << p[1] << " heads", s.heads);
+  SDCP_CHECK_ARG(s.width() == p[2], "ql_nope, q_pe", "nope + rope = " << p[2],
+                 s.nope << " + " << s.rope);
+  SDCP_CHECK_ARG(c10::elementSize(out_dtype) == static_cast<size_t>(p[3]), "out_dtype",
+                 "an element of " << p[3] << " bytes (the workspace dtype)", out_dtype);
+}
+
+namespace {
+
+int64_t position_at(const at::Tensor& positions, int64_t t) {
+  return positions.scalar_type() == at::kLong ? positions.data_ptr<int64_t>()[t * positions.stride(0)]
+                                              : positions.data_ptr<int32_t>()[t * positions.stride(0)];
+}
+
+// Writes the produced [rows, heads, nope + rope] into `out`, whose rows are
+// `row_stride` elements apart (heads are packed).
+template <typename cache_t, typename out_t>
+void produce_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                 const at::Tensor& cache, float scale, bool neox, out_t* out, int64_t row_stride,
+                 const QueryShape& s) {
+  const auto* nope = ql_nope.data_ptr<c10::BFloat16>();
+  const auto* pe = q_pe.data_ptr<c10::BFloat16>();
+  const auto* c = cache.data_ptr<cache_t>();
+  const int64_t half = s.rope / 2, width = s.width(), max_pos = cache.size(0);
+  for (int64_t t = 0; t < s.rows; ++t) {
+    const int64_t p = position_at(positions, t);
+    SDCP_CHECK_ARG(p >= 0 && p < max_pos, "positions", "values in [0, " << max_pos << ")",
+                   p << " at row " << t);
+  }
+  auto store = [scale](float v) -> out_t {
+    if constexpr (std::is_same<out_t, c10::Float8_e4m3fn>::value) return quantize_e4m3(v, scale);
+    else return static_cast<out_t>(v);
+  };
+  at::parallel_for(0, s.rows * s.heads, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(s.rope);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / s.heads, h = i % s.heads;
+      const c10::BFloat16* n = nope + t * ql_nope.stride(0) + h * ql_nope.stride(1);
+      const c10::BFloat16* q = pe + t * q_pe.stride(0) + h * q_pe.stride(1);
+      out_t* dst = out + t * row_stride + h * width;
+      for (int64_t d = 0; d < s.nope; ++d) dst[d] = store(static_cast<float>(n[d]));
+      const cache_t* cs = c + position_at(positions, t) * s.rope;
+      for (int64_t j = 0; j < half; ++j) {
+        const float co = static_cast<float>(cs[j]), si = static_cast<float>(cs[half + j]);
+        const int64_t i0 = neox ? j : 2 * j, i1 = neox ? j + half : 2 * j + 1;
+        const float x0 = static_cast<float>(q[i0]), x1 = static_cast<float>(q[i1]);
+        x[i0] = rope_first(x0, x1, co, si);
+        x[i1] = rope_second(x0, x1, co, si);
+      }
+      for (int64_t d = 0; d < s.rope; ++d) dst[s.nope + d] = store(x[d]);
+    }
+  });
+}
+
+void produce_dispatch(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                      const at::Tensor& cache, const std::optional<at::Tensor>& q_scale, bool neox,
+                      at::ScalarType out_dtype, void* out, int64_t row_stride, const QueryShape& s) {
+  const float scale = q_scale.has_value() ? q_scale->item<float>() : 1.0f;
+  const bool f32 = cache.scalar_type() == at::kFloat;
+  if (out_dtype == at::kFloat8_e4m3fn) {
+    auto* o = static_cast<c10::Float8_e4m3fn*>(out);
+    f32 ? produce_cpu<float>(ql_nope, q_pe, positions, cache, scale, neox, o, row_stride, s)
+        : produce_cpu<c10::BFloat16>(ql_nope, q_pe, positions, cache, scale, neox, o, row_stride, s);
+  } else {
+    auto* o = static_cast<c10::BFloat16*>(out);
+    f32 ? produce_cpu<float>(ql_nope, q_pe, positions, cache, scale, neox, o, row_stride, s)
+        : produce_cpu<c10::BFloat16>(ql_nope, q_pe, positions, cache, scale, neox, o, row_stride, s);
+  }
+}
+
+at::Tensor query_rope_quant_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
+                                const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                                const std::optional<at::Tensor>& q_scale, bool neox,
+                                at::ScalarType out_dtype) {
+  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
+  auto out = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+  produce_dispatch(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, out.data_ptr(),
+                   s.heads * s.width(), s);
+  return out;
+}
+
+at::Tensor query_gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
+                            const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                            const std::optional<at::Tensor>& q_scale, int64_t workspace, bool neox,
+                            at::ScalarType out_dtype) {
+  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
+  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, ql_nope);
+  const Workspace& ws = *ws_ptr;
+  check_query_workspace(ws, s, out_dtype);
+  const int64_t n = ws.world_size, eb = c10::elementSize(out_dtype);
+  const int64_t row_bytes = n * s.heads * s.width() * eb;  // one inbox row, all sources
+  const int64_t shard_bytes = s.heads * s.width() * eb;    // this rank's heads of one row
+  // Produce once locally, then store the head shard into every inbox.
+  auto local = query_rope_quant_cpu(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype);
+  const auto* src = static_cast<const uint8_t*>(local.data_ptr());
+  const uint64_t epoch = host_next_epoch(ws);
+  const int64_t slot = epoch & 1;
+  for (int64_t d = 0; d < n; ++d) {
+    uint8_t* inbox = ws.slot_data(d, slot) + ws.layout.part_offset[0];
+    for (int64_t t = 0; t < s.rows; ++t)
+      std::memcpy(inbox + t * row_bytes + ws.rank * shard_bytes, src + t * shard_bytes, shard_bytes);
+  }
+  for (int64_t d = 0; d < n; ++d) host_publish(ws, d, epoch);
+  for (int64_t r = 0; r < n; ++r) host_wait(ws, r, epoch);
+  auto out = at::empty({s.rows, n * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+  std::memcpy(out.data_ptr(), ws.slot_data(ws.rank, slot) + ws.layout.part_offset[0], s.rows * row_bytes);
+  host_commit_epoch(ws, epoch);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
+  m.impl("query_rope_quant", &query_rope_quant_cpu);
+  m.impl("query_gather", &query_gather_cpu);
+}
+
+}  // namespace sdcp

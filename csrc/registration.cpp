@@ -1,0 +1,58 @@
+// Every schema of the sdcp library, in one place. Kernels are registered at the
+// bottom of each family's source file (CPU in .cpp, CUDA in .cu); fake
+// implementations live in torch_sdcp/fake.py.
+//
+// Rules (DESIGN.md section 5): torch never sees peer memory as an argument.
+// Peer ops take the caller's tensors plus an integer workspace handle, resolve
+// it in C++, and return fresh tensors or write caller-owned outputs.
+
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import torch_sdcp._C` loads this shared object, which runs the static
+// registrations below. There are no Python bindings.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(sdcp, m) {
+  // ---- Local computations (also the collective path's kernels) ----------
+  // RoPE on q_pe (interleaved/GPT-J or NeoX pairing), concatenation with
+  // ql_nope, then bf16 or saturating float8_e4m3fn (x / q_scale).
+  m.def("query_rope_quant(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
+        "Tensor? q_scale, bool neox, ScalarType out_dtype) -> Tensor");
+  // Stable top-k over candidate pairs: score desc, lower id on ties, ids < 0
+  // never selected, NaN below -inf, -0.0 == +0.0. Ids in selection order,
+  // -1 padded.
+  m.def("topk_select(Tensor scores, Tensor ids, int k) -> Tensor");
+  // LSE-weighted combine of N stacked partial results [N, T, H, D] / [N, T, H].
+  m.def("lse_combine(Tensor partial_out, Tensor partial_lse, bool base2) -> (Tensor, Tensor)");
+
+  // ---- Peer boundaries (workspace handle, device-side signals) ----------
+  // Signalling primitive: store x into every rank's inbox, publish, wait for
+  // every peer; returns the rank-major stack [N, *x.shape].
+  m.def("peer_all_gather(Tensor x, int workspace) -> Tensor");
+  // Output/LSE: producer-direct publish of each destination's head shard and
+  // LSE, owner-side combine. Returns ([T, H/N, D], [T, H/N] fp32).
+  m.def("output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2) "
+        "-> (Tensor, Tensor)");
+  m.def("output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, "
+        "Tensor(a!) out, Tensor(b!) out_lse) -> ()");
+  // Top-K: each owner publishes its candidate shard in place; every consumer
+  // selects over local and peer shards. Returns [T, k] int32 global ids.
+  m.def("topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor");
+  // Query: the fused producer stores its head shard into every consumer's
+  // inbox; returns a fresh copy of the gathered [T, N*H_loc, 576].
+  m.def("query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
+        "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor");
+
+  // ---- Workspace control (host side, never captured) --------------------
+  m.def("workspace_nbytes(int kind, int[] params, int world_size) -> int");
+  m.def("workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, "
+        "int world_size, Device device, int timeout_ns) -> ()");
+  m.def("workspace_unregister(int handle) -> ()");
+  m.def("workspace_handles() -> int[]");
+}

@@ -1,0 +1,109 @@
+// Shared declarations for the torch_sdcp operators: argument checks, the
+// workspace registry and the peer-memory layout every family uses.
+#pragma once
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace sdcp {
+
+// Errors name the argument, the expected and the actual value.
+// `expected` and `actual` are stream expressions, evaluated only on failure.
+#define SDCP_CHECK_ARG(cond, arg, expected, actual)                            \
+  TORCH_CHECK_VALUE(cond, "torch_sdcp: argument '", arg, "': expected ",       \
+                    [&] { std::ostringstream o_; o_ << expected; return o_.str(); }(), \
+                    ", got ",                                                  \
+                    [&] { std::ostringstream o_; o_ << actual; return o_.str(); }())
+
+std::string shape_str(const at::Tensor& t);
+
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType want);
+void check_dim(const at::Tensor& t, const char* name, int64_t dim);
+void check_size(const at::Tensor& t, const char* name, int64_t d, int64_t want);
+void check_contiguous(const at::Tensor& t, const char* name);
+void check_same_device(const at::Tensor& t, const char* name,
+                       const at::Tensor& ref, const char* ref_name);
+void check_float_dtype(const at::Tensor& t, const char* name);
+
+// ---------------------------------------------------------------------------
+// Workspaces. A workspace is one peer-addressable arena: rank r's region is
+// mapped at base + r * stride in this process, for every r. The Python side
+// allocates and maps it, then registers the mapping here under an integer
+// handle; ops resolve the handle, so torch never sees peer memory as an
+// argument.
+//
+// Region layout (identical on every rank):
+//   [0, control_bytes)        control: epoch[blocks] then flags[2][N][blocks]
+//   [control_bytes, ...)      the family's data, two slots
+// Flags are uint64 words with one writer each: flags[slot][src][block] in the
+// destination's region is written by rank src only. Epochs are local.
+// ---------------------------------------------------------------------------
+
+enum class WorkspaceKind : int64_t {
+  kExchange = 0,   // generic peer all-gather inbox (signalling primitive)
+  kOutputLSE = 1,  // output/LSE boundary
+  kTopK = 2,       // top-K boundary
+  kQuery = 3,      // query boundary
+};
+
+const char* kind_name(WorkspaceKind kind);
+
+struct WorkspaceLayout {
+  int64_t blocks = 1;         // flag blocks (fixed grid of the family kernels)
+  int64_t control_bytes = 0;  // epoch + flags, aligned
+  int64_t slot_bytes = 0;     // one data slot
+  int64_t data_offset = 0;    // == control_bytes
+  int64_t region_bytes = 0;   // control + 2 slots (before granularity rounding)
+  // Family-specific sub-offsets inside one slot.
+  int64_t part_offset[4] = {0, 0, 0, 0};
+};
+
+// params per kind:
+//   kExchange : [max_bytes_per_rank]
+//   kOutputLSE: [max_rows, total_heads, head_dim, elem_bytes]
+//   kTopK     : [max_rows, candidates_per_rank]
+//   kQuery    : [max_rows, local_heads, head_dim, elem_bytes]
+WorkspaceLayout compute_layout(WorkspaceKind kind,
+                               const std::vector<int64_t>& params,
+                               int64_t world_size);
+
+struct Workspace {
+  int64_t handle = -1;
+  WorkspaceKind kind = WorkspaceKind::kExchange;
+  std::vector<int64_t> params;
+  WorkspaceLayout layout;
+  uintptr_t base = 0;  // address of rank 0's region in this process
+  int64_t stride = 0;  // bytes between consecutive ranks' regions
+  int64_t rank = 0;
+  int64_t world_size = 1;
+  c10::Device device{c10::kCPU};
+  int64_t timeout_ns = 0;
+
+  uint8_t* region(int64_t r) const {
+    return reinterpret_cast<uint8_t*>(base + static_cast<uintptr_t>(r * stride));
+  }
+  uint64_t* epochs(int64_t r) const {
+    return reinterpret_cast<uint64_t*>(region(r));
+  }
+  // flags[slot][src][block] inside rank r's region.
+  uint64_t* flag(int64_t r, int64_t slot, int64_t src, int64_t block) const {
+    auto* f = reinterpret_cast<uint64_t*>(region(r) + 8 * layout.blocks);
+    return f + (slot * world_size + src) * layout.blocks + block;
+  }
+  uint8_t* slot_data(int64_t r, int64_t slot) const {
+    return region(r) + layout.data_offset + slot * layout.slot_bytes;
+  }
+};
+
+// Resolve a handle; checks that it is alive, of the expected kind, and lives
+// on the device of `on` (CPU tensors need a host workspace, CUDA tensors a
+// CUDA workspace on the same device).
+std::shared_ptr<const Workspace> resolve_workspace(int64_t handle, WorkspaceKind kind,
+                                                   const at::Tensor& on);
+
+}  // namespace sdcp

@@ -1,0 +1,224 @@
+// Argument checks, the workspace layout and the handle registry.
+
+#include "sdcp.h"
+
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+
+namespace sdcp {
+
+std::string shape_str(const at::Tensor& t) {
+  std::ostringstream os;
+  os << t.sizes();
+  return os.str();
+}
+
+void check_dtype(const at::Tensor& t, const char* name, at::ScalarType want) {
+  SDCP_CHECK_ARG(t.scalar_type() == want, name, "dtype " << want, "dtype " << t.scalar_type());
+}
+
+void check_float_dtype(const at::Tensor& t, const char* name) {
+  auto st = t.scalar_type();
+  SDCP_CHECK_ARG(st == at::kBFloat16 || st == at::kHalf || st == at::kFloat, name,
+                 "dtype bfloat16, float16 or float32", "dtype " << st);
+}
+
+void check_dim(const at::Tensor& t, const char* name, int64_t dim) {
+  SDCP_CHECK_ARG(t.dim() == dim, name, dim << " dimensions", t.dim() << " (shape " << t.sizes() << ")");
+}
+
+void check_size(const at::Tensor& t, const char* name, int64_t d, int64_t want) {
+  SDCP_CHECK_ARG(t.size(d) == want, name, "size " << want << " at dim " << d,
+                 t.size(d) << " (shape " << t.sizes() << ")");
+}
+
+void check_contiguous(const at::Tensor& t, const char* name) {
+  SDCP_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor",
+                 "strides " << t.strides() << " for shape " << t.sizes());
+}
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& ref,
+                       const char* ref_name) {
+  SDCP_CHECK_ARG(t.device() == ref.device(), name, "device " << ref.device() << " (that of '" << ref_name << "')",
+                 "device " << t.device());
+}
+
+const char* kind_name(WorkspaceKind kind) {
+  switch (kind) {
+    case WorkspaceKind::kExchange: return "exchange";
+    case WorkspaceKind::kOutputLSE: return "output_lse";
+    case WorkspaceKind::kTopK: return "topk";
+    case WorkspaceKind::kQuery: return "query";
+  }
+  return "unknown";
+}
+
+namespace {
+
+constexpr int64_t kAlign = 256;
+// Library kernels (cuBLAS) may read up to 64 KiB past a buffer they are given.
+constexpr int64_t kTailPad = 64 * 1024;
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+void check_params(const std::vector<int64_t>& p, size_t n, const char* what) {
+  TORCH_CHECK_VALUE(p.size() == n, "torch_sdcp: argument 'params': expected ", n, " values (", what,
+                    ") , got ", p.size());
+  for (size_t i = 0; i < p.size(); ++i)
+    TORCH_CHECK_VALUE(p[i] > 0, "torch_sdcp: argument 'params': expected positive values (", what,
+                      "), got ", p[i], " at position ", i);
+}
+
+}  // namespace
+
+WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p,
+                               int64_t world_size) {
+  TORCH_CHECK_VALUE(world_size >= 1 && world_size <= 64,
+                    "torch_sdcp: argument 'world_size': expected 1..64, got ", world_size);
+  const int64_t n = world_size;
+  WorkspaceLayout l;
+  switch (kind) {
+    case WorkspaceKind::kExchange: {
+      check_params(p, 1, "max_bytes_per_rank");
+      l.blocks = 16;
+      const int64_t per_src = align_up(p[0], kAlign);
+      l.slot_bytes = n * per_src;
+      l.part_offset[0] = 0;
+      l.part_offset[1] = per_src;  // distance between sources
+      break;
+    }
+    case WorkspaceKind::kOutputLSE: {
+      check_params(p, 4, "max_rows, total_heads, head_dim, elem_bytes");
+      const int64_t rows = p[0], heads = p[1], dim = p[2], eb = p[3];
+      TORCH_CHECK_VALUE(heads % n == 0, "torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
+                        n, ", got ", heads);
+      const int64_t hl = heads / n;
+      l.blocks = 128;
+      const int64_t out_bytes = align_up(n * rows * hl * dim * eb, kAlign);
+      const int64_t lse_bytes = align_up(n * rows * hl * 4, kAlign);
+      l.part_offset[0] = 0;          // out inbox [src][row][h_loc][d]
+      l.part_offset[1] = out_bytes;  // lse inbox [src][row][h_loc]
+      l.slot_bytes = out_bytes + lse_bytes;
+      break;
+    }
+    case WorkspaceKind::kTopK: {
+      check_params(p, 2, "max_rows, candidates_per_rank");
+      const int64_t rows = p[0], c = p[1];
+      l.blocks = rows;
+      const int64_t score_bytes = align_up(rows * c * 4, kAlign);
+      l.part_offset[0] = 0;            // own scores [row][c] fp32
+      l.part_offset[1] = score_bytes;  // own ids [row][c] int32
+      l.slot_bytes = score_bytes + align_up(rows * c * 4, kAlign);
+      break;
+    }
+    case WorkspaceKind::kQuery: {
+      check_params(p, 4, "max_rows, local_heads, head_dim, elem_bytes");
+      const int64_t rows = p[0], hl = p[1], dim = p[2], eb = p[3];
+      l.blocks = 64;
+      l.part_offset[0] = 0;  // inbox [row][src*H_loc + h][dim]
+      l.slot_bytes = align_up(rows * n * hl * dim * eb, kAlign);
+      break;
+    }
+    default:
+      TORCH_CHECK_VALUE(false, "torch_sdcp: argument 'kind': expected 0..3, got ", static_cast<int64_t>(kind));
+  }
+  l.control_bytes = align_up(8 * l.blocks + 2 * n * l.blocks * 8, 4096);
+  l.data_offset = l.control_bytes;
+  l.region_bytes = l.control_bytes + 2 * l.slot_bytes + kTailPad;
+  return l;
+}
+
+namespace {
+
+std::mutex g_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const Workspace>>& registry() {
+  static auto* r = new std::unordered_map<int64_t, std::shared_ptr<const Workspace>>();
+  return *r;  // leaked on purpose: nothing runs at interpreter exit
+}
+
+WorkspaceKind to_kind(int64_t kind) {
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 3, "torch_sdcp: argument 'kind': expected 0..3, got ", kind);
+  return static_cast<WorkspaceKind>(kind);
+}
+
+int64_t workspace_nbytes(int64_t kind, c10::IntArrayRef params, int64_t world_size) {
+  return compute_layout(to_kind(kind), params.vec(), world_size).region_bytes;
+}
+
+void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, int64_t base,
+                        int64_t stride, int64_t rank, int64_t world_size, c10::Device device,
+                        int64_t timeout_ns) {
+  auto ws = std::make_shared<Workspace>();
+  ws->handle = handle;
+  ws->kind = to_kind(kind);
+  ws->params = params.vec();
+  ws->layout = compute_layout(ws->kind, ws->params, world_size);
+  TORCH_CHECK_VALUE(base != 0, "torch_sdcp: argument 'base': expected a mapped address, got 0");
+  TORCH_CHECK_VALUE(stride >= ws->layout.region_bytes, "torch_sdcp: argument 'stride': expected at least ",
+                    ws->layout.region_bytes, " bytes, got ", stride);
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "torch_sdcp: argument 'rank': expected 0..",
+                    world_size - 1, ", got ", rank);
+  TORCH_CHECK_VALUE(timeout_ns > 0, "torch_sdcp: argument 'timeout_ns': expected > 0, got ", timeout_ns);
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(),
+                    "torch_sdcp: argument 'device': expected cpu or cuda, got ", device);
+  ws->base = static_cast<uintptr_t>(base);
+  ws->stride = stride;
+  ws->rank = rank;
+  ws->world_size = world_size;
+  ws->device = device;
+  ws->timeout_ns = timeout_ns;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto& r = registry();
+  TORCH_CHECK_VALUE(r.find(handle) == r.end(), "torch_sdcp: argument 'handle': expected an unused handle, got ",
+                    handle, " which is already registered");
+  r.emplace(handle, std::move(ws));
+}
+
+void workspace_unregister(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  registry().erase(handle);  // idempotent
+}
+
+std::vector<int64_t> workspace_handles() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  std::vector<int64_t> out;
+  for (auto& kv : registry()) out.push_back(kv.first);
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<const Workspace> resolve_workspace(int64_t handle, WorkspaceKind kind,
+                                                   const at::Tensor& on) {
+  std::shared_ptr<const Workspace> ws;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = registry().find(handle);
+    TORCH_CHECK_VALUE(it != registry().end(), "torch_sdcp: argument 'workspace': expected a live ",
+                      kind_name(kind), " workspace handle, got ", handle,
+                      " (never created, or already closed)");
+    ws = it->second;
+  }
+  TORCH_CHECK_VALUE(ws->kind == kind, "torch_sdcp: argument 'workspace': expected a ", kind_name(kind),
+                    " workspace, got handle ", handle, " of kind ", kind_name(ws->kind));
+  TORCH_CHECK_VALUE(ws->device == on.device() || (ws->device.is_cpu() && on.is_cpu()),
+                    "torch_sdcp: argument 'workspace': expected a workspace on ", on.device(),
+                    " (the inputs' device), got one on ", ws->device);
+  // The shared pointer keeps the descriptor (not the mapping) alive; the
+  // mapping is only released by close(), which synchronises and barriers
+  // before it unregisters.
+  return ws;
+}
+
+TORCH_LIBRARY_IMPL(sdcp, CompositeExplicitAutograd, m) {
+  m.impl("workspace_nbytes", &workspace_nbytes);
+  m.impl("workspace_register", &workspace_register);
+  m.impl("workspace_unregister", &workspace_unregister);
+  m.impl("workspace_handles", &workspace_handles);
+}
+
+}  // namespace sdcp
