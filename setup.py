@@ -4,11 +4,35 @@ a CUDA build of torch are present (SDCP_NO_CUDA=1 turns them off)."""
 import glob
 import importlib.util
 import os
+import re
+import shutil
+import subprocess
 
 from setuptools import find_packages, setup
-from torch.utils import cpp_extension
 
-import torch
+
+def locate_cuda_home() -> None:
+    """torch guesses CUDA_HOME from the folder above `nvcc`; when `nvcc` is a
+    wrapper script elsewhere, ask the compiler driver where its toolkit is."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return
+    m = re.search(r"^#\$ TOP=(.+)$", out.stderr + out.stdout, re.M)
+    if m:
+        os.environ["CUDA_HOME"] = os.path.realpath(m.group(1).strip())
+
+
+locate_cuda_home()
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CUDA_HEADERS_TORCH_NEEDS = ("cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h", "curand.h", "cufft.h")

@@ -1,0 +1,113 @@
+// Device-side signals (DESIGN.md section 4): epochs advanced by the kernels,
+// slot = epoch % 2, publish = all writers' stores -> __syncthreads() -> one
+// st.release.sys per destination flag, wait = ld.acquire.sys spin on a local
+// flag bounded by %globaltimer -> __syncthreads().
+#pragma once
+
+#include "sdcp.h"
+
+#include <cstdint>
+#include <cstdio>
+
+namespace sdcp {
+
+// A workspace as the kernels see it (passed by value).
+struct DeviceWorkspace {
+  uint8_t* base;
+  int64_t stride;
+  int64_t data_offset;
+  int64_t slot_bytes;
+  int64_t part[4];
+  int64_t handle;
+  uint64_t timeout_ns;
+  int32_t rank;
+  int32_t world;
+  int32_t blocks;
+
+  __device__ __forceinline__ uint8_t* region(int r) const { return base + r * stride; }
+  __device__ __forceinline__ uint64_t* epoch(int block) const {
+    return reinterpret_cast<uint64_t*>(region(rank)) + block;
+  }
+  // flags[slot][src][block] in rank r's region.
+  __device__ __forceinline__ uint64_t* flag(int r, int slot, int src, int block) const {
+    return reinterpret_cast<uint64_t*>(region(r) + 8 * blocks) + (slot * world + src) * blocks + block;
+  }
+  __device__ __forceinline__ uint8_t* slot_data(int r, int slot) const {
+    return region(r) + data_offset + slot * slot_bytes;
+  }
+};
+
+inline DeviceWorkspace device_workspace(const Workspace& ws) {
+  DeviceWorkspace d;
+  d.base = reinterpret_cast<uint8_t*>(ws.base);
+  d.stride = ws.stride;
+  d.data_offset = ws.layout.data_offset;
+  d.slot_bytes = ws.layout.slot_bytes;
+  for (int i = 0; i < 4; ++i) d.part[i] = ws.layout.part_offset[i];
+  d.handle = ws.handle;
+  d.timeout_ns = static_cast<uint64_t>(ws.timeout_ns);
+  d.rank = static_cast<int32_t>(ws.rank);
+  d.world = static_cast<int32_t>(ws.world_size);
+  d.blocks = static_cast<int32_t>(ws.layout.blocks);
+  return d;
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Reads this block's next epoch (every thread gets it). One writer per
+// counter: the block itself, in block_commit_epoch.
+__device__ __forceinline__ uint64_t block_next_epoch(const DeviceWorkspace& ws) {
+  __shared__ uint64_t next;
+  if (threadIdx.x == 0) next = *ws.epoch(blockIdx.x) + 1;
+  __syncthreads();
+  return next;
+}
+
+__device__ __forceinline__ void block_commit_epoch(const DeviceWorkspace& ws, uint64_t epoch) {
+  if (threadIdx.x == 0) *ws.epoch(blockIdx.x) = epoch;
+}
+
+// Every thread's stores so far are ordered before the flags this block sets in
+// every destination (thread d publishes to destination d).
+__device__ __forceinline__ void block_publish_all(const DeviceWorkspace& ws, uint64_t epoch) {
+  __syncthreads();
+  for (int d = threadIdx.x; d < ws.world; d += blockDim.x)
+    st_release_sys(ws.flag(d, epoch & 1, ws.rank, blockIdx.x), epoch);
+}
+
+// Thread s waits for source s's flag; on timeout it reports rank, peer, slot
+// and epoch and traps, which fails the stream with an error the host sees.
+__device__ __forceinline__ void block_wait_all(const DeviceWorkspace& ws, uint64_t epoch) {
+  for (int s = threadIdx.x; s < ws.world; s += blockDim.x) {
+    const uint64_t* f = ws.flag(ws.rank, epoch & 1, s, blockIdx.x);
+    if (ld_acquire_sys(f) < epoch) {
+      const uint64_t start = globaltimer_ns();
+      while (ld_acquire_sys(f) < epoch) {
+        if (globaltimer_ns() - start > ws.timeout_ns) {
+          printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d (workspace %lld, slot %d, "
+                 "epoch %llu, flag holds %llu); the peer stopped participating or calls differ between ranks\n",
+                 ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, s, (long long)ws.handle, (int)(epoch & 1),
+                 (unsigned long long)epoch, (unsigned long long)ld_acquire_sys(f));
+          __trap();
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+}  // namespace sdcp

@@ -1,0 +1,192 @@
+// Output/LSE boundary, CUDA. One fused kernel on a fixed grid: block b stores
+// its chunk of every destination's head shard (payload and LSE) into that
+// owner's inbox, publishes one flag per destination, waits for chunk b from
+// every producer, then combines it in fp32 and rounds once. A warp handles
+// one (row, head) item; payloads move as 16-byte vectors.
+
+#include "device_signal.cuh"
+#include "output_lse.h"
+#include "semantics.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+namespace sdcp {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxDeviceWorld = 16;
+
+template <typename scalar_t>
+struct Vec {
+  static constexpr int kElems = 16 / sizeof(scalar_t);
+  uint4 raw;
+  __device__ __forceinline__ float get(int i) const {
+    return static_cast<float>(reinterpret_cast<const scalar_t*>(&raw)[i]);
+  }
+  __device__ __forceinline__ void set(int i, float v) { reinterpret_cast<scalar_t*>(&raw)[i] = static_cast<scalar_t>(v); }
+};
+
+// Combine one item with the lane's share of its vectors. `lse(s)` is shard s's
+// raw LSE; `src(s)` points at shard s's payload (dim elements).
+template <typename scalar_t, typename LseAt, typename SrcAt>
+__device__ __forceinline__ void combine_item(int n, LseAt lse, SrcAt src, int64_t nvec, bool base2,
+                                             scalar_t* out, float* out_lse) {
+  using V = Vec<scalar_t>;
+  float w[kMaxDeviceWorld];
+  const float L = lse_weights(n, lse, base2, w);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) *out_lse = L;
+  for (int64_t v = lane; v < nvec; v += 32) {
+    float acc[V::kElems];
+#pragma unroll
+    for (int e = 0; e < V::kElems; ++e) acc[e] = 0.0f;
+    for (int s = 0; s < n; ++s) {
+      if (w[s] == 0.0f) continue;  // a zero-weight payload is never read
+      V x;
+      x.raw = reinterpret_cast<const uint4*>(src(s))[v];
+#pragma unroll
+      for (int e = 0; e < V::kElems; ++e) acc[e] += w[s] * x.get(e);
+    }
+    V o;
+#pragma unroll
+    for (int e = 0; e < V::kElems; ++e) o.set(e, acc[e]);
+    reinterpret_cast<uint4*>(out)[v] = o.raw;
+  }
+}
+
+template <typename scalar_t>
+__global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, int64_t items, int64_t dim,
+                                   bool base2, scalar_t* out, float* lse) {
+  const int64_t nvec = dim / Vec<scalar_t>::kElems;
+  for (int64_t i = blockIdx.x * kWarps + threadIdx.x / 32; i < items; i += gridDim.x * kWarps) {
+    combine_item<scalar_t>(
+        n, [&](int s) { return pl[s * items + i]; }, [&](int s) { return po + (s * items + i) * dim; }, nvec,
+        base2, out + i * dim, lse + i);
+  }
+}
+
+template <typename scalar_t>
+__global__ void output_lse_kernel(DeviceWorkspace ws, const scalar_t* po, const float* pl, int64_t rows,
+                                  int64_t heads, int64_t dim, int64_t max_rows, bool base2, scalar_t* out,
+                                  float* out_lse) {
+  const uint64_t epoch = block_next_epoch(ws);
+  const int slot = epoch & 1;
+  const int n = ws.world;
+  const int64_t hl = heads / n, items = rows * hl;
+  const int64_t nvec = dim / Vec<scalar_t>::kElems;
+  const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
+  const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  // Inbox of rank d: payload [src][max_rows][hl][dim], LSE [src][max_rows][hl].
+  auto inbox_out = [&](int d, int src) {
+    return reinterpret_cast<scalar_t*>(ws.slot_data(d, slot) + ws.part[0]) + src * max_rows * hl * dim;
+  };
+  auto inbox_lse = [&](int d, int src) {
+    return reinterpret_cast<float*>(ws.slot_data(d, slot) + ws.part[1]) + src * max_rows * hl;
+  };
+  // 1. Producer: item i = (t, h) goes to destination d's inbox, slot of this rank.
+  for (int64_t i = begin + warp; i < end; i += kWarps) {
+    const int64_t t = i / hl, h = i % hl;
+    for (int d = 0; d < n; ++d) {
+      const uint4* s = reinterpret_cast<const uint4*>(po + (t * heads + d * hl + h) * dim);
+      uint4* o = reinterpret_cast<uint4*>(inbox_out(d, ws.rank) + i * dim);
+      for (int64_t v = lane; v < nvec; v += 32) o[v] = s[v];
+      if (lane == 0) inbox_lse(d, ws.rank)[i] = pl[t * heads + d * hl + h];
+    }
+  }
+  block_publish_all(ws, epoch);
+  // 2. Owner: wait for chunk b of every producer, then combine it.
+  block_wait_all(ws, epoch);
+  for (int64_t i = begin + warp; i < end; i += kWarps) {
+    combine_item<scalar_t>(
+        n, [&](int s) { return inbox_lse(ws.rank, s)[i]; },
+        [&](int s) { return inbox_out(ws.rank, s) + i * dim; }, nvec, base2, out + i * dim, out_lse + i);
+  }
+  block_commit_epoch(ws, epoch);
+}
+
+void check_vectorizable(const at::Tensor& t, const char* name) {
+  SDCP_CHECK_ARG(t.size(-1) * t.element_size() % 16 == 0, name,
+                 "a last dimension of a multiple of 16 bytes on CUDA", t.size(-1) << " elements of "
+                 << t.element_size() << " bytes");
+}
+
+std::tuple<at::Tensor, at::Tensor> lse_combine_cuda(const at::Tensor& partial_out, const at::Tensor& partial_lse,
+                                                    bool base2) {
+  check_dim(partial_out, "partial_out", 4);
+  check_dim(partial_lse, "partial_lse", 3);
+  check_float_dtype(partial_out, "partial_out");
+  check_dtype(partial_lse, "partial_lse", at::kFloat);
+  check_contiguous(partial_out, "partial_out");
+  check_contiguous(partial_lse, "partial_lse");
+  for (int d = 0; d < 3; ++d) check_size(partial_lse, "partial_lse", d, partial_out.size(d));
+  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
+  check_vectorizable(partial_out, "partial_out");
+  const int64_t n = partial_out.size(0), rows = partial_out.size(1), heads = partial_out.size(2);
+  const int64_t dim = partial_out.size(3), items = rows * heads;
+  SDCP_CHECK_ARG(n >= 1 && n <= kMaxDeviceWorld, "partial_out", "1.." << kMaxDeviceWorld << " shards in dim 0", n);
+  auto out = at::empty({rows, heads, dim}, partial_out.options());
+  auto lse = at::empty({rows, heads}, partial_lse.options());
+  if (items == 0) return {out, lse};
+  const c10::cuda::CUDAGuard guard(partial_out.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int grid = static_cast<int>(std::min<int64_t>((items + kWarps - 1) / kWarps, 1024));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "lse_combine", [&] {
+    lse_combine_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+        partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(n), items, dim, base2,
+        out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
+void output_lse_combine_out_cuda(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
+                                 bool base2, at::Tensor& out, at::Tensor& out_lse) {
+  check_partial_inputs(partial_out, partial_lse);
+  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
+  const Workspace& ws = *ws_ptr;
+  check_output_lse_workspace(ws, partial_out);
+  check_combine_outputs(ws, partial_out, out, out_lse);
+  check_vectorizable(partial_out, "partial_out");
+  SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
+                 ws.world_size);
+  const c10::cuda::CUDAGuard guard(partial_out.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto dws = device_workspace(ws);
+  // The grid is fixed by the workspace (per-block epochs), even for 0 rows.
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
+    output_lse_kernel<scalar_t><<<ws.layout.blocks, kThreads, 0, stream>>>(
+        dws, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), partial_out.size(0),
+        partial_out.size(1), partial_out.size(2), ws.params[0], base2, out.data_ptr<scalar_t>(),
+        out_lse.data_ptr<float>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor> output_lse_combine_cuda(const at::Tensor& partial_out,
+                                                           const at::Tensor& partial_lse, int64_t workspace,
+                                                           bool base2) {
+  check_partial_inputs(partial_out, partial_lse);
+  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
+  const int64_t n = ws_ptr->world_size;
+  SDCP_CHECK_ARG(partial_out.size(1) % n == 0, "partial_out", "heads divisible by the world size " << n,
+                 partial_out.size(1));
+  auto out = at::empty({partial_out.size(0), partial_out.size(1) / n, partial_out.size(2)}, partial_out.options());
+  auto lse = at::empty({partial_out.size(0), partial_out.size(1) / n}, partial_lse.options());
+  output_lse_combine_out_cuda(partial_out, partial_lse, workspace, base2, out, lse);
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
+  m.impl("lse_combine", &lse_combine_cuda);
+  m.impl("output_lse_combine", &output_lse_combine_cuda);
+  m.impl("output_lse_combine_out", &output_lse_combine_out_cuda);
+}
+
+}  // namespace sdcp

@@ -1,0 +1,199 @@
+// Query boundary, CUDA: the fused RoPE / concatenation / quantisation producer
+// and its fan-out. A warp produces one (row, head) item and stores it into
+// every consumer's inbox (the same bytes N times), then each block publishes;
+// after waiting it copies its chunk of the local inbox into a fresh tensor.
+
+#include "device_signal.cuh"
+#include "query.h"
+#include "semantics.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+namespace sdcp {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxDeviceWorld = 16;
+
+struct ProducerArgs {
+  const c10::BFloat16* nope;
+  const c10::BFloat16* pe;
+  const void* positions;
+  const void* cache;
+  const float* scale;  // nullptr: 1.0
+  int64_t nope_s0, nope_s1, pe_s0, pe_s1, pos_s0;
+  int64_t rows, heads, nope_dim, rope_dim, max_pos;
+  bool pos64, cache_f32, neox;
+};
+
+template <typename out_t>
+__device__ __forceinline__ out_t convert_out(float v, float scale) {
+  if constexpr (std::is_same<out_t, c10::Float8_e4m3fn>::value) return quantize_e4m3(v, scale);
+  else return static_cast<out_t>(v);
+}
+
+// Produces item (t, h) into each of `ndst` destinations (dst[k] points at the
+// item's first element). Called by a whole warp.
+template <typename out_t>
+__device__ void produce_item(const ProducerArgs& a, int64_t t, int64_t h, out_t* const* dst, int ndst) {
+  const int lane = threadIdx.x & 31;
+  const float scale = a.scale ? *a.scale : 1.0f;
+  const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
+  for (int64_t d = lane; d < a.nope_dim; d += 32) {
+    const out_t v = convert_out<out_t>(static_cast<float>(n[d]), scale);
+    for (int k = 0; k < ndst; ++k) dst[k][d] = v;
+  }
+  int64_t pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
+                        : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
+  if (pos < 0 || pos >= a.max_pos) {
+    if (lane == 0) printf("torch_sdcp: positions[%lld] = %lld is outside [0, %lld)\n", (long long)t, (long long)pos,
+                          (long long)a.max_pos);
+    __trap();
+  }
+  const int64_t half = a.rope_dim / 2;
+  const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
+  for (int64_t j = lane; j < half; j += 32) {
+    float co, si;
+    if (a.cache_f32) {
+      const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
+      co = c[j];
+      si = c[half + j];
+    } else {
+      const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
+      co = static_cast<float>(c[j]);
+      si = static_cast<float>(c[half + j]);
+    }
+    const int64_t i0 = a.neox ? j : 2 * j, i1 = a.neox ? j + half : 2 * j + 1;
+    const float x0 = static_cast<float>(q[i0]), x1 = static_cast<float>(q[i1]);
+    const out_t o0 = convert_out<out_t>(rope_first(x0, x1, co, si), scale);
+    const out_t o1 = convert_out<out_t>(rope_second(x0, x1, co, si), scale);
+    for (int k = 0; k < ndst; ++k) {
+      dst[k][a.nope_dim + i0] = o0;
+      dst[k][a.nope_dim + i1] = o1;
+    }
+  }
+}
+
+template <typename out_t>
+__global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
+  const int64_t items = a.rows * a.heads, width = a.nope_dim + a.rope_dim;
+  for (int64_t i = blockIdx.x * kWarps + threadIdx.x / 32; i < items; i += gridDim.x * kWarps) {
+    out_t* dst[1] = {out + i * width};
+    produce_item<out_t>(a, i / a.heads, i % a.heads, dst, 1);
+  }
+}
+
+template <typename out_t>
+__global__ void query_gather_kernel(DeviceWorkspace ws, ProducerArgs a, out_t* out) {
+  const uint64_t epoch = block_next_epoch(ws);
+  const int slot = epoch & 1;
+  const int n = ws.world;
+  const int64_t hl = a.heads, width = a.nope_dim + a.rope_dim, items = a.rows * hl;
+  const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
+  const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
+  // Inbox [row][src * hl + h][width] of every rank.
+  auto inbox = [&](int d) { return reinterpret_cast<out_t*>(ws.slot_data(d, slot) + ws.part[0]); };
+  for (int64_t i = begin + threadIdx.x / 32; i < end; i += kWarps) {
+    const int64_t t = i / hl, h = i % hl;
+    out_t* dst[kMaxDeviceWorld];
+    for (int d = 0; d < n; ++d) dst[d] = inbox(d) + ((t * n + ws.rank) * hl + h) * width;
+    produce_item<out_t>(a, t, h, dst, n);
+  }
+  block_publish_all(ws, epoch);
+  block_wait_all(ws, epoch);
+  // Copy chunk b of every source out of the local inbox (16-byte vectors).
+  const int64_t nvec = width * static_cast<int64_t>(sizeof(out_t)) / 16;
+  const uint4* local = reinterpret_cast<const uint4*>(inbox(ws.rank));
+  uint4* o = reinterpret_cast<uint4*>(out);
+  for (int s = 0; s < n; ++s) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / hl, h = i % hl, item = (t * n + s) * hl + h;
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) o[item * nvec + v] = local[item * nvec + v];
+    }
+  }
+  block_commit_epoch(ws, epoch);
+}
+
+ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                           const at::Tensor& cache, const std::optional<at::Tensor>& q_scale, bool neox,
+                           const QueryShape& s) {
+  ProducerArgs a;
+  a.nope = ql_nope.data_ptr<c10::BFloat16>();
+  a.pe = q_pe.data_ptr<c10::BFloat16>();
+  a.positions = positions.data_ptr();
+  a.cache = cache.data_ptr();
+  a.scale = q_scale.has_value() ? q_scale->data_ptr<float>() : nullptr;
+  a.nope_s0 = ql_nope.stride(0);
+  a.nope_s1 = ql_nope.stride(1);
+  a.pe_s0 = q_pe.stride(0);
+  a.pe_s1 = q_pe.stride(1);
+  a.pos_s0 = positions.stride(0);
+  a.rows = s.rows;
+  a.heads = s.heads;
+  a.nope_dim = s.nope;
+  a.rope_dim = s.rope;
+  a.max_pos = cache.size(0);
+  a.pos64 = positions.scalar_type() == at::kLong;
+  a.cache_f32 = cache.scalar_type() == at::kFloat;
+  a.neox = neox;
+  return a;
+}
+
+at::Tensor query_rope_quant_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                                 const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
+                                 bool neox, at::ScalarType out_dtype) {
+  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
+  auto out = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+  const int64_t items = s.rows * s.heads;
+  if (items == 0) return out;
+  const c10::cuda::CUDAGuard guard(ql_nope.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, s);
+  const int grid = static_cast<int>(std::min<int64_t>((items + kWarps - 1) / kWarps, 1024));
+  if (out_dtype == at::kFloat8_e4m3fn) {
+    query_rope_quant_kernel<c10::Float8_e4m3fn>
+        <<<grid, kThreads, 0, stream>>>(a, static_cast<c10::Float8_e4m3fn*>(out.data_ptr()));
+  } else {
+    query_rope_quant_kernel<c10::BFloat16><<<grid, kThreads, 0, stream>>>(a, out.data_ptr<c10::BFloat16>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor query_gather_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                             const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
+                             int64_t workspace, bool neox, at::ScalarType out_dtype) {
+  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
+  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, ql_nope);
+  const Workspace& ws = *ws_ptr;
+  check_query_workspace(ws, s, out_dtype);
+  SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
+                 ws.world_size);
+  SDCP_CHECK_ARG(s.width() * static_cast<int64_t>(c10::elementSize(out_dtype)) % 16 == 0, "ql_nope, q_pe",
+                 "rows of a multiple of 16 bytes on CUDA", s.width() << " elements of " << out_dtype);
+  auto out = at::empty({s.rows, ws.world_size * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+  const c10::cuda::CUDAGuard guard(ql_nope.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, s);
+  const auto dws = device_workspace(ws);
+  if (out_dtype == at::kFloat8_e4m3fn) {
+    query_gather_kernel<c10::Float8_e4m3fn>
+        <<<ws.layout.blocks, kThreads, 0, stream>>>(dws, a, static_cast<c10::Float8_e4m3fn*>(out.data_ptr()));
+  } else {
+    query_gather_kernel<c10::BFloat16><<<ws.layout.blocks, kThreads, 0, stream>>>(dws, a, out.data_ptr<c10::BFloat16>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
+  m.impl("query_rope_quant", &query_rope_quant_cuda);
+  m.impl("query_gather", &query_gather_cuda);
+}
+
+}  // namespace sdcp
