@@ -1,9 +1,46 @@
 """torch_sdcp: Shared-DCP, peer-addressable decode data paths for Decode Context
-Parallelism."""
+Parallelism.
+
+Workspaces (created collectively, before CUDA-graph capture):
+    OutputLSEWorkspace(group, max_rows, total_heads, head_dim).combine(out, lse)
+    TopKWorkspace(group, max_rows, k).merge(scores, ids)
+    QueryWorkspace(group, max_rows, local_heads).gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+    ExchangeWorkspace(group, max_bytes).all_gather(x)
+Peer memory: PeerArena. Operators: torch.ops.sdcp.* (typed wrappers in torch_sdcp.ops).
+Exact references and the collective paths: torch_sdcp.reference.
+"""
 
 import torch
 
 # Loading the extension registers every torch.ops.sdcp operator. A failure here
-# is an installation problem and must be loud.
+# is an installation problem and must be loud, never a silent fallback.
 from torch_sdcp import _C  # noqa: F401
 from torch_sdcp import fake  # noqa: F401  (registers the fake implementations)
+from torch_sdcp import ops  # noqa: F401
+
+_LAZY = {
+    "PeerArena": "torch_sdcp.peer",
+    "ExchangeWorkspace": "torch_sdcp.workspace", "OutputLSEWorkspace": "torch_sdcp.workspace",
+    "PeerWorkspace": "torch_sdcp.workspace", "QueryWorkspace": "torch_sdcp.workspace",
+    "TopKWorkspace": "torch_sdcp.workspace",
+}
+
+
+def __getattr__(name):
+    # Peer memory pulls in cuda-python; import it on first use.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "reference":
+        import importlib
+
+        return importlib.import_module("torch_sdcp.reference")
+    raise AttributeError(f"module 'torch_sdcp' has no attribute {name!r}")
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExchangeWorkspace", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace", "TopKWorkspace",
+    "ops", "reference",
+]

@@ -1,0 +1,28 @@
+"""Every sdcp schema, pinned. A schema change is an API change: update this
+file on purpose (EXPECTTEST_ACCEPT=1) and say so in the commit."""
+
+import expecttest
+import torch
+
+import torch_sdcp  # noqa: F401
+
+
+def all_schemas() -> str:
+    return "\n".join(sorted(str(s) for s in torch._C._jit_get_all_schemas() if s.name.startswith("sdcp::")))
+
+
+class TestSchemas(expecttest.TestCase):
+    def test_every_schema(self):
+        self.assertExpectedInline(all_schemas(), """\
+sdcp::lse_combine(Tensor partial_out, Tensor partial_lse, bool base2) -> (Tensor, Tensor)
+sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2) -> (Tensor, Tensor)
+sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse) -> ()
+sdcp::peer_all_gather(Tensor x, int workspace) -> Tensor
+sdcp::query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor
+sdcp::query_rope_quant(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, bool neox, ScalarType out_dtype) -> Tensor
+sdcp::topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor
+sdcp::topk_select(Tensor scores, Tensor ids, int k) -> Tensor
+sdcp::workspace_handles() -> int[]
+sdcp::workspace_nbytes(int kind, int[] params, int world_size) -> int
+sdcp::workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, int world_size, Device device, int timeout_ns) -> ()
+sdcp::workspace_unregister(int handle) -> ()""")

@@ -1,0 +1,42 @@
+"""Process-local registry of live workspaces, by integer handle. The C++ side
+keeps the mapping; this side answers what fake implementations and wrappers
+need to know (world size) without touching device memory."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_handles = itertools.count(1)
+_live: dict[int, Any] = {}
+
+
+def new_handle() -> int:
+    with _lock:
+        return next(_handles)
+
+
+def add(handle: int, workspace: Any) -> None:
+    with _lock:
+        _live[handle] = workspace
+
+
+def remove(handle: int) -> None:
+    with _lock:
+        _live.pop(handle, None)
+
+
+def get(handle: int) -> Any:
+    with _lock:
+        ws = _live.get(handle)
+    if ws is None:
+        raise ValueError(
+            f"torch_sdcp: argument 'workspace': expected a live workspace handle, got {handle} "
+            "(never created, or already closed)")
+    return ws
+
+
+def world_size(handle: int) -> int:
+    return get(handle).world_size

@@ -1,0 +1,79 @@
+"""Thin, typed wrappers over torch.ops.sdcp. They validate the Python-level
+options (names, not tensors: the kernels check tensors) and call the op, so
+they trace cleanly under torch.compile."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+ROPE_STYLES = ("interleaved", "neox")
+LSE_BASES = ("e", "2")
+QUERY_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+
+
+def rope_is_neox(rope_style: str) -> bool:
+    if rope_style not in ROPE_STYLES:
+        raise ValueError(f"torch_sdcp: argument 'rope_style': expected one of {ROPE_STYLES}, got {rope_style!r}")
+    return rope_style == "neox"
+
+
+def lse_is_base2(lse_base: str) -> bool:
+    if lse_base not in LSE_BASES:
+        raise ValueError(f"torch_sdcp: argument 'lse_base': expected one of {LSE_BASES}, got {lse_base!r}")
+    return lse_base == "2"
+
+
+def query_rope_quant(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                     q_scale: Optional[Tensor] = None, *, rope_style: str = "interleaved",
+                     out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """RoPE on q_pe [T, H, R], concatenated after ql_nope [T, H, Dn]:
+    [T, H, Dn + R] in bf16, or float8_e4m3fn as saturate(x / q_scale)."""
+    return torch.ops.sdcp.query_rope_quant(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
+                                           rope_is_neox(rope_style), out_dtype)
+
+
+def topk_select(scores: Tensor, ids: Tensor, k: int) -> Tensor:
+    """The k best candidates of each row of (scores [T, M] fp32, ids [T, M]
+    int32) as ids [T, k] in selection order (score desc, lower id on ties,
+    NaN below -inf, ids < 0 never selected), -1 padded."""
+    return torch.ops.sdcp.topk_select(scores, ids, k)
+
+
+def lse_combine(partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e") -> tuple[Tensor, Tensor]:
+    """Combine N stacked partials [N, T, H, D] with their LSEs [N, T, H]:
+    returns ([T, H, D], [T, H] fp32)."""
+    return torch.ops.sdcp.lse_combine(partial_out, partial_lse, lse_is_base2(lse_base))
+
+
+def peer_all_gather(x: Tensor, workspace: int) -> Tensor:
+    """[N, *x.shape]: every rank's x, through an exchange workspace."""
+    return torch.ops.sdcp.peer_all_gather(x, workspace)
+
+
+def output_lse_combine(partial_out: Tensor, partial_lse: Tensor, workspace: int, *,
+                       lse_base: str = "e") -> tuple[Tensor, Tensor]:
+    """This rank's heads of the combined output [T, H/N, D] and LSE [T, H/N]."""
+    return torch.ops.sdcp.output_lse_combine(partial_out, partial_lse, workspace, lse_is_base2(lse_base))
+
+
+def output_lse_combine_out(partial_out: Tensor, partial_lse: Tensor, workspace: int, out: Tensor,
+                           out_lse: Tensor, *, lse_base: str = "e") -> None:
+    """As output_lse_combine, written into caller-owned out / out_lse."""
+    torch.ops.sdcp.output_lse_combine_out(partial_out, partial_lse, workspace, lse_is_base2(lse_base), out, out_lse)
+
+
+def topk_merge(scores: Tensor, ids: Tensor, workspace: int, k: int) -> Tensor:
+    """Global top-k ids [T, k] over every rank's candidate shard."""
+    return torch.ops.sdcp.topk_merge(scores, ids, workspace, k)
+
+
+def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                 q_scale: Optional[Tensor], workspace: int, *, rope_style: str = "interleaved",
+                 out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Produce this rank's head shard into every consumer's inbox; returns the
+    gathered [T, N * H_loc, Dn + R] (head = src_rank * H_loc + h)."""
+    return torch.ops.sdcp.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace,
+                                       rope_is_neox(rope_style), out_dtype)

@@ -1,0 +1,252 @@
+"""Workspaces: one peer arena per boundary, registered with the C++ ops under an
+integer handle. Created collectively before any capture; capture and replay
+never allocate, map or exchange anything.
+
+Fallback policy (explicit, logged once per workspace and reason): a call with
+more rows than ``max_rows``, or a workspace whose group cannot use peer memory
+(created with ``fallback=True``), runs the collective path of
+:mod:`torch_sdcp.reference` instead. Nothing falls back as error recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp import _registry, ops, reference
+from torch_sdcp.peer import PeerArena
+
+logger = logging.getLogger("torch_sdcp")
+
+KIND_EXCHANGE, KIND_OUTPUT_LSE, KIND_TOPK, KIND_QUERY = 0, 1, 2, 3
+DEFAULT_TIMEOUT_S = float(os.environ.get("SDCP_TIMEOUT_S", "5"))
+
+
+def _positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"torch_sdcp: argument '{name}': expected a positive int, got {value!r}")
+    return value
+
+
+class PeerWorkspace:
+    """Base class: one arena of ``kind`` laid out by the C++ layout for
+    ``params``, mapped into every rank of ``group``.
+
+    ``backend``: "cuda", "host" or "auto". ``timeout_s`` bounds every wait of
+    the device (or host) signals; a timeout names rank, peer, slot and epoch.
+    With ``fallback=True`` a group that fails the peer-memory capability gate
+    gets a workspace in collective mode instead of an error (all ranks agree:
+    the gate is collective).
+    """
+
+    kind: int = -1
+
+    def __init__(self, group: Optional[dist.ProcessGroup], params: list[int], *, backend: str = "auto",
+                 device: Optional[torch.device] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 allow_shared_device: bool = False, fallback: bool = False):
+        if not dist.is_initialized():
+            raise RuntimeError("torch_sdcp: workspaces are created collectively: initialise torch.distributed first")
+        if not timeout_s > 0:
+            raise ValueError(f"torch_sdcp: argument 'timeout_s': expected > 0, got {timeout_s!r}")
+        self.group = group
+        self.params = [int(p) for p in params]
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.timeout_s = float(timeout_s)
+        self.handle: Optional[int] = None
+        self.arena: Optional[PeerArena] = None
+        self._logged: set[str] = set()
+        self.nbytes_per_rank = torch.ops.sdcp.workspace_nbytes(self.kind, self.params, self.world_size)
+        try:
+            self.arena = PeerArena(group, self.nbytes_per_rank, backend=backend, device=device,
+                                   allow_shared_device=allow_shared_device, timeout_s=max(self.timeout_s, 30.0))
+        except Exception as e:  # the arena's failures are collective: every rank is here
+            if not fallback:
+                raise
+            self._log_policy("peer-unavailable", f"peer memory unavailable ({e}); using the collective path")
+            self.device = device or (torch.device("cuda", torch.cuda.current_device())
+                                     if backend != "host" and torch.cuda.is_available() else torch.device("cpu"))
+            return
+        self.device = self.arena.device
+        self.handle = _registry.new_handle()
+        torch.ops.sdcp.workspace_register(self.handle, self.kind, self.params, self.arena.base_address,
+                                          self.arena.stride, self.rank, self.world_size, self.device,
+                                          int(self.timeout_s * 1e9))
+        _registry.add(self.handle, self)
+
+    @property
+    def peer(self) -> bool:
+        """True when calls use peer memory, False in collective mode."""
+        return self.handle is not None
+
+    @property
+    def physical_bytes(self) -> int:
+        """Physical memory this rank owns for the workspace (granularity-rounded)."""
+        return self.arena.stride if self.arena is not None else 0
+
+    def _log_policy(self, key: str, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning("torch_sdcp %s workspace, rank %d: %s", type(self).__name__, self.rank, message)
+
+    def _rows_fit(self, rows: int) -> bool:
+        if not self.peer:
+            return False
+        if rows > self.params[0]:
+            self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.params[0]}; "
+                             "this call takes the collective path")
+            return False
+        return True
+
+    def close(self) -> None:
+        """Synchronise, barrier, unregister, unmap and free. Idempotent; local
+        only when torch.distributed is gone (interpreter exit)."""
+        if self.handle is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            torch.ops.sdcp.workspace_unregister(self.handle)
+            _registry.remove(self.handle)
+            self.handle = None
+        if self.arena is not None:
+            arena, self.arena = self.arena, None
+            arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = f"handle={self.handle}" if self.peer else "collective"
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, params={self.params}, "
+                f"device={self.device}, {mode})")
+
+
+class ExchangeWorkspace(PeerWorkspace):
+    """A generic peer all-gather of up to ``max_bytes`` per rank: the
+    signalling primitive the boundaries are built from."""
+
+    kind = KIND_EXCHANGE
+
+    def __init__(self, group: Optional[dist.ProcessGroup], max_bytes: int, **kwargs):
+        super().__init__(group, [_positive("max_bytes", max_bytes)], **kwargs)
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        """[N, *x.shape] with every rank's x, rank-major."""
+        if not self.peer:
+            out = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(out, x.contiguous(), group=self.group)
+            return torch.stack(out)
+        return ops.peer_all_gather(x, self.handle)
+
+
+class OutputLSEWorkspace(PeerWorkspace):
+    """Output/LSE boundary: each producer stores every destination's head shard
+    and LSE straight into that owner's inbox; the owner waits for every
+    producer, corrects with the LSEs in fp32 and rounds once.
+
+    Physical memory per rank: control + 2 slots x N x max_rows x H/N x
+    (head_dim x element size + 4) bytes, granularity-rounded.
+    """
+
+    kind = KIND_OUTPUT_LSE
+
+    def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, total_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, **kwargs):
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"torch_sdcp: argument 'dtype': expected bfloat16, float16 or float32, got {dtype}")
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if _positive("total_heads", total_heads) % world:
+            raise ValueError(f"torch_sdcp: argument 'total_heads': expected a multiple of the world size {world}, "
+                             f"got {total_heads}")
+        self.dtype = dtype
+        self.max_rows, self.total_heads, self.head_dim = max_rows, total_heads, head_dim
+        elem = torch.empty((), dtype=dtype).element_size()
+        super().__init__(group, [_positive("max_rows", max_rows), total_heads, _positive("head_dim", head_dim),
+                                 elem], **kwargs)
+
+    @property
+    def local_heads(self) -> int:
+        return self.total_heads // self.world_size
+
+    def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
+                return_lse: bool = False):
+        """partial_out [T, H, D], partial_lse [T, H] fp32 over this rank's KV
+        shard -> this rank's heads [T, H/N, D] (and their LSE [T, H/N])."""
+        if self._rows_fit(partial_out.shape[0]):
+            out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base)
+        else:
+            out, lse = reference.lse_all_gather_reduce_scatter(
+                partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
+        return (out, lse) if return_lse else out
+
+    def combine_out(self, partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor, *,
+                    lse_base: str = "e") -> None:
+        """As combine, written into caller-owned out [T, H/N, D] and out_lse [T, H/N]."""
+        if self._rows_fit(partial_out.shape[0]):
+            ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base)
+        else:
+            o, lse = reference.lse_all_gather_reduce_scatter(
+                partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
+            out.copy_(o)
+            out_lse.copy_(lse)
+
+
+class TopKWorkspace(PeerWorkspace):
+    """Top-K boundary: each owner publishes its candidate shard in place; every
+    consumer selects over local and peer shards (no inbox of N copies)."""
+
+    kind = KIND_TOPK
+
+    def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, k: int,
+                 candidates_per_rank: Optional[int] = None, **kwargs):
+        self.k = _positive("k", k)
+        self.candidates_per_rank = _positive("candidates_per_rank",
+                                             k if candidates_per_rank is None else candidates_per_rank)
+        self.max_rows = max_rows
+        super().__init__(group, [_positive("max_rows", max_rows), self.candidates_per_rank], **kwargs)
+
+    def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
+        """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
+        top-k ids [T, k] int32 in selection order, identical on every rank."""
+        if self._rows_fit(scores.shape[0]):
+            return ops.topk_merge(scores, ids, self.handle, self.k)
+        return reference.topk_all_gather_merge(scores, ids, self.k, group=self.group)
+
+
+class QueryWorkspace(PeerWorkspace):
+    """Query boundary: the fused RoPE/FP8 producer stores this rank's head shard
+    into every consumer's inbox [T, N*H_loc, nope+rope]."""
+
+    kind = KIND_QUERY
+
+    def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, local_heads: int, nope_dim: int = 512,
+                 rope_dim: int = 64, dtype: torch.dtype = torch.float8_e4m3fn, rope_style: str = "interleaved",
+                 **kwargs):
+        if dtype not in ops.QUERY_DTYPES:
+            raise ValueError(f"torch_sdcp: argument 'dtype': expected one of {ops.QUERY_DTYPES}, got {dtype}")
+        ops.rope_is_neox(rope_style)
+        if _positive("rope_dim", rope_dim) % 2:
+            raise ValueError(f"torch_sdcp: argument 'rope_dim': expected an even value, got {rope_dim}")
+        self.dtype, self.rope_style = dtype, rope_style
+        self.max_rows, self.local_heads = max_rows, local_heads
+        self.nope_dim, self.rope_dim = _positive("nope_dim", nope_dim), rope_dim
+        elem = torch.empty((), dtype=dtype).element_size()
+        super().__init__(group, [_positive("max_rows", max_rows), _positive("local_heads", local_heads),
+                                 nope_dim + rope_dim, elem], **kwargs)
+
+    def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+               q_scale: Optional[Tensor] = None) -> Tensor:
+        """A fresh gathered query [T, N*H_loc, nope+rope] (head = src*H_loc + h),
+        bit-identical to producing locally then all_gather on heads."""
+        if self._rows_fit(ql_nope.shape[0]):
+            return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
+                                    rope_style=self.rope_style, out_dtype=self.dtype)
+        return reference.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
+                                          neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
