@@ -158,12 +158,22 @@ def check_validation(rank, n):
                              torch.zeros(1, dtype=torch.long), torch.zeros(1, 2), out_dtype=torch.float32)
 
 
+def check_gather_fallback(rank, n):
+    # The list all_gather (fallback for gloo builds without the single-tensor
+    # form) stacks exactly like the single-tensor collective.
+    x = torch.arange(6, dtype=torch.int32).reshape(2, 3) + 100 * rank
+    a = ref._all_gather_stack(x, None)
+    b = ref._all_gather_stack(x, None, use_list=True)
+    assert torch.equal(a, b) and torch.equal(a, torch.stack([x - 100 * rank + 100 * r for r in range(n)]))
+
+
 def _worker(rank, world_size, init_file):
     torch.set_num_threads(1)  # several processes share a few cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     try:
         check_validation(rank, world_size)
+        check_gather_fallback(rank, world_size)
         check_query(rank, world_size)
         check_topk(rank, world_size)
         check_lse(rank, world_size)

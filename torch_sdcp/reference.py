@@ -396,23 +396,27 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _is_gloo(group: Optional[dist.ProcessGroup]) -> bool:
-    return "gloo" in str(dist.get_backend(group))
+def _unsupported_on_gloo(error: Exception, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``error`` is gloo refusing a collective it does not implement."""
+    return "gloo" in str(dist.get_backend(group)) and "support" in str(error).lower()
 
 
 def _all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: bool = False) -> Tensor:
     """``[N, *x.shape]`` rank-major stack of every rank's ``x``."""
     n = dist.get_world_size(group)
-    x = x.contiguous()
+    x = x.contiguous()  # x.dim() >= 1 for every caller
     out = x.new_empty((n,) + tuple(x.shape))
     if not use_list:
         try:
-            _all_gather_tensor(out, x, group=group)
+            # The concatenation form [N*x0, ...]: gloo rejects the stacked
+            # form [N, x0, ...] (NCCL takes both).
+            _all_gather_tensor(out.view((n * x.size(0),) + tuple(x.shape[1:])), x, group=group)
             return out
-        except (RuntimeError, NotImplementedError):
-            # Older gloo builds lack the single-tensor form. The failure is
-            # raised before any communication, identically on every rank.
-            if not _is_gloo(group):
+        except (RuntimeError, NotImplementedError) as e:
+            # Older gloo builds lack the single-tensor form. That failure is
+            # raised before any communication, identically on every rank;
+            # anything else (a timeout, a peer gone) is not retried.
+            if not _unsupported_on_gloo(e, group):
                 raise
     dist.all_gather(list(out.unbind(0)), x, group=group)
     return out
@@ -429,8 +433,8 @@ def _reduce_scatter_dim0(x: Tensor, group: Optional[dist.ProcessGroup], use_all_
         try:
             _reduce_scatter_tensor(out, x, group=group)
             return out
-        except (RuntimeError, NotImplementedError):
-            if not _is_gloo(group):  # see _all_gather_stack
+        except (RuntimeError, NotImplementedError) as e:
+            if not _unsupported_on_gloo(e, group):  # see _all_gather_stack
                 raise
     x = x.clone()
     dist.all_reduce(x, group=group)
