@@ -35,11 +35,11 @@ inline void host_wait(const Workspace& ws, int64_t src, uint64_t epoch, int64_t 
     if (__atomic_load_n(f, __ATOMIC_ACQUIRE) >= epoch) return;
     if (spins > 64) std::this_thread::yield();
     if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start > limit) {
-      TORCH_CHECK(false, "torch_sdcp: timeout: rank ", ws.rank, " waited ",
+      TORCH_CHECK(false, cat("torch_sdcp: timeout: rank ", ws.rank, " waited ",
                   ws.timeout_ns / 1e9, " s for peer ", src, " (", kind_name(ws.kind),
                   " workspace ", ws.handle, ", slot ", epoch & 1, ", epoch ", epoch,
                   ", flag holds ", __atomic_load_n(f, __ATOMIC_ACQUIRE),
-                  "); the peer stopped participating or calls differ between ranks");
+                  "); the peer stopped participating or calls differ between ranks"));
     }
   }
 }

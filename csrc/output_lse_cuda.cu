@@ -40,21 +40,32 @@ __device__ __forceinline__ void combine_item(int n, LseAt lse, SrcAt src, int64_
   const float L = lse_weights(n, lse, base2, w);
   const int lane = threadIdx.x & 31;
   if (lane == 0) *out_lse = L;
-  for (int64_t v = lane; v < nvec; v += 32) {
-    float acc[V::kElems];
+  // Two vectors per lane per step, so each source contributes two loads in flight.
+  for (int64_t v0 = lane; v0 < nvec; v0 += 64) {
+    const bool second = v0 + 32 < nvec;
+    float acc[2][V::kElems];
 #pragma unroll
-    for (int e = 0; e < V::kElems; ++e) acc[e] = 0.0f;
+    for (int e = 0; e < V::kElems; ++e) acc[0][e] = acc[1][e] = 0.0f;
     for (int s = 0; s < n; ++s) {
       if (w[s] == 0.0f) continue;  // a zero-weight payload is never read
-      V x;
-      x.raw = reinterpret_cast<const uint4*>(src(s))[v];
+      const uint4* p = reinterpret_cast<const uint4*>(src(s));
+      V x0, x1;
+      x0.raw = p[v0];
+      if (second) x1.raw = p[v0 + 32];
 #pragma unroll
-      for (int e = 0; e < V::kElems; ++e) acc[e] += w[s] * x.get(e);
+      for (int e = 0; e < V::kElems; ++e) {
+        acc[0][e] += w[s] * x0.get(e);
+        if (second) acc[1][e] += w[s] * x1.get(e);
+      }
     }
-    V o;
+    V o0, o1;
 #pragma unroll
-    for (int e = 0; e < V::kElems; ++e) o.set(e, acc[e]);
-    reinterpret_cast<uint4*>(out)[v] = o.raw;
+    for (int e = 0; e < V::kElems; ++e) {
+      o0.set(e, acc[0][e]);
+      o1.set(e, acc[1][e]);
+    }
+    reinterpret_cast<uint4*>(out)[v0] = o0.raw;
+    if (second) reinterpret_cast<uint4*>(out)[v0 + 32] = o1.raw;
   }
 }
 
@@ -88,15 +99,28 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, const scalar_t* po, const 
   auto inbox_lse = [&](int d, int src) {
     return reinterpret_cast<float*>(ws.slot_data(d, slot) + ws.part[1]) + src * max_rows * hl;
   };
-  // 1. Producer: item i = (t, h) goes to destination d's inbox, slot of this rank.
+  // 1. Producer: item i = (t, h) goes to destination d's inbox, slot of this
+  //    rank. The (destination, vector) pairs of an item are flattened and
+  //    moved kUnroll per lane at a time: all loads first, then all stores.
+  constexpr int kUnroll = 4;
+  const int64_t pairs = n * nvec;
   for (int64_t i = begin + warp; i < end; i += kWarps) {
     const int64_t t = i / hl, h = i % hl;
-    for (int d = 0; d < n; ++d) {
-      const uint4* s = reinterpret_cast<const uint4*>(po + (t * heads + d * hl + h) * dim);
-      uint4* o = reinterpret_cast<uint4*>(inbox_out(d, ws.rank) + i * dim);
-      for (int64_t v = lane; v < nvec; v += 32) o[v] = s[v];
-      if (lane == 0) inbox_lse(d, ws.rank)[i] = pl[t * heads + d * hl + h];
+    const scalar_t* src_row = po + (t * heads + h) * dim;  // + d * hl * dim for destination d
+    for (int64_t base = 0; base < pairs; base += 32 * kUnroll) {
+      uint4 buf[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t x = base + u * 32 + lane;
+        if (x < pairs) buf[u] = reinterpret_cast<const uint4*>(src_row + (x / nvec) * hl * dim)[x % nvec];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t x = base + u * 32 + lane;
+        if (x < pairs) reinterpret_cast<uint4*>(inbox_out(static_cast<int>(x / nvec), ws.rank) + i * dim)[x % nvec] = buf[u];
+      }
     }
+    if (lane < n) inbox_lse(lane, ws.rank)[i] = pl[t * heads + lane * hl + h];
   }
   block_publish_all(ws, epoch);
   // 2. Owner: wait for chunk b of every producer, then combine it.
@@ -109,10 +133,13 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, const scalar_t* po, const 
   block_commit_epoch(ws, epoch);
 }
 
+// The kernels move payloads as 16-byte vectors.
 void check_vectorizable(const at::Tensor& t, const char* name) {
   SDCP_CHECK_ARG(t.size(-1) * t.element_size() % 16 == 0, name,
                  "a last dimension of a multiple of 16 bytes on CUDA", t.size(-1) << " elements of "
                  << t.element_size() << " bytes");
+  SDCP_CHECK_ARG(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, "a 16-byte aligned data pointer",
+                 "address " << t.data_ptr());
 }
 
 std::tuple<at::Tensor, at::Tensor> lse_combine_cuda(const at::Tensor& partial_out, const at::Tensor& partial_lse,
@@ -152,6 +179,7 @@ void output_lse_combine_out_cuda(const at::Tensor& partial_out, const at::Tensor
   check_output_lse_workspace(ws, partial_out);
   check_combine_outputs(ws, partial_out, out, out_lse);
   check_vectorizable(partial_out, "partial_out");
+  check_vectorizable(out, "out");
   SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
                  ws.world_size);
   const c10::cuda::CUDAGuard guard(partial_out.device());

@@ -27,6 +27,7 @@ struct ProducerArgs {
   int64_t nope_s0, nope_s1, pe_s0, pe_s1, pos_s0;
   int64_t rows, heads, nope_dim, rope_dim, max_pos;
   bool pos64, cache_f32, neox;
+  bool vec_nope;  // nope rows are 16-byte aligned and a multiple of 8 elements
 };
 
 template <typename out_t>
@@ -42,9 +43,23 @@ __device__ void produce_item(const ProducerArgs& a, int64_t t, int64_t h, out_t*
   const int lane = threadIdx.x & 31;
   const float scale = a.scale ? *a.scale : 1.0f;
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
-  for (int64_t d = lane; d < a.nope_dim; d += 32) {
-    const out_t v = convert_out<out_t>(static_cast<float>(n[d]), scale);
-    for (int k = 0; k < ndst; ++k) dst[k][d] = v;
+  if (a.vec_nope) {  // 8 elements per lane step: one 16-byte load
+    for (int64_t d = lane * 8; d < a.nope_dim; d += 32 * 8) {
+      uint4 raw = *reinterpret_cast<const uint4*>(n + d);
+      const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(&raw);
+      out_t v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = convert_out<out_t>(static_cast<float>(x[e]), scale);
+      for (int k = 0; k < ndst; ++k) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dst[k][d + e] = v[e];
+      }
+    }
+  } else {
+    for (int64_t d = lane; d < a.nope_dim; d += 32) {
+      const out_t v = convert_out<out_t>(static_cast<float>(n[d]), scale);
+      for (int k = 0; k < ndst; ++k) dst[k][d] = v;
+    }
   }
   int64_t pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
                         : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
@@ -86,33 +101,46 @@ __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
   }
 }
 
+// Bytes of one produced item, staged per warp in shared memory.
+constexpr int kMaxItemBytes = 2048;
+
 template <typename out_t>
 __global__ void query_gather_kernel(DeviceWorkspace ws, ProducerArgs a, out_t* out) {
+  __shared__ __align__(16) uint8_t stage[kWarps][kMaxItemBytes];
   const uint64_t epoch = block_next_epoch(ws);
   const int slot = epoch & 1;
-  const int n = ws.world;
+  const int n = ws.world, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t hl = a.heads, width = a.nope_dim + a.rope_dim, items = a.rows * hl;
+  const int64_t nvec = width * static_cast<int64_t>(sizeof(out_t)) / 16;  // 16-byte vectors per item
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
   const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
   // Inbox [row][src * hl + h][width] of every rank.
-  auto inbox = [&](int d) { return reinterpret_cast<out_t*>(ws.slot_data(d, slot) + ws.part[0]); };
-  for (int64_t i = begin + threadIdx.x / 32; i < end; i += kWarps) {
+  auto inbox = [&](int d) { return reinterpret_cast<uint4*>(ws.slot_data(d, slot) + ws.part[0]); };
+  // 1. Produce each item once into shared memory, then store it into every
+  //    consumer's inbox as 16-byte vectors.
+  for (int64_t i = begin + warp; i < end; i += kWarps) {
     const int64_t t = i / hl, h = i % hl;
-    out_t* dst[kMaxDeviceWorld];
-    for (int d = 0; d < n; ++d) dst[d] = inbox(d) + ((t * n + ws.rank) * hl + h) * width;
-    produce_item<out_t>(a, t, h, dst, n);
+    out_t* staged = reinterpret_cast<out_t*>(stage[warp]);
+    produce_item<out_t>(a, t, h, &staged, 1);
+    __syncwarp();
+    const uint4* src = reinterpret_cast<const uint4*>(stage[warp]);
+    const int64_t item = (t * n + ws.rank) * hl + h;
+    for (int d = 0; d < n; ++d) {
+      uint4* dst = inbox(d) + item * nvec;
+      for (int64_t v = lane; v < nvec; v += 32) dst[v] = src[v];
+    }
+    __syncwarp();
   }
   block_publish_all(ws, epoch);
   block_wait_all(ws, epoch);
-  // Copy chunk b of every source out of the local inbox (16-byte vectors).
-  const int64_t nvec = width * static_cast<int64_t>(sizeof(out_t)) / 16;
-  const uint4* local = reinterpret_cast<const uint4*>(inbox(ws.rank));
+  // 2. Copy chunk b of every source out of the local inbox.
+  const uint4* local = inbox(ws.rank);
   uint4* o = reinterpret_cast<uint4*>(out);
-  for (int s = 0; s < n; ++s) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / hl, h = i % hl, item = (t * n + s) * hl + h;
-      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) o[item * nvec + v] = local[item * nvec + v];
-    }
+  const int64_t chunk = end - begin, total = chunk * n * nvec;
+  for (int64_t x = threadIdx.x; x < total; x += blockDim.x) {
+    const int64_t v = x % nvec, rest = x / nvec, s = rest / chunk, i = begin + rest % chunk;
+    const int64_t item = ((i / hl) * n + s) * hl + i % hl;
+    o[item * nvec + v] = local[item * nvec + v];
   }
   block_commit_epoch(ws, epoch);
 }
@@ -139,6 +167,8 @@ ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
   a.pos64 = positions.scalar_type() == at::kLong;
   a.cache_f32 = cache.scalar_type() == at::kFloat;
   a.neox = neox;
+  a.vec_nope = s.nope % 8 == 0 && a.nope_s0 % 8 == 0 && a.nope_s1 % 8 == 0 &&
+               reinterpret_cast<uintptr_t>(a.nope) % 16 == 0;
   return a;
 }
 
@@ -172,8 +202,10 @@ at::Tensor query_gather_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, 
   check_query_workspace(ws, s, out_dtype);
   SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
                  ws.world_size);
-  SDCP_CHECK_ARG(s.width() * static_cast<int64_t>(c10::elementSize(out_dtype)) % 16 == 0, "ql_nope, q_pe",
-                 "rows of a multiple of 16 bytes on CUDA", s.width() << " elements of " << out_dtype);
+  const int64_t item_bytes = s.width() * static_cast<int64_t>(c10::elementSize(out_dtype));
+  SDCP_CHECK_ARG(item_bytes % 16 == 0 && item_bytes <= kMaxItemBytes, "ql_nope, q_pe",
+                 "heads of a multiple of 16 bytes, at most " << kMaxItemBytes << ", on CUDA",
+                 s.width() << " elements of " << out_dtype);
   auto out = at::empty({s.rows, ws.world_size * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
   const c10::cuda::CUDAGuard guard(ql_nope.device());
   auto stream = at::cuda::getCurrentCUDAStream();

@@ -6,19 +6,51 @@
 
 #include <cstdint>
 #include <memory>
-#include <sstream>
+#include <string>
+#include <type_traits>
 #include <string>
 #include <vector>
 
 namespace sdcp {
 
-// Errors name the argument, the expected and the actual value.
-// `expected` and `actual` are stream expressions, evaluated only on failure.
-#define SDCP_CHECK_ARG(cond, arg, expected, actual)                            \
-  TORCH_CHECK_VALUE(cond, "torch_sdcp: argument '", arg, "': expected ",       \
-                    [&] { std::ostringstream o_; o_ << expected; return o_.str(); }(), \
-                    ", got ",                                                  \
-                    [&] { std::ostringstream o_; o_ << actual; return o_.str(); }())
+// Message text built without std::ostream. An extension compiled by a newer
+// GCC than the torch wheel can crash formatting numbers through ostream locale
+// facets (seen: GCC 13 against torch 2.11), so every message is assembled here
+// and handed to TORCH_CHECK as one std::string, which it does not re-format.
+class Text {
+ public:
+  Text& operator<<(const char* s) { s_ += s ? s : "(null)"; return *this; }
+  Text& operator<<(const std::string& s) { s_ += s; return *this; }
+  Text& operator<<(char c) { s_ += c; return *this; }
+  Text& operator<<(bool b) { s_ += b ? "true" : "false"; return *this; }
+  template <typename T, std::enable_if_t<std::is_integral<T>::value, int> = 0>
+  Text& operator<<(T v) { s_ += std::to_string(v); return *this; }
+  Text& operator<<(double v);
+  Text& operator<<(const void* p);
+  Text& operator<<(c10::IntArrayRef a);
+  Text& operator<<(c10::ScalarType t) { s_ += c10::toString(t); return *this; }
+  Text& operator<<(const c10::Device& d) { s_ += d.str(); return *this; }
+  const std::string& str() const { return s_; }
+
+ private:
+  std::string s_;
+};
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  Text t;
+  (t << ... << args);
+  return t.str();
+}
+
+// Errors name the argument, the expected and the actual value. `expected` and
+// `actual` are `<<` chains, evaluated only on failure.
+#define SDCP_CHECK_ARG(cond, arg, expected, actual)                                                  \
+  TORCH_CHECK_VALUE(cond, [&] {                                                                      \
+    ::sdcp::Text o_;                                                                                 \
+    o_ << "torch_sdcp: argument '" << arg << "': expected " << expected << ", got " << actual;       \
+    return o_.str();                                                                                 \
+  }())
 
 std::string shape_str(const at::Tensor& t);
 

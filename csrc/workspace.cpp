@@ -6,16 +6,36 @@
 
 #include <memory>
 #include <mutex>
-#include <sstream>
+#include <cstdio>
 #include <unordered_map>
 
 namespace sdcp {
 
-std::string shape_str(const at::Tensor& t) {
-  std::ostringstream os;
-  os << t.sizes();
-  return os.str();
+Text& Text::operator<<(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  s_ += buf;
+  return *this;
 }
+
+Text& Text::operator<<(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", p);
+  s_ += buf;
+  return *this;
+}
+
+Text& Text::operator<<(c10::IntArrayRef a) {
+  s_ += '[';
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (i) s_ += ", ";
+    s_ += std::to_string(a[i]);
+  }
+  s_ += ']';
+  return *this;
+}
+
+std::string shape_str(const at::Tensor& t) { return cat(t.sizes()); }
 
 void check_dtype(const at::Tensor& t, const char* name, at::ScalarType want) {
   SDCP_CHECK_ARG(t.scalar_type() == want, name, "dtype " << want, "dtype " << t.scalar_type());
@@ -66,19 +86,18 @@ constexpr int64_t kTailPad = 64 * 1024;
 int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 void check_params(const std::vector<int64_t>& p, size_t n, const char* what) {
-  TORCH_CHECK_VALUE(p.size() == n, "torch_sdcp: argument 'params': expected ", n, " values (", what,
-                    ") , got ", p.size());
+  TORCH_CHECK_VALUE(p.size() == n, cat("torch_sdcp: argument 'params': expected ", n, " values (", what,
+                    ") , got ", p.size()));
   for (size_t i = 0; i < p.size(); ++i)
-    TORCH_CHECK_VALUE(p[i] > 0, "torch_sdcp: argument 'params': expected positive values (", what,
-                      "), got ", p[i], " at position ", i);
+    TORCH_CHECK_VALUE(p[i] > 0, cat("torch_sdcp: argument 'params': expected positive values (", what,
+                      "), got ", p[i], " at position ", i));
 }
 
 }  // namespace
 
 WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p,
                                int64_t world_size) {
-  TORCH_CHECK_VALUE(world_size >= 1 && world_size <= 64,
-                    "torch_sdcp: argument 'world_size': expected 1..64, got ", world_size);
+  TORCH_CHECK_VALUE(world_size >= 1 && world_size <= 64, cat("torch_sdcp: argument 'world_size': expected 1..64, got ", world_size));
   const int64_t n = world_size;
   WorkspaceLayout l;
   switch (kind) {
@@ -94,10 +113,10 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
     case WorkspaceKind::kOutputLSE: {
       check_params(p, 4, "max_rows, total_heads, head_dim, elem_bytes");
       const int64_t rows = p[0], heads = p[1], dim = p[2], eb = p[3];
-      TORCH_CHECK_VALUE(heads % n == 0, "torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
-                        n, ", got ", heads);
+      TORCH_CHECK_VALUE(heads % n == 0, cat("torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
+                        n, ", got ", heads));
       const int64_t hl = heads / n;
-      l.blocks = 128;
+      l.blocks = 256;  // two 256-thread blocks per SM, all co-resident
       const int64_t out_bytes = align_up(n * rows * hl * dim * eb, kAlign);
       const int64_t lse_bytes = align_up(n * rows * hl * 4, kAlign);
       l.part_offset[0] = 0;          // out inbox [src][row][h_loc][d]
@@ -118,13 +137,13 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
     case WorkspaceKind::kQuery: {
       check_params(p, 4, "max_rows, local_heads, head_dim, elem_bytes");
       const int64_t rows = p[0], hl = p[1], dim = p[2], eb = p[3];
-      l.blocks = 64;
+      l.blocks = 256;
       l.part_offset[0] = 0;  // inbox [row][src*H_loc + h][dim]
       l.slot_bytes = align_up(rows * n * hl * dim * eb, kAlign);
       break;
     }
     default:
-      TORCH_CHECK_VALUE(false, "torch_sdcp: argument 'kind': expected 0..3, got ", static_cast<int64_t>(kind));
+      TORCH_CHECK_VALUE(false, cat("torch_sdcp: argument 'kind': expected 0..3, got ", static_cast<int64_t>(kind)));
   }
   l.control_bytes = align_up(8 * l.blocks + 2 * n * l.blocks * 8, 4096);
   l.data_offset = l.control_bytes;
@@ -141,7 +160,7 @@ std::unordered_map<int64_t, std::shared_ptr<const Workspace>>& registry() {
 }
 
 WorkspaceKind to_kind(int64_t kind) {
-  TORCH_CHECK_VALUE(kind >= 0 && kind <= 3, "torch_sdcp: argument 'kind': expected 0..3, got ", kind);
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 3, cat("torch_sdcp: argument 'kind': expected 0..3, got ", kind));
   return static_cast<WorkspaceKind>(kind);
 }
 
@@ -157,14 +176,13 @@ void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, i
   ws->kind = to_kind(kind);
   ws->params = params.vec();
   ws->layout = compute_layout(ws->kind, ws->params, world_size);
-  TORCH_CHECK_VALUE(base != 0, "torch_sdcp: argument 'base': expected a mapped address, got 0");
-  TORCH_CHECK_VALUE(stride >= ws->layout.region_bytes, "torch_sdcp: argument 'stride': expected at least ",
-                    ws->layout.region_bytes, " bytes, got ", stride);
-  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, "torch_sdcp: argument 'rank': expected 0..",
-                    world_size - 1, ", got ", rank);
-  TORCH_CHECK_VALUE(timeout_ns > 0, "torch_sdcp: argument 'timeout_ns': expected > 0, got ", timeout_ns);
-  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(),
-                    "torch_sdcp: argument 'device': expected cpu or cuda, got ", device);
+  TORCH_CHECK_VALUE(base != 0, cat("torch_sdcp: argument 'base': expected a mapped address, got 0"));
+  TORCH_CHECK_VALUE(stride >= ws->layout.region_bytes, cat("torch_sdcp: argument 'stride': expected at least ",
+                    ws->layout.region_bytes, " bytes, got ", stride));
+  TORCH_CHECK_VALUE(rank >= 0 && rank < world_size, cat("torch_sdcp: argument 'rank': expected 0..",
+                    world_size - 1, ", got ", rank));
+  TORCH_CHECK_VALUE(timeout_ns > 0, cat("torch_sdcp: argument 'timeout_ns': expected > 0, got ", timeout_ns));
+  TORCH_CHECK_VALUE(device.is_cpu() || device.is_cuda(), cat("torch_sdcp: argument 'device': expected cpu or cuda, got ", device));
   ws->base = static_cast<uintptr_t>(base);
   ws->stride = stride;
   ws->rank = rank;
@@ -173,8 +191,8 @@ void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, i
   ws->timeout_ns = timeout_ns;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto& r = registry();
-  TORCH_CHECK_VALUE(r.find(handle) == r.end(), "torch_sdcp: argument 'handle': expected an unused handle, got ",
-                    handle, " which is already registered");
+  TORCH_CHECK_VALUE(r.find(handle) == r.end(), cat("torch_sdcp: argument 'handle': expected an unused handle, got ",
+                    handle, " which is already registered"));
   r.emplace(handle, std::move(ws));
 }
 
@@ -198,16 +216,15 @@ std::shared_ptr<const Workspace> resolve_workspace(int64_t handle, WorkspaceKind
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = registry().find(handle);
-    TORCH_CHECK_VALUE(it != registry().end(), "torch_sdcp: argument 'workspace': expected a live ",
+    TORCH_CHECK_VALUE(it != registry().end(), cat("torch_sdcp: argument 'workspace': expected a live ",
                       kind_name(kind), " workspace handle, got ", handle,
-                      " (never created, or already closed)");
+                      " (never created, or already closed)"));
     ws = it->second;
   }
-  TORCH_CHECK_VALUE(ws->kind == kind, "torch_sdcp: argument 'workspace': expected a ", kind_name(kind),
-                    " workspace, got handle ", handle, " of kind ", kind_name(ws->kind));
-  TORCH_CHECK_VALUE(ws->device == on.device() || (ws->device.is_cpu() && on.is_cpu()),
-                    "torch_sdcp: argument 'workspace': expected a workspace on ", on.device(),
-                    " (the inputs' device), got one on ", ws->device);
+  TORCH_CHECK_VALUE(ws->kind == kind, cat("torch_sdcp: argument 'workspace': expected a ", kind_name(kind),
+                    " workspace, got handle ", handle, " of kind ", kind_name(ws->kind)));
+  TORCH_CHECK_VALUE(ws->device == on.device() || (ws->device.is_cpu() && on.is_cpu()), cat("torch_sdcp: argument 'workspace': expected a workspace on ", on.device(),
+                    " (the inputs' device), got one on ", ws->device));
   // The shared pointer keeps the descriptor (not the mapping) alive; the
   // mapping is only released by close(), which synchronises and barriers
   // before it unregisters.

@@ -79,3 +79,168 @@ def test_local_combine_compiles_fullgraph():
     got = f(out, lse)
     want = ops.lse_combine(out, lse, lse_base="2")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---------------------------------------------------------------------------
+# Peer path: every rank combines its own heads; compared with the fp64
+# reference over the global inputs (identically seeded on every rank).
+# ---------------------------------------------------------------------------
+
+from _dist import run_workers  # noqa: E402
+
+
+def _global_partials(world, t, h, d, seed, nasty):
+    out, lse = make_partials(world, t, h, d, seed=seed)
+    if nasty:
+        out, lse = poison_lse(out, lse, None)
+    return out, lse
+
+
+def _check_rank(rank, world, got_out, got_lse, out, lse, base2):
+    ref_out, ref_lse = reference.lse_combine_ref64(out, lse, base2=base2)
+    ref_out, ref_lse = reference.output_lse_shard(ref_out, ref_lse, rank, world)
+    check_close(got_out.cpu(), got_lse.cpu(), ref_out, ref_lse)
+
+
+def _peer_combine_worker(rank, world, backend, cases, max_rows):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    done = 0
+    by_geometry = {}
+    for t, h, d, base2, nasty in cases:
+        by_geometry.setdefault((h, d), []).append((t, base2, nasty))
+    for (h, d), items in by_geometry.items():
+        with torch_sdcp.OutputLSEWorkspace(None, max_rows, h, d, backend=backend, device=device) as ws:
+            assert ws.peer
+            for i, (t, base2, nasty) in enumerate(items):
+                out, lse = _global_partials(world, t, h, d, seed=1000 * t + h + d + i, nasty=nasty)
+                base = "2" if base2 else "e"
+                got, got_lse = ws.combine(out[rank].to(device), lse[rank].to(device), lse_base=base,
+                                          return_lse=True)
+                _check_rank(rank, world, got, got_lse, out, lse, base2)
+                o = torch.full_like(got, float("nan"))
+                ol = torch.full_like(got_lse, float("nan"))
+                ws.combine_out(out[rank].to(device), lse[rank].to(device), o, ol, lse_base=base)
+                assert torch.equal(o, got) and torch.equal(ol, got_lse), "combine_out differs from combine"
+                done += 1
+    return done
+
+
+HOST_CASES = [(1, 32, 128, False, True), (17, 32, 256, True, True), (8, 64, 512, False, False),
+              (32, 64, 128, True, False), (96, 32, 128, False, True), (128, 64, 128, True, True)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_peer_combine_host(world):
+    cases = [(t, h - h % world if h % world else h, d, b, n) for t, h, d, b, n in HOST_CASES]
+    cases = [(t, (h // world) * world, d, b, n) for t, h, d, b, n in cases]
+    done = run_workers(_peer_combine_worker, world, args=("host", cases, 128), timeout=240)
+    assert done == [len(cases)] * world
+
+
+def _fallback_worker(rank, world):
+    import torch_sdcp
+
+    with torch_sdcp.OutputLSEWorkspace(None, 4, 8, 128, backend="host") as ws:
+        out, lse = _global_partials(world, 6, 8, 128, seed=5, nasty=True)  # 6 rows > max_rows = 4
+        got, got_lse = ws.combine(out[rank], lse[rank], return_lse=True)
+        _check_rank(rank, world, got, got_lse, out, lse, False)
+        with pytest.raises(ValueError, match="'partial_out'.*size 8 at dim 1"):
+            ws.combine(out[rank][:4, :4].contiguous(), lse[rank][:4, :4].contiguous())
+    ws.close()  # idempotent
+    with pytest.raises(ValueError, match="'workspace'.*live output_lse workspace"):
+        ops.output_lse_combine(out[rank], lse[rank], ws_handle_of(ws))
+    return True
+
+
+def ws_handle_of(ws):
+    return 10**9  # a closed workspace has no handle; any unknown handle must be refused
+
+
+def test_peer_combine_fallback_and_errors():
+    assert run_workers(_fallback_worker, 2, timeout=120) == [True, True]
+
+
+# ---------------------------------------------------------------------------
+# CUDA: 2 GPUs, the full shape matrix, CUDA graphs and torch.compile.
+# ---------------------------------------------------------------------------
+
+from conftest import requires_gpus  # noqa: E402
+
+GPU_CASES = [(t, h, d, b, n) for t in (1, 8, 17, 32, 64, 96, 128) for h in (32, 64, 128) for d in (128, 256, 512)
+             for b, n in ((t % 2 == 0, t % 3 == 0),)]
+
+
+@requires_gpus(2)
+def test_peer_combine_cuda_matrix():
+    done = run_workers(_peer_combine_worker, 2, args=("cuda", GPU_CASES, 128), timeout=400)
+    assert done == [len(GPU_CASES)] * 2
+
+
+def _graph_worker(rank, world, layers, replays):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    t, h, d = 32, 64, 512
+    with torch_sdcp.OutputLSEWorkspace(None, 64, h, d, device=device) as ws:
+        out, lse = _global_partials(world, t, h, d, seed=1, nasty=False)
+        static_out = [out[rank].clone().to(device) for _ in range(2 * layers)]
+        static_lse = [lse[rank].clone().to(device) for _ in range(2 * layers)]
+        results = [None] * (2 * layers)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up on the capture stream
+            for i in range(2 * layers):
+                results[i] = ws.combine(static_out[i], static_lse[i], return_lse=True)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(2 * layers):  # 2 * L calls: every slot reused L times per replay
+                results[i] = ws.combine(static_out[i], static_lse[i], return_lse=True)
+        for r in range(replays):
+            check = r % max(1, replays // 10) == 0 or r == replays - 1
+            if check:  # new inputs, changed in place
+                out, lse = _global_partials(world, t, h, d, seed=100 + r, nasty=r % 2 == 1)
+                for i in range(2 * layers):
+                    static_out[i].copy_(out[rank] * (i + 1))
+                    static_lse[i].copy_(lse[rank])
+            graph.replay()
+            if check:
+                torch.cuda.synchronize()
+                for i in range(2 * layers):
+                    _check_rank(rank, world, results[i][0], results[i][1], out * (i + 1), lse, False)
+        # torch.compile, full graph, default and reduce-overhead.
+        for mode in (None, "reduce-overhead"):
+            f = torch.compile(lambda o, l: ws.combine(o, l, lse_base="2", return_lse=True), fullgraph=True,
+                              mode=mode)
+            for i in range(3):
+                out, lse = _global_partials(world, t, h, d, seed=7 + i, nasty=True)
+                got = f(out[rank].to(device), lse[rank].to(device))
+                _check_rank(rank, world, got[0], got[1], out, lse, True)
+    return replays
+
+
+@requires_gpus(2)
+def test_peer_combine_cuda_graph_replay_and_compile():
+    assert run_workers(_graph_worker, 2, args=(4, 1000), timeout=400) == [1000, 1000]
+
+
+def test_peer_combine_opcheck_and_compile_world1(world1):
+    import torch_sdcp
+
+    for device in devices():
+        with torch_sdcp.OutputLSEWorkspace(world1, 8, 4, 128, device=torch.device(device),
+                                           backend="cuda" if device == "cuda" else "host") as ws:
+            out, lse = make_partials(1, 5, 4, 128, device=device)
+            torch.library.opcheck(torch.ops.sdcp.output_lse_combine.default, (out[0], lse[0], ws.handle, False))
+            o, ol = torch.empty(5, 4, 128, dtype=out.dtype, device=device), torch.empty(5, 4, device=device)
+            torch.library.opcheck(torch.ops.sdcp.output_lse_combine_out.default,
+                                  (out[0], lse[0], ws.handle, True, o, ol))
+            f = torch.compile(lambda a, b: ws.combine(a, b, return_lse=True), fullgraph=True)
+            got = f(out[0], lse[0])
+            ref = reference.lse_combine_ref64(out.cpu(), lse.cpu())
+            check_close(got[0].cpu(), got[1].cpu(), *ref)

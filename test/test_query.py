@@ -80,3 +80,126 @@ def test_local_producer_compiles_fullgraph():
                       fullgraph=True)
     want = ops.query_rope_quant(ql_nope, q_pe, pos, cache, scale, rope_style="neox", out_dtype=torch.float8_e4m3fn)
     assert torch.equal(as_bytes(f(ql_nope, q_pe, pos, cache, scale)), as_bytes(want))
+
+
+# ---------------------------------------------------------------------------
+# Peer gather: the inbox equals, byte for byte, producing on every rank and
+# all_gathering on heads. Head-order sentinels: each rank's heads are marked.
+# ---------------------------------------------------------------------------
+
+from _dist import run_workers  # noqa: E402
+from conftest import requires_gpus  # noqa: E402
+
+
+def _global_query(world, t, h, seed):
+    per_rank = [make_query(t, h, seed=seed * 10 + r) for r in range(world)]
+    pos, cache = per_rank[0][2], per_rank[0][3]  # positions and cache are shared by the group
+    for r, q in enumerate(per_rank):
+        q[0][:, :, 0] = float(r * h) + torch.arange(h, dtype=torch.float32)  # sentinel: the global head index
+    return [(q[0], q[1], pos, cache) for q in per_rank]
+
+
+def _expected(inputs, scale, rope_style, dtype):
+    return torch.cat([reference.query_rope_quant_ref(*x, scale, neox=rope_style == "neox", out_dtype=dtype)
+                      for x in inputs], dim=1)
+
+
+def _peer_gather_worker(rank, world, backend, cases, max_rows):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    done = 0
+    for h, dtype, style in sorted({(h, d, s) for _, h, d, s, _ in cases}, key=str):
+        with torch_sdcp.QueryWorkspace(None, max_rows, h, dtype=dtype, rope_style=style, backend=backend,
+                                       device=device) as ws:
+            for i, (t, hh, dd, ss, scale) in enumerate(cases):
+                if (hh, dd, ss) != (h, dtype, style):
+                    continue
+                inputs = _global_query(world, t, h, seed=t + h + i)
+                q_scale = None if scale is None else torch.tensor([scale])
+                got = ws.gather(*[x.to(device) for x in inputs[rank]],
+                                None if q_scale is None else q_scale.to(device)).cpu()
+                want = _expected(inputs, q_scale, style, dtype)
+                assert torch.equal(as_bytes(got), as_bytes(want)), f"rank {rank} case {(t, h, dtype, style)}"
+                done += 1
+    return done
+
+
+HOST_CASES = [(1, 8, torch.float8_e4m3fn, "interleaved", 0.02), (17, 16, torch.bfloat16, "neox", None),
+              (8, 8, torch.float8_e4m3fn, "neox", None), (64, 8, torch.bfloat16, "interleaved", None)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_peer_gather_host(world):
+    assert run_workers(_peer_gather_worker, world, args=("host", HOST_CASES, 64), timeout=240) == \
+        [len(HOST_CASES)] * world
+
+
+GPU_CASES = [(t, h, d, s, sc) for t in (1, 8, 17, 64, 128) for h in (8, 16, 32)
+             for d, sc in ((torch.float8_e4m3fn, 0.02), (torch.bfloat16, None)) for s in ("interleaved", "neox")]
+
+
+@requires_gpus(2)
+def test_peer_gather_cuda():
+    assert run_workers(_peer_gather_worker, 2, args=("cuda", GPU_CASES, 128), timeout=400) == [len(GPU_CASES)] * 2
+
+
+def _graph_worker(rank, world, replays):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    t, h = 32, 32
+    with torch_sdcp.QueryWorkspace(None, 128, h, device=device) as ws:
+        inputs = _global_query(world, t, h, seed=0)
+        static = [x.to(device) for x in inputs[rank]]
+        scale = torch.tensor([0.02], device=device)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            res = ws.gather(*static, scale)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = ws.gather(*static, scale)
+        for r in range(replays):
+            check = r % 100 == 0 or r == replays - 1
+            if check:
+                inputs = _global_query(world, t, h, seed=r + 1)
+                for dst, src in zip(static, inputs[rank]):
+                    dst.copy_(src)
+            graph.replay()
+            if check:
+                want = _expected(inputs, scale.cpu(), "interleaved", torch.float8_e4m3fn)
+                assert torch.equal(as_bytes(res.cpu()), as_bytes(want)), f"replay {r}"
+        f = torch.compile(ws.gather, fullgraph=True)
+        inputs = _global_query(world, t, h, seed=77)
+        got = f(*[x.to(device) for x in inputs[rank]], scale)
+        assert torch.equal(as_bytes(got.cpu()), as_bytes(_expected(inputs, scale.cpu(), "interleaved",
+                                                                    torch.float8_e4m3fn)))
+    return replays
+
+
+@requires_gpus(2)
+def test_peer_gather_cuda_graph_replay_and_compile():
+    assert run_workers(_graph_worker, 2, args=(1000,), timeout=400) == [1000, 1000]
+
+
+def test_peer_gather_opcheck_and_compile_world1(world1):
+    import torch_sdcp
+
+    for device in devices():
+        with torch_sdcp.QueryWorkspace(world1, 8, 4, nope_dim=64, rope_dim=16, device=torch.device(device),
+                                       backend="cuda" if device == "cuda" else "host") as ws:
+            ql_nope, q_pe, pos, cache = make_query(3, 4, nope=64, rope=16, max_pos=32, device=device)
+            scale = torch.tensor([0.5], device=device)
+            torch.library.opcheck(torch.ops.sdcp.query_gather.default,
+                                  (ql_nope, q_pe, pos, cache, scale, ws.handle, False, torch.float8_e4m3fn))
+            f = torch.compile(ws.gather, fullgraph=True)
+            want = reference.query_rope_quant_ref(ql_nope.cpu(), q_pe.cpu(), pos.cpu(), cache.cpu(), scale.cpu(),
+                                                  out_dtype=torch.float8_e4m3fn)
+            assert torch.equal(as_bytes(f(ql_nope, q_pe, pos, cache, scale).cpu()), as_bytes(want))
+            with pytest.raises(ValueError, match="'ql_nope'.*local_heads = 4"):
+                ws.gather(ql_nope[:, :2], q_pe[:, :2], pos, cache, scale)

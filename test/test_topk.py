@@ -71,3 +71,123 @@ def test_local_select_compiles_fullgraph():
     scores, ids = make_candidates(4, 64, nasty=True)
     f = torch.compile(lambda s, i: ops.topk_select(s, i, 16), fullgraph=True)
     assert torch.equal(f(scores, ids), ops.topk_select(scores, ids, 16))
+
+
+# ---------------------------------------------------------------------------
+# Peer merge: each owner publishes its shard in place; every consumer selects
+# over all shards. The set (and order) must be identical on every rank.
+# ---------------------------------------------------------------------------
+
+from _dist import run_workers  # noqa: E402
+from conftest import requires_gpus  # noqa: E402
+
+
+def _global_candidates(world, t, c, seed, nasty):
+    shards = []
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(world * t * c, generator=g).view(world, t, c)
+    for r in range(world):
+        scores, _ = make_candidates(t, c, seed=seed * 31 + r, nasty=nasty)
+        ids = perm[r].to(torch.int32)
+        if nasty:
+            ids[:, 5::19] = -1
+            if r == world - 1:
+                ids[:] = -1  # an owner with no valid candidates
+            ids[:, 0] = 2**31 - 1 - r  # ids near 2^31
+            scores[:, 0] = 1.0
+        shards.append((scores, ids))
+    return shards
+
+
+def _peer_merge_worker(rank, world, backend, cases, max_rows):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    picked = []
+    for k, c in sorted({(k, c) for _, k, c, _ in cases}):
+        with torch_sdcp.TopKWorkspace(None, max_rows, k, candidates_per_rank=c, backend=backend,
+                                      device=device) as ws:
+            for i, (t, kk, cc, nasty) in enumerate(cases):
+                if (kk, cc) != (k, c):
+                    continue
+                shards = _global_candidates(world, t, c, seed=t + k + i, nasty=nasty)
+                got = ws.merge(shards[rank][0].to(device), shards[rank][1].to(device)).cpu()
+                assert torch.equal(got, reference.topk_merge_ref(shards, k)), f"rank {rank} t={t} k={k}"
+                picked.append(got)
+    return picked
+
+
+HOST_CASES = [(1, 512, 512, True), (16, 512, 1024, False), (17, 1024, 1024, True), (64, 512, 512, True),
+              (3, 2048, 2048, True)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_peer_merge_host_identical_on_every_rank(world):
+    picked = run_workers(_peer_merge_worker, world, args=("host", HOST_CASES, 64), timeout=240)
+    for r in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
+
+
+GPU_CASES = [(t, k, k, nasty) for t in (1, 16, 17, 64, 96, 128) for k in (512, 1024, 2048)
+             for nasty in (t % 2 == 1,)]
+
+
+@requires_gpus(2)
+def test_peer_merge_cuda():
+    picked = run_workers(_peer_merge_worker, 2, args=("cuda", GPU_CASES, 128), timeout=400)
+    assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[1]))
+
+
+def _graph_worker(rank, world, replays):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    t, k = 64, 2048
+    with torch_sdcp.TopKWorkspace(None, 128, k, device=device) as ws:
+        shards = _global_candidates(world, t, k, seed=0, nasty=False)
+        s_in, i_in = shards[rank][0].to(device), shards[rank][1].to(device)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            res = ws.merge(s_in, i_in)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            res = ws.merge(s_in, i_in)
+        for r in range(replays):
+            check = r % 100 == 0 or r == replays - 1
+            if check:
+                shards = _global_candidates(world, t, k, seed=r + 1, nasty=r % 200 == 0)
+                s_in.copy_(shards[rank][0])
+                i_in.copy_(shards[rank][1])
+            graph.replay()
+            if check:
+                assert torch.equal(res.cpu(), reference.topk_merge_ref(shards, k)), f"replay {r}"
+        f = torch.compile(ws.merge, fullgraph=True)
+        shards = _global_candidates(world, t, k, seed=99, nasty=True)
+        assert torch.equal(f(shards[rank][0].to(device), shards[rank][1].to(device)).cpu(),
+                           reference.topk_merge_ref(shards, k))
+    return replays
+
+
+@requires_gpus(2)
+def test_peer_merge_cuda_graph_replay_and_compile():
+    assert run_workers(_graph_worker, 2, args=(1000,), timeout=400) == [1000, 1000]
+
+
+def test_peer_merge_opcheck_and_compile_world1(world1):
+    import torch_sdcp
+
+    for device in devices():
+        with torch_sdcp.TopKWorkspace(world1, 8, 16, candidates_per_rank=32, device=torch.device(device),
+                                      backend="cuda" if device == "cuda" else "host") as ws:
+            scores, ids = make_candidates(5, 32, nasty=True)
+            scores, ids = scores.to(device), ids.to(device)
+            torch.library.opcheck(torch.ops.sdcp.topk_merge.default, (scores, ids, ws.handle, 16))
+            f = torch.compile(ws.merge, fullgraph=True)
+            assert torch.equal(f(scores, ids).cpu(), reference.topk_select_ref(scores.cpu(), ids.cpu(), 16))
+            with pytest.raises(ValueError, match="'scores'.*candidates_per_rank = 32"):
+                ws.merge(scores[:, :16].contiguous(), ids[:, :16].contiguous())

@@ -1,0 +1,131 @@
+"""Run a function in N spawned processes that share a gloo process group.
+
+    results = run_workers(fn, world_size, args=(...), timeout=60)
+
+`fn(rank, world_size, *args)` must be importable (a module-level function) and return something
+picklable. Each worker gets a fresh process group (gloo unless backend="nccl"; FileStore in a
+private temporary directory) and a
+private TMPDIR (``tempfile.gettempdir()`` in the worker, also passed as ``SDCP_TEST_TMPDIR``), so
+tests can check what a worker leaves in its temporary directory.
+
+The call fails (AssertionError) with the workers' output when a worker raises (its traceback is
+included), exits without a result, or the whole run exceeds `timeout` seconds (every worker is
+killed). Ranks listed in `may_die` may exit without a result; their result is None.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+
+def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, env, backend):
+    log = open(os.path.join(workdir, f"log{rank}.txt"), "w", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    os.environ.update(env)
+    os.environ["TMPDIR"] = worker_tmp
+    os.environ["SDCP_TEST_TMPDIR"] = worker_tmp
+    tempfile.tempdir = worker_tmp
+    result_path = os.path.join(workdir, f"result{rank}.pkl")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if backend == "nccl":  # one GPU per rank, round robin
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        if backend == "gloo":
+            # Every rank finishes connecting before any test code runs: a rank
+            # that dies on purpose must not break a peer's connection set-up.
+            dist.barrier()
+        value = fn(rank, world_size, *args)
+        payload = ("ok", value)
+    except BaseException as e:  # noqa: BLE001
+        payload = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+    try:
+        data = pickle.dumps(payload)
+    except Exception as e:  # noqa: BLE001
+        data = pickle.dumps(("error", f"unpicklable result: {e!r}", traceback.format_exc()))
+    with open(result_path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(result_path + ".tmp", result_path)
+    log.flush()
+    # No interpreter teardown: no atexit, no destructors, no collective at exit.
+    os._exit(0)
+
+
+def _logs(workdir, world_size):
+    out = []
+    for r in range(world_size):
+        p = os.path.join(workdir, f"log{r}.txt")
+        try:
+            with open(p) as f:
+                text = f.read()
+        except OSError:
+            text = "<no output>"
+        out.append(f"----- rank {r} output -----\n{text[-6000:]}")
+    return "\n".join(out)
+
+
+def run_workers(fn, world_size, *, args=(), timeout=60.0, may_die=(), env=None, backend="gloo"):
+    workdir = tempfile.mkdtemp(prefix="sdcpt-")  # short: AF_UNIX paths are limited to 108 bytes
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        store_path = os.path.join(workdir, "store")
+        procs = []
+        for r in range(world_size):
+            worker_tmp = os.path.join(workdir, f"t{r}")
+            os.mkdir(worker_tmp, 0o700)
+            p = ctx.Process(target=_worker_main,
+                            args=(fn, r, world_size, args, workdir, worker_tmp, store_path,
+                                  dict(env or {}), backend),
+                            daemon=True)
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                timed_out = True
+        if timed_out:
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join(5)
+            raise AssertionError(f"workers {alive} did not finish within {timeout} s (killed)\n"
+                                 + _logs(workdir, world_size))
+        results, errors = [], []
+        for r, p in enumerate(procs):
+            path = os.path.join(workdir, f"result{r}.pkl")
+            if not os.path.exists(path):
+                if r in may_die:
+                    results.append(None)
+                    continue
+                errors.append(f"rank {r} exited with code {p.exitcode} without a result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                payload = pickle.load(f)
+            if payload[0] == "ok":
+                results.append(payload[1])
+            else:
+                errors.append(f"rank {r} raised {payload[1]}\n{payload[2]}")
+                results.append(None)
+        if errors:
+            raise AssertionError("\n".join(errors) + "\n" + _logs(workdir, world_size))
+        return results
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

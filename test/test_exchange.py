@@ -1,0 +1,132 @@
+"""The signalling primitive (peer_all_gather through an ExchangeWorkspace):
+epochs, two slots, publish/wait and bounded waits, on the host backend at
+world sizes 2-4 and on CUDA (2 GPUs, and 4 ranks on 2 GPUs)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from _dist import run_workers
+from conftest import requires_gpus
+
+
+def _epochs_worker(rank, world, epochs, backend, allow_shared):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    rng = random.Random(rank)
+    with torch_sdcp.ExchangeWorkspace(None, 4096, backend=backend, device=device, timeout_s=30,
+                                      allow_shared_device=allow_shared) as ws:
+        for e in range(epochs):
+            if rng.random() < 0.01:  # random per-rank delays
+                time.sleep(rng.random() * 0.003)
+            n = 1 + (e * 7) % 1000  # the size changes every epoch
+            x = torch.arange(n, dtype=torch.int32, device=device) * world + rank + e * 1000003
+            got = ws.all_gather(x)
+            want = torch.stack([torch.arange(n, dtype=torch.int32, device=device) * world + r + e * 1000003
+                                for r in range(world)])
+            if not torch.equal(got, want):
+                raise AssertionError(f"rank {rank} epoch {e}: wrong data")
+    return epochs
+
+
+@pytest.mark.parametrize("world,epochs", [(2, 10000), (3, 3000), (4, 2000)])
+def test_host_publish_wait_many_epochs(world, epochs):
+    assert run_workers(_epochs_worker, world, args=(epochs, "host", False), timeout=300) == [epochs] * world
+
+
+def _stall_worker(rank, world):
+    import torch_sdcp
+
+    with torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=1.0) as ws:
+        x = torch.ones(4)
+        for _ in range(3):
+            ws.all_gather(x)
+        if rank == world - 1:  # stops participating, without dying
+            time.sleep(4)
+            return "stalled"
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            ws.all_gather(x)
+        elapsed = time.monotonic() - t0
+        msg = str(info.value)
+        assert f"rank {rank} waited" in msg and f"peer {world - 1}" in msg, msg
+        assert "slot 0" in msg and "epoch 4" in msg, msg
+        assert elapsed < 3.0, elapsed
+        return "reported"
+
+
+def test_host_timeout_reports_rank_peer_slot_epoch():
+    assert run_workers(_stall_worker, 3, timeout=120) == ["reported", "reported", "stalled"]
+
+
+def _killed_worker(rank, world):
+    import torch_sdcp
+
+    ws = torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=1.5)
+    x = torch.ones(4)
+    ws.all_gather(x)
+    if rank == 1:
+        os._exit(17)  # killed mid-protocol
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="peer 1"):
+        for _ in range(10):
+            ws.all_gather(x)
+    assert time.monotonic() - t0 < 5
+    ws.close()  # a dead peer must not make teardown hang
+    return "survived"
+
+
+def test_host_killed_rank_survivors_fail_within_timeout():
+    out = run_workers(_killed_worker, 3, timeout=120, may_die=(1,))
+    assert out[0] == out[2] == "survived" and out[1] is None
+
+
+@requires_gpus(2)
+def test_cuda_publish_wait_many_epochs():
+    assert run_workers(_epochs_worker, 2, args=(10000, "cuda", False), timeout=300) == [10000, 10000]
+
+
+@requires_gpus(2)
+def test_cuda_four_ranks_on_two_gpus():
+    # Two ranks per GPU time-slice (DESIGN.md section 6): correctness only, few epochs.
+    assert run_workers(_epochs_worker, 4, args=(20, "cuda", True), timeout=300) == [20] * 4
+
+
+def _graph_worker(rank, world, replays):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    with torch_sdcp.ExchangeWorkspace(None, 1 << 16, device=device) as ws:
+        x = torch.zeros(1000, dtype=torch.int64, device=device)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            out = ws.all_gather(x)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            a = ws.all_gather(x)
+            b = ws.all_gather(x + 1)  # two calls per replay: both slots in use
+        base = torch.arange(1000, device=device)
+        for r in range(replays):
+            x.copy_(base * 7 + r * 100 + rank)
+            graph.replay()
+            if r % 50 == 0 or r == replays - 1:
+                torch.cuda.synchronize()
+                want = torch.stack([base * 7 + r * 100 + q for q in range(world)])
+                assert torch.equal(a, want) and torch.equal(b, want + 1), f"replay {r}"
+    return replays
+
+
+@requires_gpus(2)
+def test_cuda_graph_replay_advances_epochs():
+    assert run_workers(_graph_worker, 2, args=(1000,), timeout=300) == [1000, 1000]

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: build against the machine's torch, run the whole test
+# suite (GPU tests included), then the boundary benchmarks. Logs go to $OUT.
+#   tools/gpu_suite.sh [tests|bench|all]
+set -uo pipefail
+what=${1:-all}
+OUT=${OUT:-/tmp/sdcp-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+{ nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count())'; } \
+  > "$OUT/machine.txt" 2>&1
+if ! python3 -c 'import torch_sdcp' 2>/dev/null; then
+  start=$(date +%s)
+  MAX_JOBS=16 python3 -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 \
+    || { tail -50 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - start )) s"
+fi
+if [[ $what == tests || $what == all ]]; then
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rs --durations=15 test 2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [[ $what == bench || $what == all ]]; then
+  timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_boundaries.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench.log" | tail -60
+fi
