@@ -23,11 +23,7 @@ from torch_sdcp import peer as peer_mod
 from torch_sdcp.peer import PeerArena
 
 from _dist import run_workers
-
-# Local for now; the owner of conftest.py will move it there.
-def requires_gpus(n):
-    return pytest.mark.skipif(torch.cuda.device_count() < n,
-                              reason=f"needs {n} CUDA devices, found {torch.cuda.device_count()}")
+from conftest import requires_gpus
 
 
 LEAK_CYCLES = 1000
