@@ -32,7 +32,7 @@ def devices() -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world1():
     """A one-rank gloo group in this process, so peer ops can run (N = 1)
     under opcheck, torch.compile and CUDA graphs without spawning."""
