@@ -1,0 +1,83 @@
+"""Workspaces: the fallback policy (collective mode when peer memory is
+unavailable, logged), argument errors, and teardown."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from _dist import run_workers
+
+
+def _collective_mode_worker(rank, world):
+    import torch_sdcp
+    from torch_sdcp import peer as peer_mod
+    from torch_sdcp import reference
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("torch_sdcp").addHandler(handler)
+
+    def refuse(stage):  # every rank's gate fails: peer memory is unusable
+        if stage == "probe":
+            raise RuntimeError("peer writes were dropped")
+
+    peer_mod._TEST_HOOK = refuse
+    with pytest.raises(RuntimeError, match="PeerArena creation failed"):
+        torch_sdcp.ExchangeWorkspace(None, 64, backend="host")  # without fallback: an error
+    g = torch.Generator().manual_seed(3)
+    out, lse = torch.randn(world, 4, 8, 128, generator=g).to(torch.bfloat16), torch.randn(world, 4, 8, generator=g)
+    with torch_sdcp.OutputLSEWorkspace(None, 16, 8, 128, backend="host", fallback=True) as ws:
+        assert not ws.peer and ws.physical_bytes == 0
+        got, got_lse = ws.combine(out[rank], lse[rank], return_lse=True)
+        ref_out, ref_lse = reference.lse_combine_ref64(out, lse)
+        ref_out, ref_lse = reference.output_lse_shard(ref_out, ref_lse, rank, world)
+        torch.testing.assert_close(got.double(), ref_out, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got_lse.double(), ref_lse, rtol=1e-5, atol=1e-5)
+    scores = torch.randn(world, 4, 32, generator=g)
+    ids = torch.randperm(world * 4 * 32, generator=g).view(world, 4, 32).to(torch.int32)
+    with torch_sdcp.TopKWorkspace(None, 16, 16, candidates_per_rank=32, backend="host", fallback=True) as ws:
+        assert torch.equal(ws.merge(scores[rank], ids[rank]),
+                           reference.topk_merge_ref([(scores[r], ids[r]) for r in range(world)], 16))
+    with torch_sdcp.ExchangeWorkspace(None, 64, backend="host", fallback=True) as ws:
+        x = torch.full((3,), float(rank))
+        assert torch.equal(ws.all_gather(x), torch.stack([torch.full((3,), float(r)) for r in range(world)]))
+    peer_mod._TEST_HOOK = None
+    messages = [r.getMessage() for r in records]
+    assert any("peer memory unavailable" in m and "collective path" in m for m in messages), messages
+    return True
+
+
+def test_fallback_runs_the_collective_path_and_logs_it():
+    assert run_workers(_collective_mode_worker, 2, timeout=180) == [True, True]
+
+
+def _argument_worker(rank, world):
+    import torch_sdcp
+
+    with pytest.raises(ValueError, match="'total_heads'.*multiple of the world size 2, got 7"):
+        torch_sdcp.OutputLSEWorkspace(None, 8, 7, 128, backend="host")
+    with pytest.raises(ValueError, match="'dtype'"):
+        torch_sdcp.OutputLSEWorkspace(None, 8, 8, 128, dtype=torch.int8, backend="host")
+    with pytest.raises(ValueError, match="'max_rows'.*positive int, got 0"):
+        torch_sdcp.TopKWorkspace(None, 0, 16, backend="host")
+    with pytest.raises(ValueError, match="'rope_style'"):
+        torch_sdcp.QueryWorkspace(None, 8, 4, rope_style="gptj", backend="host")
+    with pytest.raises(ValueError, match="'timeout_s'"):
+        torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=0)
+    ws = torch_sdcp.ExchangeWorkspace(None, 64, backend="host")
+    handle = ws.handle
+    assert handle in torch.ops.sdcp.workspace_handles()
+    ws.close()
+    ws.close()  # idempotent
+    assert handle not in torch.ops.sdcp.workspace_handles() and not ws.peer
+    with pytest.raises(ValueError, match="'workspace'.*live exchange workspace handle, got"):
+        torch.ops.sdcp.peer_all_gather(torch.ones(2), handle)
+    return True
+
+
+def test_workspace_argument_errors_and_teardown():
+    assert run_workers(_argument_worker, 2, timeout=120) == [True, True]
