@@ -1,7 +1,7 @@
-"""Render a bench_boundaries.py JSON file as the markdown tables of
-docs/BENCHMARKS.md (per-call microseconds; ratios = other path / torch_sdcp).
+"""Render the bench.json of `python -m torch_sdcp.bench` as markdown tables for
+docs/BENCHMARKS.md (us per call; ratios = other path / torch_sdcp).
 
-    python tools/bench_to_markdown.py bench.json
+    python tools/bench_to_markdown.py sdcp-bench-<date>/bench.json
 """
 
 from __future__ import annotations
@@ -9,47 +9,45 @@ from __future__ import annotations
 import json
 import sys
 
-PATHS = ("nccl", "symm_mem", "sdcp")
-NAMES = {"nccl": "NCCL", "symm_mem": "symm-mem", "sdcp": "torch_sdcp"}
+from torch_sdcp.bench import PATH_NAMES, PATHS
 
 
-def cell(row, path, k):
-    v = row.get(path, {}).get(k) if isinstance(row.get(path), dict) else None
+def cell(row: dict, path: str, k: str) -> str:
+    v = row.get(path, {}).get(k)
     return f"{v:.2f}" if isinstance(v, (int, float)) else "n/a"
 
 
 def render(data: dict) -> str:
-    out = []
+    out = [f"{json.dumps(data['meta'])}"]
     for name, rows in data["results"].items():
-        table = [r for r in rows if "rows" in r]
-        extra = [r for r in rows if "rows" not in r]
         out.append(f"\n#### {name}\n")
+        table = [r for r in rows if "rows" in r]
         if table:
             paths = [p for p in PATHS if p in table[0]]
-            dtype = "dtype | " if "dtype" in table[0] else ""
-            head = f"| {dtype}rows | " + " | ".join(f"{NAMES[p]} k8" for p in paths) + " | " + \
-                " | ".join(f"{NAMES[p]} k1" for p in paths)
-            ratios = [p for p in paths if p != "sdcp"]
-            head += "".join(f" | {NAMES[p]}/ours k8 | {NAMES[p]}/ours k1" for p in ratios) + " |"
-            out.append(head)
-            out.append("|" + "---|" * (head.count("|") - 1))
+            others = [p for p in paths if p != "sdcp"]
+            head = ["rows"] + [f"{PATH_NAMES[p]} {k}" for k in ("k8", "k1") for p in paths] + \
+                [f"{PATH_NAMES[p]}/ours {k}" for p in others for k in ("k8", "k1")]
+            out.append("| " + " | ".join(head) + " |")
+            out.append("|" + "---|" * len(head))
             for r in table:
-                line = f"| {r['dtype'] + ' | ' if dtype else ''}{r['rows']} | "
-                line += " | ".join(cell(r, p, "k8") for p in paths) + " | "
-                line += " | ".join(cell(r, p, "k1") for p in paths)
-                for p in ratios:
+                cells = [str(r["rows"])] + [cell(r, p, k) for k in ("k8", "k1") for p in paths]
+                for p in others:
                     for k in ("k8", "k1"):
-                        a, b = r.get(p, {}).get(k), r["sdcp"].get(k)
-                        line += f" | {a / b:.2f}x" if isinstance(a, (int, float)) and b else " | n/a"
-                out.append(line + " |")
-        for e in extra:
-            if "what" in e:
-                out.append("| what | torch_sdcp k8 | torch_sdcp k1 | NCCL all_gather k8 | NCCL all_gather k1 |")
-                out.append("|---|---|---|---|---|")
-                out.append(f"| {e['what']} | {cell(e, 'sdcp', 'k8')} | {cell(e, 'sdcp', 'k1')} "
-                           f"| {cell(e, 'nccl_all_gather', 'k8')} | {cell(e, 'nccl_all_gather', 'k1')} |")
-            else:
-                out.append(f"\n{json.dumps(e)}")
+                        a, b = r[p].get(k), r["sdcp"].get(k)
+                        cells.append(f"{a / b:.2f}x" if isinstance(a, (int, float)) and b else "n/a")
+                out.append("| " + " | ".join(cells) + " |")
+        for r in rows:
+            if "requests" in r:  # the decode-step demo
+                step = {m: r[m].get("k1") for m in ("collective", "sdcp", "compute_only")}
+                out.append("| layers | requests x context | sparse | collective step us | torch_sdcp step us "
+                           "| compute only us | lower by | outputs agree (max rel. error) |")
+                out.append("|" + "---|" * 8)
+                lower = f"{1 - step['sdcp'] / step['collective']:.0%}" if step["sdcp"] and step["collective"] else "n/a"
+                out.append(f"| {r['layers']} | {r['requests']} x {r['context']} | {r['sparse']} "
+                           f"| {cell(r, 'collective', 'k1')} | {cell(r, 'sdcp', 'k1')} | {cell(r, 'compute_only', 'k1')} "
+                           f"| {lower} | {r['agree']} ({r['max_rel_error']:.1e}) |")
+            elif "rows" not in r:
+                out.append(f"\n{json.dumps(r)}")
     return "\n".join(out)
 
 

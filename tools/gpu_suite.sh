@@ -23,6 +23,6 @@ if [[ $what == tests || $what == all ]]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rs --durations=15 test 2>&1 | tee "$OUT/tests.log" | tail -40
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 tools/bench_boundaries.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 \
+  timeout ${BENCH_TIMEOUT:-300} python3 -m torch_sdcp.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log" | tail -60
 fi

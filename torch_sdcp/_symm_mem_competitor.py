@@ -5,7 +5,7 @@ a device-side barrier signals, then the owner combines locally with the same
 fp32 kernel torch_sdcp uses. A second barrier before the stores keeps a fast
 rank from overwriting an inbox that a slow peer is still reading.
 
-Benchmark-only: not part of the torch_sdcp API.
+Benchmark-only: a private module, not part of the torch_sdcp API.
 """
 
 from __future__ import annotations

@@ -1,0 +1,545 @@
+"""Side by side: what each DCP boundary costs through the collective path, the
+symmetric-memory competitor (Output/LSE, CUDA only) and torch_sdcp, plus a
+synthetic MLA decode step.
+
+    python -m torch_sdcp.bench [--world-size N] [--preset glm-5] [--rows 1,8,32]
+                               [--boundaries query,topk,output_lse,decode] [--out DIR]
+
+Launches its own local ranks (or runs under torchrun), picks the CUDA backend
+when there is one GPU per rank and the CUDA kernels are built, the host
+(shared-memory) backend otherwise. Prints one table per boundary, writes the
+raw numbers (bench.json) and a plot (latency.png) into the output folder.
+
+Method (DESIGN.md section 6). CUDA: K calls captured back to back in one CUDA
+graph (k8: K = 8; k1: one call per graph), `--replays` replays per trial,
+`--trials` trials. Host: the same K calls timed on the wall clock. Per-call
+time = max over ranks of a trial, median over trials. Host numbers measure the
+protocol on shared memory, not the GPU paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+PRESETS = {
+    "glm-5": dict(heads=64, head_dim=512, rope_dim=64, k=2048),
+    "deepseek-v3.2": dict(heads=128, head_dim=512, rope_dim=64, k=2048),
+}
+BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
+PATHS = ("collective", "symm_mem", "sdcp")
+PATH_NAMES = {"collective": "collective", "symm_mem": "symm-mem", "sdcp": "torch_sdcp"}
+
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
+
+class Timer:
+    """Per-call microseconds of `fn`, max over ranks, median over trials."""
+
+    def __init__(self, device: torch.device, replays: int, trials: int):
+        self.device, self.replays, self.trials = device, replays, trials
+
+    def _trials_cuda(self, fn: Callable[[], object], calls: int) -> list[float]:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up on the capture stream
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(self.trials):
+            dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.replays):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end) * 1e3 / (self.replays * calls))
+        return out
+
+    def _trials_host(self, fn: Callable[[], object], calls: int) -> list[float]:
+        fn()
+        out = []
+        for _ in range(self.trials):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(self.replays):
+                for _ in range(calls):
+                    fn()
+            out.append((time.perf_counter() - t0) * 1e6 / (self.replays * calls))
+        return out
+
+    def per_call_us(self, fn: Callable[[], object], calls: int) -> float:
+        run = self._trials_cuda if self.device.type == "cuda" else self._trials_host
+        mine = run(fn, calls)
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return statistics.median(max(r[i] for r in every) for i in range(len(mine)))
+
+    def measure(self, fn: Callable[[], object], ks=(8, 1)) -> dict:
+        return {f"k{k}": self.per_call_us(fn, k) for k in ks}
+
+
+def guarded(timer: Timer, fn_factory: Callable[[], Callable[[], object]], ks=(8, 1)) -> dict:
+    """A path that cannot run here says why instead of failing the run. Every
+    rank agrees on the verdict, so no rank is left waiting in a collective."""
+    try:
+        fn, err = fn_factory(), None
+    except Exception as e:  # noqa: BLE001
+        fn, err = None, f"{type(e).__name__}: {e}".splitlines()[0][:160]
+    errs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errs, err)
+    first = next((e for e in errs if e), None)
+    if first:
+        return {"error": first}
+    return timer.measure(fn, ks)
+
+
+# ---------------------------------------------------------------------------
+# Boundaries
+# ---------------------------------------------------------------------------
+
+def bench_signal(ctx, rows_list, out: list) -> None:
+    """The fixed cost of one peer round: an exchange of 8 bytes (publish + wait
+    on every peer) against the collective all_gather of the same bytes."""
+    import torch_sdcp
+
+    ws = torch_sdcp.ExchangeWorkspace(None, 64, backend=ctx.backend, device=ctx.device)
+    x = torch.full((2,), float(ctx.rank), device=ctx.device)
+    gathered = [torch.empty_like(x) for _ in range(ctx.world)]
+    row = {"rows": 1, "collective": guarded(ctx.timer, lambda: lambda: dist.all_gather(gathered, x)),
+           "sdcp": guarded(ctx.timer, lambda: lambda: ws.all_gather(x))}
+    out.append(row)
+    ctx.progress("signal")
+    ws.close()
+
+
+def bench_output_lse(ctx, rows_list, out: list) -> None:
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    h, d, dev = ctx.heads, ctx.head_dim, ctx.device
+    ws = torch_sdcp.OutputLSEWorkspace(None, max(rows_list), h, d, backend=ctx.backend, device=dev)
+
+    def competitor():
+        if dev.type != "cuda":
+            raise RuntimeError("needs CUDA symmetric memory")
+        from torch_sdcp._symm_mem_competitor import SymmMemOutputLSE
+        return SymmMemOutputLSE(None, max(rows_list), h, d, torch.bfloat16, dev)
+
+    comp = None
+    for t in rows_list:
+        g = torch.Generator().manual_seed(t)
+        po = torch.randn(t, h, d, generator=g).to(torch.bfloat16).to(dev)
+        pl = (torch.randn(t, h, generator=g) * 3).to(dev)
+        row = {"rows": t}
+        row["collective"] = guarded(ctx.timer, lambda: lambda: reference.lse_all_gather_reduce_scatter(
+            po, pl, return_lse=True))
+
+        def symm():
+            nonlocal comp
+            comp = comp or competitor()
+            return lambda: comp.combine(po, pl)
+
+        row["symm_mem"] = guarded(ctx.timer, symm)
+        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.combine(po, pl, return_lse=True))
+        out.append(row)
+        ctx.progress(f"output_lse rows={t}")
+    out.append({"workspace_bytes_per_rank": ws.physical_bytes})
+    ws.close()
+
+
+def bench_topk(ctx, rows_list, out: list) -> None:
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    k, dev, n, r = ctx.k, ctx.device, ctx.world, ctx.rank
+    ws = torch_sdcp.TopKWorkspace(None, max(rows_list), k, candidates_per_rank=k, backend=ctx.backend, device=dev)
+    for t in rows_list:
+        g = torch.Generator().manual_seed(t * 31 + r)
+        scores = torch.randn(t, k, generator=g).to(dev)
+        ids = (torch.randperm(t * k, generator=g).view(t, k) * n + r).to(torch.int32).to(dev)
+        row = {"rows": t}
+        row["collective"] = guarded(ctx.timer, lambda: lambda: reference.topk_all_gather_merge(scores, ids, k))
+        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.merge(scores, ids))
+        out.append(row)
+        ctx.progress(f"topk rows={t}")
+    out.append({"workspace_bytes_per_rank": ws.physical_bytes})
+    ws.close()
+
+
+def _rope_cache(max_pos: int, rope: int) -> torch.Tensor:
+    inv = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def bench_query(ctx, rows_list, out: list) -> None:
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    hl, dev, dtype = ctx.heads // ctx.world, ctx.device, ctx.query_dtype
+    ws = torch_sdcp.QueryWorkspace(None, max(rows_list), hl, nope_dim=ctx.head_dim, rope_dim=ctx.rope_dim,
+                                   dtype=dtype, backend=ctx.backend, device=dev)
+    cache = _rope_cache(4096, ctx.rope_dim).to(dev)
+    scale = torch.tensor([0.05], device=dev) if dtype == torch.float8_e4m3fn else None
+    for t in rows_list:
+        g = torch.Generator().manual_seed(t)
+        nope = torch.randn(t, hl, ctx.head_dim, generator=g).to(torch.bfloat16).to(dev)
+        pe = torch.randn(t, hl, ctx.rope_dim, generator=g).to(torch.bfloat16).to(dev)
+        pos = torch.randint(0, 4096, (t,), generator=g).to(dev)
+        row = {"rows": t}
+        row["collective"] = guarded(ctx.timer, lambda: lambda: reference.query_all_gather(
+            nope, pe, pos, cache, scale, out_dtype=dtype))
+        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.gather(nope, pe, pos, cache, scale))
+        out.append(row)
+        ctx.progress(f"query rows={t}")
+    out.append({"workspace_bytes_per_rank": ws.physical_bytes, "dtype": str(dtype).replace("torch.", "")})
+    ws.close()
+
+
+# ---------------------------------------------------------------------------
+# Decode-step demo
+# ---------------------------------------------------------------------------
+
+class DecodeStep:
+    """A synthetic MLA DCP attention block, `layers` times: query boundary ->
+    attention of every head over this rank's KV shard (absorbed MLA in plain
+    torch: scores = q . kv over 576 dims, fp32 logsumexp, out = softmax . kv[:512])
+    -> output/LSE boundary. With `sparse`, an indexer proposes each rank's local
+    top-k candidates and the top-K boundary selects the tokens attended to.
+    `mode` is "collective" or "sdcp": identical inputs, different crossings."""
+
+    def __init__(self, ctx, requests: int, context: int, layers: int, sparse: bool, seed: int = 0):
+        import torch_sdcp
+
+        self.ctx, self.layers, self.sparse = ctx, layers, sparse
+        n, r, dev = ctx.world, ctx.rank, ctx.device
+        h, d, rope = ctx.heads, ctx.head_dim, ctx.rope_dim
+        self.hl, self.t = h // n, requests
+        local = math.ceil(context / n)  # tokens of each request on this rank (interleave 1)
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        # Per layer: this rank's query heads and KV shard [T, local, 576].
+        self.nope = [torch.randn(requests, self.hl, d, generator=g).to(torch.bfloat16).to(dev) for _ in range(layers)]
+        self.pe = [torch.randn(requests, self.hl, rope, generator=g).to(torch.bfloat16).to(dev) for _ in range(layers)]
+        self.kv = [(torch.randn(requests, local, d + rope, generator=g) / math.sqrt(d + rope)).to(torch.bfloat16)
+                   .to(dev) for _ in range(layers)]
+        self.pos = torch.full((requests,), context - 1, dtype=torch.int64, device=dev)
+        self.cache = _rope_cache(context, rope).to(dev)
+        self.scale = 1.0 / math.sqrt(d + rope)
+        # Global token id of local token j on this rank: j * N + r.
+        self.gid = (torch.arange(local, device=dev) * n + r).to(torch.int32).expand(requests, local).contiguous()
+        self.k = min(ctx.k, local)
+        self.query_ws = torch_sdcp.QueryWorkspace(None, requests, self.hl, nope_dim=d, rope_dim=rope,
+                                                  dtype=torch.bfloat16, backend=ctx.backend, device=dev)
+        self.olse_ws = torch_sdcp.OutputLSEWorkspace(None, requests, h, d, backend=ctx.backend, device=dev)
+        self.topk_ws = (torch_sdcp.TopKWorkspace(None, requests, self.k, candidates_per_rank=self.k,
+                                                 backend=ctx.backend, device=dev) if sparse else None)
+
+    def close(self) -> None:
+        for ws in (self.query_ws, self.olse_ws, self.topk_ws):
+            if ws is not None:
+                ws.close()
+
+    def attention(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
+        scores = torch.einsum("thc,tjc->thj", q.float(), kv.float()) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+        out = torch.einsum("thj,tjd->thd", p, kv[..., : self.ctx.head_dim].float())
+        return out.to(torch.bfloat16), lse
+
+    def selected_mask(self, layer: int, mode: str) -> torch.Tensor:
+        from torch_sdcp import reference
+
+        idx = torch.einsum("thc,tjc->tj", self.pe[layer].float(), self.kv[layer][..., -self.ctx.rope_dim:].float())
+        top = torch.topk(idx, self.k, dim=-1)  # this rank's local candidates
+        cand_ids = torch.gather(self.gid, 1, top.indices).to(torch.int32)
+        if mode == "sdcp":
+            chosen = self.topk_ws.merge(top.values.contiguous(), cand_ids.contiguous())
+        else:
+            chosen = reference.topk_all_gather_merge(top.values.contiguous(), cand_ids.contiguous(), self.k)
+        mask = torch.zeros(self.gid.shape, dtype=torch.bool, device=self.gid.device)
+        mine = (chosen >= 0) & (chosen % self.ctx.world == self.ctx.rank)
+        local = torch.where(mine, chosen // self.ctx.world, 0).long()
+        return mask.scatter(1, local, mine)
+
+    def step(self, mode: str, compute_only: bool = False) -> list:
+        from torch_sdcp import reference
+
+        outs = []
+        for layer in range(self.layers):
+            if compute_only:  # the same math without crossing the group
+                q = torch.cat([self.nope[layer], self.pe[layer]], -1).repeat(1, self.ctx.world, 1)
+            elif mode == "sdcp":
+                q = self.query_ws.gather(self.nope[layer], self.pe[layer], self.pos, self.cache)
+            else:
+                q = reference.query_all_gather(self.nope[layer], self.pe[layer], self.pos, self.cache)
+            mask = self.selected_mask(layer, mode) if self.sparse and not compute_only else None
+            o, lse = self.attention(q, self.kv[layer], mask)
+            if compute_only:
+                outs.append(o[:, : self.hl])
+            elif mode == "sdcp":
+                outs.append(self.olse_ws.combine(o, lse))
+            else:
+                outs.append(reference.lse_all_gather_reduce_scatter(o, lse))
+        return outs
+
+
+def bench_decode(ctx, out: list) -> None:
+    demo = DecodeStep(ctx, ctx.requests, ctx.context, ctx.layers, ctx.sparse)
+    try:
+        want = demo.step("collective")
+        got = demo.step("sdcp")
+        err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                  for a, b in zip(got, want))
+        errs: list = [None] * ctx.world
+        dist.all_gather_object(errs, err)
+        row = {"requests": ctx.requests, "context": ctx.context, "layers": ctx.layers, "sparse": ctx.sparse,
+               "max_rel_error": max(errs), "agree": max(errs) < 2e-2}
+        for mode in ("collective", "sdcp"):
+            row[mode] = guarded(ctx.timer, lambda: lambda: demo.step(mode), ks=(1,))
+        row["compute_only"] = guarded(ctx.timer, lambda: lambda: demo.step("sdcp", compute_only=True), ks=(1,))
+        out.append(row)
+        ctx.progress("decode step")
+    finally:
+        demo.close()
+
+
+# ---------------------------------------------------------------------------
+# Ranks, tables, plot
+# ---------------------------------------------------------------------------
+
+class Context:
+    def __init__(self, args, rank: int, world: int, backend: str, device: torch.device):
+        self.rank, self.world, self.backend, self.device = rank, world, backend, device
+        preset = PRESETS[args.preset]
+        self.heads = args.heads or preset["heads"]
+        self.head_dim, self.rope_dim, self.k = preset["head_dim"], preset["rope_dim"], args.k or preset["k"]
+        self.query_dtype = torch.float8_e4m3fn if args.query_dtype == "fp8" else torch.bfloat16
+        self.requests, self.context, self.layers, self.sparse = args.requests, args.context, args.layers, args.sparse
+        self.timer = Timer(device, args.replays, args.trials)
+        self.started = time.monotonic()
+
+    def progress(self, what: str) -> None:
+        if self.rank == 0:
+            print(f"[{time.monotonic() - self.started:6.1f} s] {what} done", file=sys.stderr, flush=True)
+
+
+def choose_backend(requested: str, world: int) -> str:
+    if requested != "auto":
+        return requested
+    cuda_built = torch._C._dispatch_has_kernel_for_dispatch_key("sdcp::output_lse_combine", "CUDA")
+    return "cuda" if cuda_built and torch.cuda.is_available() and torch.cuda.device_count() >= world else "host"
+
+
+def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
+    import torch_sdcp  # noqa: F401
+
+    backend = choose_backend(args.backend, world)
+    if backend == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if not dist.is_initialized():
+        kw = dict(device_id=device) if backend == "cuda" else {}
+        dist.init_process_group("nccl" if backend == "cuda" else "gloo",
+                                store=dist.FileStore(store_path, world) if store_path else None,
+                                rank=rank if store_path else -1, world_size=world if store_path else -1, **kw)
+    ctx = Context(args, rank, world, backend, device)
+    results: dict = {}
+    for name in args.boundaries:
+        results[name] = []
+        try:
+            if name == "decode":
+                bench_decode(ctx, results[name])
+            else:
+                {"signal": bench_signal, "query": bench_query, "topk": bench_topk,
+                 "output_lse": bench_output_lse}[name](
+                    ctx, args.rows, results[name])
+        except Exception as e:  # noqa: BLE001  (reported in the table)
+            results[name].append({"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
+            if rank == 0:
+                traceback.print_exc()
+    if rank == 0:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "world_size": world, "backend": backend,
+                "device": torch.cuda.get_device_name(device) if backend == "cuda" else "cpu (host backend)",
+                "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fmt_us(cell: dict, k: str) -> str:
+    if "error" in cell:
+        return "n/a"
+    v = cell.get(k)
+    return f"{v:.1f}" if isinstance(v, (int, float)) else "n/a"
+
+
+def tables(data: dict) -> str:
+    meta, lines = data["meta"], []
+    k8 = "8 calls per CUDA graph" if meta["backend"] == "cuda" else "8 calls back to back"
+    lines.append(f"torch_sdcp bench, {meta['date']}: world size {meta['world_size']}, {meta['device']}, "
+                 f"torch {meta['torch']}; us per call, k8 / k1 (k8: {k8}; k1: one call)")
+    for name, rows in data["results"].items():
+        lines.append(f"\n{name}")
+        for row in rows:
+            if "error" in row and len(row) == 1:
+                lines.append(f"  could not run: {row['error']}")
+            elif "rows" in row:
+                paths = [p for p in PATHS if p in row]
+                cells = [f"{PATH_NAMES[p]} {fmt_us(row[p], 'k8')} / {fmt_us(row[p], 'k1')}" for p in paths]
+                ours = row["sdcp"].get("k8") if "error" not in row["sdcp"] else None
+                for p in paths:
+                    theirs = row[p].get("k8") if "error" not in row[p] else None
+                    if p != "sdcp" and ours and theirs:
+                        cells.append(f"{PATH_NAMES[p]}/torch_sdcp {theirs / ours:.2f}x")
+                lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells))
+                for p in paths:
+                    if "error" in row[p]:
+                        lines.append(f"           {PATH_NAMES[p]}: {row[p]['error']}")
+            elif "requests" in row:
+                c, s, comp = (row[m].get("k1") for m in ("collective", "sdcp", "compute_only"))
+                lines.append(f"  {row['layers']} layers, {row['requests']} requests x {row['context']} tokens"
+                             f"{', sparse' if row['sparse'] else ''}: outputs agree: {row['agree']} "
+                             f"(max rel. error {row['max_rel_error']:.1e})")
+                if c and s:
+                    share = lambda t: max(0.0, (t - comp) / t) if comp else float("nan")  # noqa: E731
+                    lines.append(f"  step: collective {c:.1f} us ({share(c):.0%} crossing the group), "
+                                 f"torch_sdcp {s:.1f} us ({share(s):.0%}), {1 - s / c:.0%} lower")
+            else:
+                lines.append(f"  {json.dumps(row)}")
+    return "\n".join(lines)
+
+
+def plot(data: dict, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    boundaries = [b for b, rows in data["results"].items()
+                  if b != "signal" and any("rows" in r for r in rows)]
+    if not boundaries:
+        return None
+    fig, axes = plt.subplots(1, len(boundaries), figsize=(5 * len(boundaries), 4), squeeze=False)
+    for ax, name in zip(axes[0], boundaries):
+        rows = [r for r in data["results"][name] if "rows" in r]
+        for p in PATHS:
+            pts = [(r["rows"], r[p]["k8"]) for r in rows if p in r and "k8" in r[p]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=PATH_NAMES[p])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows (decode tokens)")
+        ax.set_ylabel("us per call (k8)")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    meta = data["meta"]
+    fig.suptitle(f"torch_sdcp, world size {meta['world_size']}, {meta['device']} ({meta['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torch_sdcp.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    p.add_argument("--world-size", type=int, default=torch.cuda.device_count() if cuda else 2)
+    p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="glm-5", help="model geometry (default glm-5)")
+    p.add_argument("--heads", type=int, default=0, help="total heads (overrides the preset)")
+    p.add_argument("--k", type=int, default=0, help="index_topk (overrides the preset)")
+    p.add_argument("--rows", default=None, help="decode rows, comma separated (default 1,8,16,32,64,128 on CUDA, "
+                                                "1,8,32 on the host backend)")
+    p.add_argument("--boundaries", default=",".join(BOUNDARIES))
+    p.add_argument("--query-dtype", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--requests", type=int, default=None, help="decode demo: concurrent requests (default 32; 4 on host)")
+    p.add_argument("--context", type=int, default=None, help="decode demo: tokens per request (default 3072; 256 on host)")
+    p.add_argument("--layers", type=int, default=None, help="decode demo: layers per step (default 8; 2 on host)")
+    p.add_argument("--sparse", action="store_true", help="decode demo: add the top-K boundary")
+    p.add_argument("--replays", type=int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
+    p.add_argument("--trials", type=int, default=None, help="default 7 on CUDA, 3 on host")
+    p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")
+    args = p.parse_args(argv)
+    host = choose_backend(args.backend, args.world_size) == "host"
+    args.rows = [int(x) for x in (args.rows or ("1,8,32" if host else "1,8,16,32,64,128")).split(",") if x]
+    args.boundaries = [b for b in args.boundaries.split(",") if b]
+    for b in args.boundaries:
+        if b not in BOUNDARIES:
+            p.error(f"argument --boundaries: expected names from {BOUNDARIES}, got {b!r}")
+    if args.world_size < 1 or any(r < 1 for r in args.rows):
+        p.error("argument --world-size and --rows: expected positive values")
+    args.requests = args.requests or (4 if host else 32)
+    args.context = args.context or (256 if host else 3072)
+    args.layers = args.layers or (2 if host else 8)
+    args.replays = args.replays or (3 if host else 100)
+    args.trials = args.trials or (3 if host else 7)
+    if host and not args.k:
+        args.k = 256  # the host backend sorts on the CPU: keep the default run short
+    if host and not args.heads:
+        args.heads = 8 * args.world_size
+    args.out = args.out or time.strftime("sdcp-bench-%Y%m%d-%H%M%S")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    args.out = os.path.abspath(args.out)
+    backend = choose_backend(args.backend, args.world_size)
+    print(f"torch_sdcp bench: world size {args.world_size}, {backend} backend, rows {args.rows}, "
+          f"boundaries {args.boundaries}; writing {args.out}", flush=True)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory(prefix="sdcp-bench-") as d:
+            mp.spawn(run_rank, args=(args.world_size, args, os.path.join(d, "store")), nprocs=args.world_size,
+                     join=True)
+    with open(os.path.join(args.out, "bench.json")) as f:
+        data = json.load(f)
+    text = tables(data)
+    print(text)
+    with open(os.path.join(args.out, "tables.txt"), "w") as f:
+        f.write(text + "\n")
+    note = plot(data, os.path.join(args.out, "latency.png"))
+    print(f"\n{note}" if note else f"\nplot: {os.path.join(args.out, 'latency.png')}")
+    print(f"raw numbers: {os.path.join(args.out, 'bench.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
