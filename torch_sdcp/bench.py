@@ -189,7 +189,8 @@ def bench_topk(ctx, rows_list, out: list) -> None:
     ws.close()
 
 
-def _rope_cache(max_pos: int, rope: int) -> torch.Tensor:
+def rope_cache(max_pos: int, rope: int) -> torch.Tensor:
+    """A cos/sin cache [max_pos, rope] in the vLLM layout: cat(cos, sin)."""
     inv = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
     freqs = torch.outer(torch.arange(max_pos).float(), inv)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
@@ -202,7 +203,7 @@ def bench_query(ctx, rows_list, out: list) -> None:
     hl, dev, dtype = ctx.heads // ctx.world, ctx.device, ctx.query_dtype
     ws = torch_sdcp.QueryWorkspace(None, max(rows_list), hl, nope_dim=ctx.head_dim, rope_dim=ctx.rope_dim,
                                    dtype=dtype, backend=ctx.backend, device=dev)
-    cache = _rope_cache(4096, ctx.rope_dim).to(dev)
+    cache = rope_cache(4096, ctx.rope_dim).to(dev)
     scale = torch.tensor([0.05], device=dev) if dtype == torch.float8_e4m3fn else None
     for t in rows_list:
         g = torch.Generator().manual_seed(t)
@@ -246,7 +247,7 @@ class DecodeStep:
         self.kv = [(torch.randn(requests, local, d + rope, generator=g) / math.sqrt(d + rope)).to(torch.bfloat16)
                    .to(dev) for _ in range(layers)]
         self.pos = torch.full((requests,), context - 1, dtype=torch.int64, device=dev)
-        self.cache = _rope_cache(context, rope).to(dev)
+        self.cache = rope_cache(context, rope).to(dev)
         self.scale = 1.0 / math.sqrt(d + rope)
         # Global token id of local token j on this rank: j * N + r.
         self.gid = (torch.arange(local, device=dev) * n + r).to(torch.int32).expand(requests, local).contiguous()

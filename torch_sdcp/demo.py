@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 def _rank_main(rank: int, world: int, rows: int, store_path: str, queue) -> None:
     import torch_sdcp
     from torch_sdcp import ops, reference
+    from torch_sdcp.bench import rope_cache
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     lines = []
@@ -35,9 +36,7 @@ def _rank_main(rank: int, world: int, rows: int, store_path: str, queue) -> None
         nope = torch.randn(world, rows, h_loc, 512, generator=g).to(torch.bfloat16)
         pe = torch.randn(world, rows, h_loc, 64, generator=g).to(torch.bfloat16)
         pos = torch.randint(0, 1024, (rows,), generator=g)
-        inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
-        freqs = torch.outer(torch.arange(1024).float(), inv)
-        cache = torch.cat([freqs.cos(), freqs.sin()], -1)
+        cache = rope_cache(1024, 64)
         scale = torch.tensor([0.05])
         with torch_sdcp.QueryWorkspace(None, rows, h_loc, backend="host") as ws:
             got = ws.gather(nope[rank], pe[rank], pos, cache, scale)
