@@ -1,7 +1,8 @@
 // Device-side signals (DESIGN.md section 4): epochs advanced by the kernels,
-// slot = epoch % 2, publish = all writers' stores -> __syncthreads() -> one
-// st.release.sys per destination flag, wait = ld.acquire.sys spin on a local
-// flag bounded by %globaltimer -> __syncthreads().
+// slot = epoch % 2 (or one acknowledged slot), publish = all writers' stores
+// -> __syncthreads() -> one st.release.sys per destination flag, wait =
+// ld.acquire.sys spin on a local flag bounded by %globaltimer ->
+// __syncthreads(). docs/PROTOCOL.md has the argument.
 #pragma once
 
 #include "sdcp.h"
@@ -23,15 +24,19 @@ struct DeviceWorkspace {
   int32_t rank;
   int32_t world;
   int32_t blocks;
+  int32_t slots;
 
   __device__ __forceinline__ uint8_t* region(int r) const { return base + r * stride; }
   __device__ __forceinline__ uint64_t* epoch(int block) const {
     return reinterpret_cast<uint64_t*>(region(rank)) + block;
   }
-  // flags[slot][src][block] in rank r's region.
-  __device__ __forceinline__ uint64_t* flag(int r, int slot, int src, int block) const {
-    return reinterpret_cast<uint64_t*>(region(r) + 8 * blocks) + (slot * world + src) * blocks + block;
+  // flags[set][src][block] in rank r's region.
+  __device__ __forceinline__ uint64_t* flag(int r, int set, int src, int block) const {
+    return reinterpret_cast<uint64_t*>(region(r) + 8 * blocks) + (set * world + src) * blocks + block;
   }
+  // Data slot and "ready" flag set of epoch e (Workspace::slot_of / ready_set).
+  __device__ __forceinline__ int slot_of(uint64_t e) const { return slots == 2 ? static_cast<int>(e & 1) : 0; }
+  __device__ __forceinline__ int ready_set(uint64_t e) const { return slots == 2 ? static_cast<int>(e & 1) : 0; }
   __device__ __forceinline__ uint8_t* slot_data(int r, int slot) const {
     return region(r) + data_offset + slot * slot_bytes;
   }
@@ -49,6 +54,7 @@ inline DeviceWorkspace device_workspace(const Workspace& ws) {
   d.rank = static_cast<int32_t>(ws.rank);
   d.world = static_cast<int32_t>(ws.world_size);
   d.blocks = static_cast<int32_t>(ws.layout.blocks);
+  d.slots = static_cast<int32_t>(ws.layout.slots);
   return d;
 }
 
@@ -81,32 +87,58 @@ __device__ __forceinline__ void block_commit_epoch(const DeviceWorkspace& ws, ui
   if (threadIdx.x == 0) *ws.epoch(blockIdx.x) = epoch;
 }
 
+// Flag set 1 of a one-slot workspace: "rank src has finished reading epoch e".
+constexpr int kAckSet = 1;
+
+// Thread s spins until flag `f` (written by peer s) holds at least `value`;
+// on timeout it reports rank, block, peer, what it awaited, slot and epoch and
+// traps, which fails the stream with an error the host sees.
+__device__ __forceinline__ void wait_flag(const DeviceWorkspace& ws, const uint64_t* f, int s, uint64_t value,
+                                          const char* what) {
+  if (ld_acquire_sys(f) >= value) return;
+  const uint64_t start = globaltimer_ns();
+  while (ld_acquire_sys(f) < value) {
+    if (globaltimer_ns() - start > ws.timeout_ns) {
+      printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d to %s (workspace %lld, slot %d, "
+             "epoch %llu, flag holds %llu); the peer stopped participating or calls differ between ranks\n",
+             ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, s, what, (long long)ws.handle, ws.slot_of(value),
+             (unsigned long long)value, (unsigned long long)ld_acquire_sys(f));
+      __trap();
+    }
+  }
+}
+
 // Every thread's stores so far are ordered before the flags this block sets in
 // every destination (thread d publishes to destination d).
 __device__ __forceinline__ void block_publish_all(const DeviceWorkspace& ws, uint64_t epoch) {
   __syncthreads();
   for (int d = threadIdx.x; d < ws.world; d += blockDim.x)
-    st_release_sys(ws.flag(d, epoch & 1, ws.rank, blockIdx.x), epoch);
+    st_release_sys(ws.flag(d, ws.ready_set(epoch), ws.rank, blockIdx.x), epoch);
 }
 
-// Thread s waits for source s's flag; on timeout it reports rank, peer, slot
-// and epoch and traps, which fails the stream with an error the host sees.
+// Thread s waits for source s's publish of `epoch`, then the block barriers.
 __device__ __forceinline__ void block_wait_all(const DeviceWorkspace& ws, uint64_t epoch) {
-  for (int s = threadIdx.x; s < ws.world; s += blockDim.x) {
-    const uint64_t* f = ws.flag(ws.rank, epoch & 1, s, blockIdx.x);
-    if (ld_acquire_sys(f) < epoch) {
-      const uint64_t start = globaltimer_ns();
-      while (ld_acquire_sys(f) < epoch) {
-        if (globaltimer_ns() - start > ws.timeout_ns) {
-          printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d (workspace %lld, slot %d, "
-                 "epoch %llu, flag holds %llu); the peer stopped participating or calls differ between ranks\n",
-                 ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, s, (long long)ws.handle, (int)(epoch & 1),
-                 (unsigned long long)epoch, (unsigned long long)ld_acquire_sys(f));
-          __trap();
-        }
-      }
-    }
-  }
+  for (int s = threadIdx.x; s < ws.world; s += blockDim.x)
+    wait_flag(ws, ws.flag(ws.rank, ws.ready_set(epoch), s, blockIdx.x), s, epoch, "publish");
+  __syncthreads();
+}
+
+// One-slot workspaces. After the block's reads of epoch `epoch` (and a
+// barrier), tell every writer that this rank is done with it.
+__device__ __forceinline__ void block_ack_all(const DeviceWorkspace& ws, uint64_t epoch) {
+  __syncthreads();
+  for (int d = threadIdx.x; d < ws.world; d += blockDim.x)
+    st_release_sys(ws.flag(d, kAckSet, ws.rank, blockIdx.x), epoch);
+}
+
+// Before writing epoch `epoch`: every reader has acknowledged `epoch - 1`.
+// The block's last warp polls, so that warps which arrive later (still
+// producing) overlap the wait.
+__device__ __forceinline__ void block_wait_acks(const DeviceWorkspace& ws, uint64_t epoch) {
+  const int first = blockDim.x > 32 ? static_cast<int>(blockDim.x) - 32 : 0;
+  for (int s = static_cast<int>(threadIdx.x) - first; s >= 0 && s < ws.world; s += 32)
+    wait_flag(ws, ws.flag(ws.rank, kAckSet, s, blockIdx.x), s, epoch - 1,
+              "finish reading (acknowledge) the previous epoch");
   __syncthreads();
 }
 

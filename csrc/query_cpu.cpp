@@ -66,6 +66,13 @@ void check_query_workspace(const Workspace& ws, const QueryShape& s, at::ScalarT
                  "an element of " << p[3] << " bytes (the workspace dtype)", out_dtype);
 }
 
+void check_query_inbox(const Workspace& ws, const at::Tensor& inbox) {
+  SDCP_CHECK_ARG(inbox.data_ptr() == static_cast<void*>(local_inbox(ws)), "inbox",
+                 "the view of this rank's inbox that gather_view() returned (address "
+                     << static_cast<const void*>(local_inbox(ws)) << ")",
+                 "a tensor at " << static_cast<const void*>(inbox.data_ptr()));
+}
+
 namespace {
 
 int64_t position_at(const at::Tensor& positions, int64_t t) {
@@ -140,10 +147,11 @@ at::Tensor query_rope_quant_cpu(const at::Tensor& ql_nope, const at::Tensor& q_p
   return out;
 }
 
-at::Tensor query_gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
-                            const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                            const std::optional<at::Tensor>& q_scale, int64_t workspace, bool neox,
-                            at::ScalarType out_dtype) {
+// Produces this rank's head shard into every inbox, publishes and waits for
+// every producer; with `out`, copies the local inbox out and acknowledges.
+void gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
+                bool neox, at::ScalarType out_dtype, at::Tensor* out) {
   const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
   const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, ql_nope);
   const Workspace& ws = *ws_ptr;
@@ -151,22 +159,48 @@ at::Tensor query_gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
   const int64_t n = ws.world_size, eb = c10::elementSize(out_dtype);
   const int64_t row_bytes = n * s.heads * s.width() * eb;  // one inbox row, all sources
   const int64_t shard_bytes = s.heads * s.width() * eb;    // this rank's heads of one row
-  // Produce once locally, then store the head shard into every inbox.
+  // Produce once locally, then store the head shard into every inbox once
+  // every consumer has finished reading the previous epoch (one slot).
   auto local = query_rope_quant_cpu(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype);
   const auto* src = static_cast<const uint8_t*>(local.data_ptr());
   const uint64_t epoch = host_next_epoch(ws);
-  const int64_t slot = epoch & 1;
+  for (int64_t r = 0; r < n; ++r) host_wait_ack(ws, r, epoch);
   for (int64_t d = 0; d < n; ++d) {
-    uint8_t* inbox = ws.slot_data(d, slot) + ws.layout.part_offset[0];
+    uint8_t* inbox = ws.slot_data(d, 0) + ws.layout.part_offset[0];
     for (int64_t t = 0; t < s.rows; ++t)
       std::memcpy(inbox + t * row_bytes + ws.rank * shard_bytes, src + t * shard_bytes, shard_bytes);
   }
   for (int64_t d = 0; d < n; ++d) host_publish(ws, d, epoch);
   for (int64_t r = 0; r < n; ++r) host_wait(ws, r, epoch);
-  auto out = at::empty({s.rows, n * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
-  std::memcpy(out.data_ptr(), ws.slot_data(ws.rank, slot) + ws.layout.part_offset[0], s.rows * row_bytes);
+  if (out) {
+    *out = at::empty({s.rows, n * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+    std::memcpy(out->data_ptr(), local_inbox(ws), s.rows * row_bytes);
+    for (int64_t d = 0; d < n; ++d) host_ack(ws, d, epoch);
+  }
   host_commit_epoch(ws, epoch);
+}
+
+at::Tensor query_gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
+                            const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                            const std::optional<at::Tensor>& q_scale, int64_t workspace, bool neox,
+                            at::ScalarType out_dtype) {
+  at::Tensor out;
+  gather_cpu(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, &out);
   return out;
+}
+
+void query_publish_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                       const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
+                       int64_t workspace, bool neox, at::ScalarType out_dtype) {
+  gather_cpu(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, nullptr);
+}
+
+void query_release_cpu(const at::Tensor& inbox, int64_t workspace) {
+  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, inbox);
+  const Workspace& ws = *ws_ptr;
+  check_query_inbox(ws, inbox);
+  const uint64_t last = ws.epochs(ws.rank)[0];
+  for (int64_t d = 0; d < ws.world_size; ++d) host_ack(ws, d, last);
 }
 
 }  // namespace
@@ -174,6 +208,8 @@ at::Tensor query_gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
 TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
   m.impl("query_rope_quant", &query_rope_quant_cpu);
   m.impl("query_gather", &query_gather_cpu);
+  m.impl("query_publish", &query_publish_cpu);
+  m.impl("query_release", &query_release_cpu);
 }
 
 }  // namespace sdcp

@@ -1,7 +1,11 @@
 // Query boundary, CUDA: the fused RoPE / concatenation / quantisation producer
 // and its fan-out. A warp produces one (row, head) item and stores it into
 // every consumer's inbox (the same bytes N times), then each block publishes;
-// after waiting it copies its chunk of the local inbox into a fresh tensor.
+// after waiting it copies its chunk of the local inbox into a fresh tensor and
+// acknowledges (query_gather), or leaves the inbox to be read in place until
+// query_release acknowledges (query_publish). The inbox has one slot: a
+// producer stores into it only after every consumer acknowledged the last
+// epoch.
 
 #include "device_signal.cuh"
 #include "query.h"
@@ -104,11 +108,13 @@ __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
 // Bytes of one produced item, staged per warp in shared memory.
 constexpr int kMaxItemBytes = 2048;
 
-template <typename out_t>
+// kCopyOut: copy the gathered chunk into `out` and acknowledge (query_gather);
+// otherwise the inbox stays for a zero-copy reader (query_publish).
+template <typename out_t, bool kCopyOut>
 __global__ void query_gather_kernel(DeviceWorkspace ws, ProducerArgs a, out_t* out) {
   __shared__ __align__(16) uint8_t stage[kWarps][kMaxItemBytes];
   const uint64_t epoch = block_next_epoch(ws);
-  const int slot = epoch & 1;
+  const int slot = 0;
   const int n = ws.world, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int64_t hl = a.heads, width = a.nope_dim + a.rope_dim, items = a.rows * hl;
   const int64_t nvec = width * static_cast<int64_t>(sizeof(out_t)) / 16;  // 16-byte vectors per item
@@ -117,12 +123,19 @@ __global__ void query_gather_kernel(DeviceWorkspace ws, ProducerArgs a, out_t* o
   // Inbox [row][src * hl + h][width] of every rank.
   auto inbox = [&](int d) { return reinterpret_cast<uint4*>(ws.slot_data(d, slot) + ws.part[0]); };
   // 1. Produce each item once into shared memory, then store it into every
-  //    consumer's inbox as 16-byte vectors.
-  for (int64_t i = begin + warp; i < end; i += kWarps) {
-    const int64_t t = i / hl, h = i % hl;
+  //    consumer's inbox as 16-byte vectors. Every consumer must have finished
+  //    reading the previous epoch first: the wait overlaps the first item.
+  auto produce = [&](int64_t i) {
     out_t* staged = reinterpret_cast<out_t*>(stage[warp]);
-    produce_item<out_t>(a, t, h, &staged, 1);
+    produce_item<out_t>(a, i / hl, i % hl, &staged, 1);
     __syncwarp();
+  };
+  const int64_t first = begin + warp;
+  if (first < end) produce(first);
+  block_wait_acks(ws, epoch);
+  for (int64_t i = first; i < end; i += kWarps) {
+    if (i != first) produce(i);
+    const int64_t t = i / hl, h = i % hl;
     const uint4* src = reinterpret_cast<const uint4*>(stage[warp]);
     const int64_t item = (t * n + ws.rank) * hl + h;
     for (int d = 0; d < n; ++d) {
@@ -133,16 +146,28 @@ __global__ void query_gather_kernel(DeviceWorkspace ws, ProducerArgs a, out_t* o
   }
   block_publish_all(ws, epoch);
   block_wait_all(ws, epoch);
-  // 2. Copy chunk b of every source out of the local inbox.
-  const uint4* local = inbox(ws.rank);
-  uint4* o = reinterpret_cast<uint4*>(out);
-  const int64_t chunk = end - begin, total = chunk * n * nvec;
-  for (int64_t x = threadIdx.x; x < total; x += blockDim.x) {
-    const int64_t v = x % nvec, rest = x / nvec, s = rest / chunk, i = begin + rest % chunk;
-    const int64_t item = ((i / hl) * n + s) * hl + i % hl;
-    o[item * nvec + v] = local[item * nvec + v];
+  // 2. Copy chunk b of every source out of the local inbox, then tell every
+  //    producer that this block's part of the inbox is free again.
+  if constexpr (kCopyOut) {
+    const uint4* local = inbox(ws.rank);
+    uint4* o = reinterpret_cast<uint4*>(out);
+    const int64_t chunk = end - begin, total = chunk * n * nvec;
+    for (int64_t x = threadIdx.x; x < total; x += blockDim.x) {
+      const int64_t v = x % nvec, rest = x / nvec, s = rest / chunk, i = begin + rest % chunk;
+      const int64_t item = ((i / hl) * n + s) * hl + i % hl;
+      o[item * nvec + v] = local[item * nvec + v];
+    }
+    block_ack_all(ws, epoch);
   }
   block_commit_epoch(ws, epoch);
+}
+
+// The zero-copy reader is done with the inbox: acknowledge every block's last
+// epoch to every producer.
+__global__ void query_release_kernel(DeviceWorkspace ws) {
+  const uint64_t epoch = *ws.epoch(blockIdx.x);
+  for (int d = threadIdx.x; d < ws.world; d += blockDim.x)
+    st_release_sys(ws.flag(d, kAckSet, ws.rank, blockIdx.x), epoch);
 }
 
 ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
@@ -193,9 +218,10 @@ at::Tensor query_rope_quant_cuda(const at::Tensor& ql_nope, const at::Tensor& q_
   return out;
 }
 
-at::Tensor query_gather_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                             const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
-                             int64_t workspace, bool neox, at::ScalarType out_dtype) {
+// Launches the gather kernel; `out` is null for query_publish.
+void launch_gather(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                   const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
+                   bool neox, at::ScalarType out_dtype, at::Tensor* out) {
   const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
   const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, ql_nope);
   const Workspace& ws = *ws_ptr;
@@ -206,19 +232,46 @@ at::Tensor query_gather_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, 
   SDCP_CHECK_ARG(item_bytes % 16 == 0 && item_bytes <= kMaxItemBytes, "ql_nope, q_pe",
                  "heads of a multiple of 16 bytes, at most " << kMaxItemBytes << ", on CUDA",
                  s.width() << " elements of " << out_dtype);
-  auto out = at::empty({s.rows, ws.world_size * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+  if (out) *out = at::empty({s.rows, ws.world_size * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
   const c10::cuda::CUDAGuard guard(ql_nope.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, s);
   const auto dws = device_workspace(ws);
+  const auto grid = static_cast<unsigned>(ws.layout.blocks);
   if (out_dtype == at::kFloat8_e4m3fn) {
-    query_gather_kernel<c10::Float8_e4m3fn>
-        <<<ws.layout.blocks, kThreads, 0, stream>>>(dws, a, static_cast<c10::Float8_e4m3fn*>(out.data_ptr()));
+    using T = c10::Float8_e4m3fn;
+    if (out) query_gather_kernel<T, true><<<grid, kThreads, 0, stream>>>(dws, a, static_cast<T*>(out->data_ptr()));
+    else query_gather_kernel<T, false><<<grid, kThreads, 0, stream>>>(dws, a, nullptr);
   } else {
-    query_gather_kernel<c10::BFloat16><<<ws.layout.blocks, kThreads, 0, stream>>>(dws, a, out.data_ptr<c10::BFloat16>());
+    using T = c10::BFloat16;
+    if (out) query_gather_kernel<T, true><<<grid, kThreads, 0, stream>>>(dws, a, out->data_ptr<T>());
+    else query_gather_kernel<T, false><<<grid, kThreads, 0, stream>>>(dws, a, nullptr);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor query_gather_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                             const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
+                             int64_t workspace, bool neox, at::ScalarType out_dtype) {
+  at::Tensor out;
+  launch_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, &out);
   return out;
+}
+
+void query_publish_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                        const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
+                        int64_t workspace, bool neox, at::ScalarType out_dtype) {
+  launch_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, nullptr);
+}
+
+void query_release_cuda(const at::Tensor& inbox, int64_t workspace) {
+  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, inbox);
+  const Workspace& ws = *ws_ptr;
+  check_query_inbox(ws, inbox);
+  const c10::cuda::CUDAGuard guard(inbox.device());
+  query_release_kernel<<<static_cast<unsigned>(ws.layout.blocks), 32, 0, at::cuda::getCurrentCUDAStream()>>>(
+      device_workspace(ws));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -226,6 +279,8 @@ at::Tensor query_gather_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, 
 TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
   m.impl("query_rope_quant", &query_rope_quant_cuda);
   m.impl("query_gather", &query_gather_cuda);
+  m.impl("query_publish", &query_publish_cuda);
+  m.impl("query_release", &query_release_cuda);
 }
 
 }  // namespace sdcp

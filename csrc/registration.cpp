@@ -48,9 +48,17 @@ TORCH_LIBRARY(sdcp, m) {
   // inbox; returns a fresh copy of the gathered [T, N*H_loc, 576].
   m.def("query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
         "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor");
+  // Query, zero-copy: produce, publish and wait, leaving the gathered query in
+  // this rank's inbox for a reader that uses it in place; query_release(inbox)
+  // says the reader is done, and no producer reuses the inbox before it.
+  m.def("query_publish(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
+        "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> ()");
+  m.def("query_release(Tensor inbox, int workspace) -> ()");
 
   // ---- Workspace control (host side, never captured) --------------------
   m.def("workspace_nbytes(int kind, int[] params, int world_size) -> int");
+  // [blocks, control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset x 4]
+  m.def("workspace_layout(int kind, int[] params, int world_size) -> int[]");
   m.def("workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, "
         "int world_size, Device device, int timeout_ns) -> ()");
   m.def("workspace_unregister(int handle) -> ()");

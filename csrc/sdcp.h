@@ -71,9 +71,13 @@ void check_float_dtype(const at::Tensor& t, const char* name);
 //
 // Region layout (identical on every rank):
 //   [0, control_bytes)        control: epoch[blocks] then flags[2][N][blocks]
-//   [control_bytes, ...)      the family's data, two slots
-// Flags are uint64 words with one writer each: flags[slot][src][block] in the
+//   [control_bytes, ...)      the family's data, `slots` slots (1 or 2)
+// Flags are uint64 words with one writer each: flags[set][src][block] in the
 // destination's region is written by rank src only. Epochs are local.
+// Two-slot kinds use flag set e % 2 for "epoch e is ready" (docs/PROTOCOL.md);
+// one-slot kinds use set 0 for "ready" and set 1 for "rank src has finished
+// reading epoch e" (an acknowledgement the writer waits for before reusing
+// the slot).
 // ---------------------------------------------------------------------------
 
 enum class WorkspaceKind : int64_t {
@@ -90,7 +94,8 @@ struct WorkspaceLayout {
   int64_t control_bytes = 0;  // epoch + flags, aligned
   int64_t slot_bytes = 0;     // one data slot
   int64_t data_offset = 0;    // == control_bytes
-  int64_t region_bytes = 0;   // control + 2 slots (before granularity rounding)
+  int64_t slots = 2;          // data slots: 2 (epoch parity) or 1 (acknowledged)
+  int64_t region_bytes = 0;   // control + slots + tail pad (before granularity rounding)
   // Family-specific sub-offsets inside one slot.
   int64_t part_offset[4] = {0, 0, 0, 0};
 };
@@ -98,7 +103,7 @@ struct WorkspaceLayout {
 // params per kind:
 //   kExchange : [max_bytes_per_rank]
 //   kOutputLSE: [max_rows, total_heads, head_dim, elem_bytes]
-//   kTopK     : [max_rows, candidates_per_rank]
+//   kTopK     : [max_rows, candidates_per_rank, k]
 //   kQuery    : [max_rows, local_heads, head_dim, elem_bytes]
 WorkspaceLayout compute_layout(WorkspaceKind kind,
                                const std::vector<int64_t>& params,
@@ -122,11 +127,14 @@ struct Workspace {
   uint64_t* epochs(int64_t r) const {
     return reinterpret_cast<uint64_t*>(region(r));
   }
-  // flags[slot][src][block] inside rank r's region.
-  uint64_t* flag(int64_t r, int64_t slot, int64_t src, int64_t block) const {
+  // flags[set][src][block] inside rank r's region.
+  uint64_t* flag(int64_t r, int64_t set, int64_t src, int64_t block) const {
     auto* f = reinterpret_cast<uint64_t*>(region(r) + 8 * layout.blocks);
-    return f + (slot * world_size + src) * layout.blocks + block;
+    return f + (set * world_size + src) * layout.blocks + block;
   }
+  // The data slot and the "ready" flag set of epoch e.
+  int64_t slot_of(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
+  int64_t ready_set(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
   uint8_t* slot_data(int64_t r, int64_t slot) const {
     return region(r) + layout.data_offset + slot * layout.slot_bytes;
   }

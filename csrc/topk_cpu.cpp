@@ -31,13 +31,12 @@ void check_topk_inputs(const at::Tensor& scores, const at::Tensor& ids, int64_t 
 }
 
 void check_topk_workspace(const Workspace& ws, const at::Tensor& scores, int64_t k) {
-  const auto& p = ws.params;  // max_rows, candidates_per_rank
+  const auto& p = ws.params;  // max_rows, candidates_per_rank, k
   SDCP_CHECK_ARG(scores.size(0) <= p[0], "scores", "at most max_rows = " << p[0] << " rows",
                  scores.size(0) << " (larger batches take the collective path)");
   SDCP_CHECK_ARG(scores.size(1) == p[1], "scores", "candidates_per_rank = " << p[1] << " columns",
                  scores.size(1));
-  SDCP_CHECK_ARG(k <= ws.world_size * p[1], "k", "at most world_size * candidates_per_rank = "
-                 << ws.world_size * p[1], k);
+  SDCP_CHECK_ARG(k == p[2], "k", "the workspace's k = " << p[2], k);
 }
 
 namespace {
@@ -76,29 +75,33 @@ at::Tensor topk_merge_cpu(const at::Tensor& scores, const at::Tensor& ids, int64
   const Workspace& ws = *ws_ptr;
   check_topk_workspace(ws, scores, k);
   const int64_t rows = scores.size(0), c = scores.size(1), n = ws.world_size;
+  const int64_t kk = ws.layout.part_offset[1];  // keys per row in a shard: min(c, k)
+  auto shard = [&](int64_t r) {
+    return reinterpret_cast<uint64_t*>(ws.slot_data(r, 0) + ws.layout.part_offset[0]);
+  };
   const uint64_t epoch = host_next_epoch(ws);
-  const int64_t slot = epoch & 1;
-  // The owner writes its candidates once, into its own shard.
-  auto* own_s = reinterpret_cast<float*>(ws.slot_data(ws.rank, slot) + ws.layout.part_offset[0]);
-  auto* own_i = reinterpret_cast<int32_t*>(ws.slot_data(ws.rank, slot) + ws.layout.part_offset[1]);
+  // One slot: every consumer must have finished reading the previous epoch.
+  for (int64_t r = 0; r < n; ++r) host_wait_ack(ws, r, epoch);
+  // The owner writes its best kk keys per row once, sorted, into its own shard.
+  std::vector<uint64_t> keys(std::max(c, n * kk));
+  uint64_t* own = shard(ws.rank);
   for (int64_t t = 0; t < rows; ++t) {
-    std::memcpy(own_s + t * c, scores.data_ptr<float>() + t * scores.stride(0), c * 4);
-    std::memcpy(own_i + t * c, ids.data_ptr<int32_t>() + t * ids.stride(0), c * 4);
+    for (int64_t j = 0; j < c; ++j)
+      keys[j] = topk_key(scores.data_ptr<float>()[t * scores.stride(0) + j], ids.data_ptr<int32_t>()[t * ids.stride(0) + j]);
+    std::partial_sort(keys.begin(), keys.begin() + kk, keys.begin() + c, std::greater<uint64_t>());
+    std::copy(keys.begin(), keys.begin() + kk, own + t * kk);
   }
   for (int64_t d = 0; d < n; ++d) host_publish(ws, d, epoch);
   for (int64_t r = 0; r < n; ++r) host_wait(ws, r, epoch);
-  // Every consumer reads every owner's shard in place.
+  // Every consumer reads every owner's sorted shard in place and keeps the best k.
   auto out = at::empty({rows, k}, ids.options());
   int32_t* o = out.data_ptr<int32_t>();
-  std::vector<uint64_t> keys(n * c);
   for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t r = 0; r < n; ++r) {
-      const auto* ps = reinterpret_cast<const float*>(ws.slot_data(r, slot) + ws.layout.part_offset[0]);
-      const auto* pi = reinterpret_cast<const int32_t*>(ws.slot_data(r, slot) + ws.layout.part_offset[1]);
-      for (int64_t j = 0; j < c; ++j) keys[r * c + j] = topk_key(ps[t * c + j], pi[t * c + j]);
-    }
-    select_row(keys, k, o + t * k);
+    for (int64_t r = 0; r < n; ++r) std::copy(shard(r) + t * kk, shard(r) + (t + 1) * kk, keys.begin() + r * kk);
+    std::partial_sort(keys.begin(), keys.begin() + k, keys.begin() + n * kk, std::greater<uint64_t>());
+    for (int64_t i = 0; i < k; ++i) o[t * k + i] = topk_key_id(keys[i]);
   }
+  for (int64_t d = 0; d < n; ++d) host_ack(ws, d, epoch);
   host_commit_epoch(ws, epoch);
   return out;
 }

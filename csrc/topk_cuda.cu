@@ -1,143 +1,274 @@
-// Top-K boundary, CUDA. One block per row: the candidates become 64-bit keys
-// (semantics.h) and a block-wide radix sort (CUB) orders them descending, so
-// the ids come out in selection order. The peer merge runs on a fixed grid of
-// max_rows blocks: block t writes the owner's row t into its own shard,
-// publishes, waits for row t of every owner and reads their shards in place.
+// Top-K boundary, CUDA. Candidates become 64-bit keys (semantics.h, larger =
+// selected first), so a selection is a descending sort and the ids come out in
+// selection order. One block of 1024 threads per row:
+//   - chunk sort: each warp sorts runs of 64 keys in registers (bitonic, warp
+//     shuffles), then merge-path rounds in shared memory merge the runs of a
+//     chunk of up to 4096 keys, truncating every run to k;
+//   - list merge: sorted lists (chunks, or the owners' shards) are merged by
+//     rank: each key's output position is its index in its own list plus, for
+//     every other list, the number of keys ahead of it (a binary search), so
+//     one pass places every key without further barriers.
+// The peer merge: each owner sorts its row once and publishes its best
+// min(C, k) keys in its own shard (one slot); every consumer copies the
+// owners' shards into shared memory, acknowledges, and list-merges them.
 
 #include "device_signal.cuh"
 #include "semantics.h"
 #include "topk.h"
 
 #include <ATen/cuda/CUDAContext.h>
-#include <cub/block/block_radix_sort.cuh>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <array>
+#include <atomic>
 
 namespace sdcp {
 namespace {
 
 constexpr int kThreads = 1024;
-constexpr int64_t kMaxSortKeys = 16384;  // 16 keys per thread
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunk = 4096;              // keys sorted together, 4 per thread
+constexpr int64_t kMaxSortKeys = 16384;   // candidates per row of topk_select
+constexpr int kMaxDeviceWorld = 16;
 
-// Keys per thread for m candidates: the smallest power of two that fits.
-int items_per_thread(int64_t m) {
-  int items = 1;
-  while (items * kThreads < m) items <<= 1;
-  return items;
-}
+__device__ __forceinline__ uint64_t kmax(uint64_t a, uint64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ uint64_t kmin(uint64_t a, uint64_t b) { return a < b ? a : b; }
 
-template <int kItems>
-using BlockSort = cub::BlockRadixSort<uint64_t, kThreads, kItems>;
-
-// Sorts the block's keys descending (a blocked arrangement: thread t holds
-// positions [t * kItems, (t + 1) * kItems)) and writes the first k ids.
-// `key_at(j)` gives candidate j's key, 0 past the end.
-template <int kItems, typename KeyAt>
-__device__ void sort_and_select(uint8_t* smem, KeyAt key_at, int64_t k, int32_t* out) {
-  uint64_t keys[kItems];
+// Sorts the warp's 64 keys descending; element i = lane + 32 * e is held in
+// v[e]. Bitonic network: stage s builds sorted runs of s keys (even runs
+// descending, odd ascending), substep j compares i with i ^ j.
+__device__ __forceinline__ void warp_sort64(uint64_t v[2]) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int e = 0; e < kItems; ++e) keys[e] = key_at(static_cast<int64_t>(threadIdx.x) * kItems + e);
-  auto& temp = *reinterpret_cast<typename BlockSort<kItems>::TempStorage*>(smem);
-  BlockSort<kItems>(temp).SortDescending(keys);
+  for (int s = 2; s <= 64; s <<= 1) {
 #pragma unroll
-  for (int e = 0; e < kItems; ++e) {
-    const int64_t pos = static_cast<int64_t>(threadIdx.x) * kItems + e;
-    if (pos < k) out[pos] = topk_key_id(keys[e]);
+    for (int j = s >> 1; j > 0; j >>= 1) {
+      if (j == 32) {  // partner in the same lane (only in the last stage: descending)
+        const uint64_t hi = kmax(v[0], v[1]), lo = kmin(v[0], v[1]);
+        v[0] = hi;
+        v[1] = lo;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = lane + 32 * e;
+          const uint64_t w = __shfl_xor_sync(0xffffffffu, v[e], j);
+          const bool descending = (i & s) == 0;
+          const bool lower = (i & j) == 0;
+          v[e] = (lower == descending) ? kmax(v[e], w) : kmin(v[e], w);
+        }
+      }
+    }
   }
-  for (int64_t pos = static_cast<int64_t>(kThreads) * kItems + threadIdx.x; pos < k; pos += kThreads) out[pos] = -1;
 }
 
-template <int kItems>
+// One merge round: runs of `len` keys (the last may be shorter; `total` keys
+// in all) are merged in pairs into runs of min(2 * len, cap) keys, each the
+// best of its pair. Returns the number of keys written.
+__device__ int merge_round(const uint64_t* in, uint64_t* out, int total, int len, int cap) {
+  const int nruns = (total + len - 1) / len, nout = (nruns + 1) / 2;
+  const int newlen = min(2 * len, cap);
+  const int ipt = max(1, (nout * newlen + kThreads - 1) / kThreads);  // outputs per thread
+  const int per_run = (newlen + ipt - 1) / ipt;
+  for (int c = threadIdx.x; c < nout * per_run; c += kThreads) {
+    const int p = c / per_run, q = (c % per_run) * ipt;
+    const uint64_t* a = in + 2 * p * len;
+    const uint64_t* b = a + len;
+    const int la = min(len, total - 2 * p * len);
+    const int lb = max(0, min(len, total - (2 * p + 1) * len));
+    const int olen = min(la + lb, newlen);
+    if (q >= olen) continue;
+    // Merge path: how many of the first q outputs come from a (a wins ties).
+    int lo = max(0, q - lb), hi = min(q, la);
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (a[mid] >= b[q - 1 - mid]) lo = mid + 1; else hi = mid;
+    }
+    int i = lo, j = q - lo;
+    uint64_t* o = out + p * newlen + q;
+    const int cnt = min(ipt, olen - q);
+    for (int x = 0; x < cnt; ++x) {
+      const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
+      o[x] = take_a ? a[i++] : b[j++];
+    }
+  }
+  return (nout - 1) * newlen + min(total - 2 * (nout - 1) * len, newlen);
+}
+
+// Sorts the n <= kChunk keys key_at(0..n) descending in shared memory (a and b
+// hold kChunk keys each). Returns the buffer holding the sorted keys; keys
+// past min(n, cap) may be truncated away.
+template <typename KeyAt>
+__device__ uint64_t* chunk_sort(KeyAt key_at, int n, int cap, uint64_t* a, uint64_t* b) {
+  const int padded = (n + 63) & ~63;  // padding keys are 0: below every candidate
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int base = warp * 64; base < padded; base += kWarps * 64) {
+    uint64_t v[2];
+    v[0] = base + lane < n ? key_at(base + lane) : 0;
+    v[1] = base + lane + 32 < n ? key_at(base + lane + 32) : 0;
+    warp_sort64(v);
+    a[base + lane] = v[0];
+    a[base + lane + 32] = v[1];
+  }
+  __syncthreads();
+  int total = padded;
+  for (int len = 64; len < total; len = min(2 * len, cap)) {
+    total = merge_round(a, b, total, len, cap);
+    uint64_t* t = a;
+    a = b;
+    b = t;
+    __syncthreads();
+  }
+  return a;
+}
+
+// Places every key of `nlists` sorted lists (list l at lists + l * lstride,
+// `len` keys, the last list `last_len`) by rank, and calls emit(pos, key) for
+// the positions below k. Ties across lists go to the lower list, so positions
+// are a permutation.
+template <typename Emit>
+__device__ void list_merge(const uint64_t* lists, int nlists, int lstride, int len, int last_len, int k, Emit emit) {
+  for (int e = threadIdx.x; e < nlists * lstride; e += kThreads) {
+    const int l = e / lstride, i = e % lstride;
+    if (i >= (l == nlists - 1 ? last_len : len) || i >= k) continue;
+    const uint64_t x = lists[e];
+    int pos = i;
+    for (int d = 0; d < nlists && pos < k; ++d) {
+      if (d == l) continue;
+      const uint64_t* other = lists + d * lstride;
+      int lo = 0, hi = d == nlists - 1 ? last_len : len;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        const bool ahead = d < l ? other[mid] >= x : other[mid] > x;
+        if (ahead) lo = mid + 1; else hi = mid;
+      }
+      pos += lo;
+    }
+    if (pos < k) emit(pos, x);
+  }
+}
+
+// Shared memory of block_select over m keys: two chunk buffers, then the
+// sorted lists of the chunks (only with more than one chunk).
+int64_t select_smem(int64_t m, int64_t k) {
+  const int64_t chunks = std::max<int64_t>(1, (m + kChunk - 1) / kChunk);
+  const int64_t lstride = std::min<int64_t>(kChunk, k);
+  return 2 * kChunk * 8 + (chunks > 1 ? chunks * lstride * 8 : 0);
+}
+
+// The best min(m, k) of keys key_at(0..m) in order: emit(pos, key). The caller
+// emits the -1 padding for positions m..k. `before_emit` runs (once, by the
+// whole block) after the sorting and before the first emit.
+template <typename KeyAt, typename Emit, typename BeforeEmit>
+__device__ void block_select(uint8_t* smem, KeyAt key_at, int m, int k, Emit emit, BeforeEmit before_emit) {
+  auto* a = reinterpret_cast<uint64_t*>(smem);
+  auto* b = a + kChunk;
+  auto* lists = b + kChunk;
+  const int chunks = max(1, (m + kChunk - 1) / kChunk);
+  const int lstride = min(kChunk, k);
+  if (chunks == 1) {
+    const uint64_t* sorted = chunk_sort(key_at, m, k, a, b);
+    before_emit();
+    for (int pos = threadIdx.x; pos < min(m, k); pos += kThreads) emit(pos, sorted[pos]);
+    return;
+  }
+  for (int c = 0; c < chunks; ++c) {
+    const int base = c * kChunk, n = min(kChunk, m - base);
+    const uint64_t* sorted = chunk_sort([&](int j) { return key_at(base + j); }, n, k, a, b);
+    for (int j = threadIdx.x; j < min(n, lstride); j += kThreads) lists[c * lstride + j] = sorted[j];
+    __syncthreads();
+  }
+  before_emit();
+  const int last = m - (chunks - 1) * kChunk;
+  list_merge(lists, chunks, lstride, lstride, min(last, lstride), k, emit);
+}
+
 __global__ void __launch_bounds__(kThreads) topk_select_kernel(const float* scores, const int32_t* ids, int64_t s0,
-                                                               int64_t i0, int64_t m, int64_t k, int32_t* out) {
+                                                               int64_t i0, int m, int k, int32_t* out) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int64_t t = blockIdx.x;
-  sort_and_select<kItems>(
-      smem, [&](int64_t j) { return j < m ? topk_key(scores[t * s0 + j], ids[t * i0 + j]) : uint64_t{0}; }, k,
-      out + t * k);
+  int32_t* o = out + t * k;
+  block_select(
+      smem, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, m, k,
+      [&](int pos, uint64_t key) { o[pos] = topk_key_id(key); }, [] {});
+  for (int pos = m + threadIdx.x; pos < k; pos += kThreads) o[pos] = -1;
 }
 
-template <int kItems>
+// Grid: max_rows blocks (per-block epochs), block t handles row t.
 __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws, const float* scores,
-                                                              const int32_t* ids, int64_t s0, int64_t i0,
-                                                              int64_t rows, int64_t c, int64_t k, int32_t* out) {
+                                                              const int32_t* ids, int64_t s0, int64_t i0, int rows,
+                                                              int c, int k, int32_t* out) {
   extern __shared__ __align__(16) uint8_t smem[];
   const uint64_t epoch = block_next_epoch(ws);
-  const int slot = epoch & 1;
-  const int64_t t = blockIdx.x;
-  auto shard_scores = [&](int r) { return reinterpret_cast<float*>(ws.slot_data(r, slot) + ws.part[0]) + t * c; };
-  auto shard_ids = [&](int r) { return reinterpret_cast<int32_t*>(ws.slot_data(r, slot) + ws.part[1]) + t * c; };
-  if (t < rows) {  // the owner writes its row once, into its own shard
-    float* os = shard_scores(ws.rank);
-    int32_t* oi = shard_ids(ws.rank);
-    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
-      os[j] = scores[t * s0 + j];
-      oi[j] = ids[t * i0 + j];
-    }
+  const int t = blockIdx.x, n = ws.world;
+  const int kk = static_cast<int>(ws.part[1]);  // keys per row in a shard: min(c, k)
+  auto shard = [&](int r) { return reinterpret_cast<uint64_t*>(ws.slot_data(r, 0) + ws.part[0]) + t * kk; };
+  // 1. Owner: sort the row once; once every consumer has finished reading the
+  //    previous epoch, store the best kk keys into the own shard, in order.
+  uint64_t* own = shard(ws.rank);
+  if (t < rows) {
+    block_select(
+        smem, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, c, kk,
+        [&](int pos, uint64_t key) { own[pos] = key; }, [&] { block_wait_acks(ws, epoch); });
+  } else {
+    block_wait_acks(ws, epoch);
   }
   block_publish_all(ws, epoch);
   block_wait_all(ws, epoch);
-  if (t < rows) {  // every consumer reads every owner's row in place
-    const int64_t m = ws.world * c;
-    sort_and_select<kItems>(
-        smem,
-        [&](int64_t j) {
-          if (j >= m) return uint64_t{0};
-          const int r = static_cast<int>(j / c);
-          return topk_key(shard_scores(r)[j % c], shard_ids(r)[j % c]);
-        },
-        k, out + t * k);
+  // 2. Consumer: copy every owner's sorted row into shared memory (16-byte
+  //    loads), acknowledge, then place the keys by rank.
+  auto* lists = reinterpret_cast<uint64_t*>(smem);
+  if (t < rows) {
+    if (kk % 2 == 0) {  // rows are 16-byte aligned
+      const int vec_per_list = kk / 2;
+      for (int x = threadIdx.x; x < n * vec_per_list; x += kThreads) {
+        const int r = x / vec_per_list, v = x % vec_per_list;
+        reinterpret_cast<uint4*>(lists + r * kk)[v] = reinterpret_cast<const uint4*>(shard(r))[v];
+      }
+    } else {
+      for (int x = threadIdx.x; x < n * kk; x += kThreads) lists[x] = shard(x / kk)[x % kk];
+    }
+  }
+  block_ack_all(ws, epoch);
+  if (t < rows) {
+    int32_t* o = out + static_cast<int64_t>(t) * k;
+    list_merge(lists, n, kk, kk, kk, k, [&](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
   }
   block_commit_epoch(ws, epoch);
 }
 
-template <template <int> class Launch, typename... Args>
-void dispatch_items(int items, Args&&... args) {
-  switch (items) {
-    case 1: Launch<1>::run(args...); break;
-    case 2: Launch<2>::run(args...); break;
-    case 4: Launch<4>::run(args...); break;
-    case 8: Launch<8>::run(args...); break;
-    default: Launch<16>::run(args...); break;
-  }
+int64_t max_smem_optin(const at::Tensor& on) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, on.get_device()));
+  return value;
 }
 
-void set_smem(const void* kernel, int64_t bytes) {
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+// Opt the kernel into `bytes` of dynamic shared memory on the current device
+// (the attribute call is made only when a larger size is first needed).
+void set_smem(const void* kernel, int64_t bytes, std::array<std::atomic<int64_t>, 64>& current, int device) {
+  auto& cur = current[device & 63];
+  if (bytes > cur.load()) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    cur.store(bytes);
+  }
 }
-
-template <int kItems>
-struct LaunchSelect {
-  static void run(const at::Tensor& scores, const at::Tensor& ids, int64_t k, at::Tensor& out, cudaStream_t stream) {
-    const int64_t smem = sizeof(typename BlockSort<kItems>::TempStorage);
-    set_smem(reinterpret_cast<const void*>(topk_select_kernel<kItems>), smem);
-    topk_select_kernel<kItems><<<scores.size(0), kThreads, smem, stream>>>(scores.data_ptr<float>(), ids.data_ptr<int32_t>(),
-                                                       scores.stride(0), ids.stride(0), scores.size(1), k,
-                                                       out.data_ptr<int32_t>());
-  }
-};
-
-template <int kItems>
-struct LaunchMerge {
-  static void run(const Workspace& ws, const at::Tensor& scores, const at::Tensor& ids, int64_t k, at::Tensor& out,
-                  cudaStream_t stream) {
-    const int64_t smem = sizeof(typename BlockSort<kItems>::TempStorage);
-    set_smem(reinterpret_cast<const void*>(topk_merge_kernel<kItems>), smem);
-    // The grid is fixed by the workspace (max_rows blocks): per-block epochs.
-    topk_merge_kernel<kItems><<<ws.layout.blocks, kThreads, smem, stream>>>(device_workspace(ws), scores.data_ptr<float>(),
-                                                         ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
-                                                         scores.size(0), scores.size(1), k, out.data_ptr<int32_t>());
-  }
-};
 
 at::Tensor topk_select_cuda(const at::Tensor& scores, const at::Tensor& ids, int64_t k) {
   check_topk_inputs(scores, ids, k);
   const int64_t rows = scores.size(0), m = scores.size(1);
   SDCP_CHECK_ARG(m <= kMaxSortKeys, "scores", "at most " << kMaxSortKeys << " candidates per row on CUDA", m);
+  SDCP_CHECK_ARG(k <= INT32_MAX / 2, "k", "at most " << INT32_MAX / 2 << " on CUDA", k);
   auto out = at::empty({rows, k}, ids.options());
   if (rows == 0) return out;
   const c10::cuda::CUDAGuard guard(scores.device());
-  dispatch_items<LaunchSelect>(items_per_thread(m), scores, ids, k, out, at::cuda::getCurrentCUDAStream().stream());
+  const int64_t smem = select_smem(m, k), limit = max_smem_optin(scores);
+  SDCP_CHECK_ARG(smem <= limit, "scores", "a row that fits in shared memory (" << limit << " bytes)", smem << " bytes for "
+                 << m << " candidates and k = " << k);
+  static std::array<std::atomic<int64_t>, 64> current{};
+  set_smem(reinterpret_cast<const void*>(topk_select_kernel), smem, current, scores.get_device());
+  topk_select_kernel<<<rows, kThreads, smem, at::cuda::getCurrentCUDAStream().stream()>>>(
+      scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0), static_cast<int>(m),
+      static_cast<int>(k), out.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
@@ -147,12 +278,20 @@ at::Tensor topk_merge_cuda(const at::Tensor& scores, const at::Tensor& ids, int6
   const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kTopK, scores);
   const Workspace& ws = *ws_ptr;
   check_topk_workspace(ws, scores, k);
-  const int64_t m = ws.world_size * scores.size(1);
-  SDCP_CHECK_ARG(m <= kMaxSortKeys, "scores",
-                 "at most " << kMaxSortKeys << " candidates per row over all ranks on CUDA", m);
+  SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
+                 ws.world_size);
+  const int64_t c = scores.size(1), kk = ws.layout.part_offset[1];
+  const int64_t smem = std::max(select_smem(c, kk), ws.world_size * kk * 8), limit = max_smem_optin(scores);
+  SDCP_CHECK_ARG(smem <= limit, "scores", "candidates that fit in shared memory (" << limit << " bytes)",
+                 smem << " bytes for " << c << " candidates per rank, " << ws.world_size << " ranks and k = " << k);
   auto out = at::empty({scores.size(0), k}, ids.options());
   const c10::cuda::CUDAGuard guard(scores.device());
-  dispatch_items<LaunchMerge>(items_per_thread(m), ws, scores, ids, k, out, at::cuda::getCurrentCUDAStream().stream());
+  static std::array<std::atomic<int64_t>, 64> current{};
+  set_smem(reinterpret_cast<const void*>(topk_merge_kernel), smem, current, scores.get_device());
+  // The grid is fixed by the workspace (max_rows blocks): per-block epochs.
+  topk_merge_kernel<<<ws.layout.blocks, kThreads, smem, at::cuda::getCurrentCUDAStream().stream()>>>(
+      device_workspace(ws), scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
+      static_cast<int>(scores.size(0)), static_cast<int>(c), static_cast<int>(k), out.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

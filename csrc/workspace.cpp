@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <mutex>
+#include <algorithm>
 #include <cstdio>
 #include <unordered_map>
 
@@ -125,19 +126,26 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
       break;
     }
     case WorkspaceKind::kTopK: {
-      check_params(p, 2, "max_rows, candidates_per_rank");
-      const int64_t rows = p[0], c = p[1];
+      check_params(p, 3, "max_rows, candidates_per_rank, k");
+      const int64_t rows = p[0], c = p[1], k = p[2];
+      TORCH_CHECK_VALUE(k <= n * c, cat("torch_sdcp: argument 'k': expected at most world_size * "
+                        "candidates_per_rank = ", n * c, ", got ", k));
       l.blocks = rows;
-      const int64_t score_bytes = align_up(rows * c * 4, kAlign);
-      l.part_offset[0] = 0;            // own scores [row][c] fp32
-      l.part_offset[1] = score_bytes;  // own ids [row][c] int32
-      l.slot_bytes = score_bytes + align_up(rows * c * 4, kAlign);
+      // Each owner's shard: its best min(c, k) candidates per row as sorted
+      // 64-bit selection keys (semantics.h). One slot: consumers acknowledge.
+      l.slots = 1;
+      l.part_offset[0] = 0;                      // keys [row][min(c, k)]
+      l.part_offset[1] = std::min(c, k);         // keys per row
+      l.slot_bytes = align_up(rows * std::min(c, k) * 8, kAlign);
       break;
     }
     case WorkspaceKind::kQuery: {
       check_params(p, 4, "max_rows, local_heads, head_dim, elem_bytes");
       const int64_t rows = p[0], hl = p[1], dim = p[2], eb = p[3];
       l.blocks = 256;
+      // One slot: the inbox may be read after the call (a zero-copy view), so
+      // producers wait for the consumer's acknowledgement before reusing it.
+      l.slots = 1;
       l.part_offset[0] = 0;  // inbox [row][src*H_loc + h][dim]
       l.slot_bytes = align_up(rows * n * hl * dim * eb, kAlign);
       break;
@@ -147,7 +155,7 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
   }
   l.control_bytes = align_up(8 * l.blocks + 2 * n * l.blocks * 8, 4096);
   l.data_offset = l.control_bytes;
-  l.region_bytes = l.control_bytes + 2 * l.slot_bytes + kTailPad;
+  l.region_bytes = l.control_bytes + l.slots * l.slot_bytes + kTailPad;
   return l;
 }
 
@@ -166,6 +174,13 @@ WorkspaceKind to_kind(int64_t kind) {
 
 int64_t workspace_nbytes(int64_t kind, c10::IntArrayRef params, int64_t world_size) {
   return compute_layout(to_kind(kind), params.vec(), world_size).region_bytes;
+}
+
+// [blocks, control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset[0..3]]
+std::vector<int64_t> workspace_layout(int64_t kind, c10::IntArrayRef params, int64_t world_size) {
+  const auto l = compute_layout(to_kind(kind), params.vec(), world_size);
+  return {l.blocks, l.control_bytes, l.data_offset, l.slots, l.slot_bytes, l.region_bytes,
+          l.part_offset[0], l.part_offset[1], l.part_offset[2], l.part_offset[3]};
 }
 
 void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, int64_t base,
@@ -233,6 +248,7 @@ std::shared_ptr<const Workspace> resolve_workspace(int64_t handle, WorkspaceKind
 
 TORCH_LIBRARY_IMPL(sdcp, CompositeExplicitAutograd, m) {
   m.impl("workspace_nbytes", &workspace_nbytes);
+  m.impl("workspace_layout", &workspace_layout);
   m.impl("workspace_register", &workspace_register);
   m.impl("workspace_unregister", &workspace_unregister);
   m.impl("workspace_handles", &workspace_handles);

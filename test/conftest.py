@@ -17,6 +17,11 @@ def cuda_kernels_built() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("sdcp::lse_combine", "CUDA")
 
 
+# World size of the boundary GPU tests: 2 by default, 4 or 8 on machines with
+# that many GPUs (tools/gpu_suite.sh with SDCP_GPU_WORLD=4 or 8).
+GPU_WORLD = int(os.environ.get("SDCP_GPU_WORLD", "2"))
+
+
 def requires_gpus(n: int):
     """Skip unless n CUDA devices are visible and the CUDA kernels are built."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

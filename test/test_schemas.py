@@ -19,10 +19,13 @@ sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, 
 sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse) -> ()
 sdcp::peer_all_gather(Tensor x, int workspace) -> Tensor
 sdcp::query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor
+sdcp::query_publish(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> ()
+sdcp::query_release(Tensor inbox, int workspace) -> ()
 sdcp::query_rope_quant(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, bool neox, ScalarType out_dtype) -> Tensor
 sdcp::topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor
 sdcp::topk_select(Tensor scores, Tensor ids, int k) -> Tensor
 sdcp::workspace_handles() -> int[]
+sdcp::workspace_layout(int kind, int[] params, int world_size) -> int[]
 sdcp::workspace_nbytes(int kind, int[] params, int world_size) -> int
 sdcp::workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, int world_size, Device device, int timeout_ns) -> ()
 sdcp::workspace_unregister(int handle) -> ()""")

@@ -27,7 +27,8 @@ def make_candidates(t, c, *, seed=0, id_base=0, stride=1, nasty=False):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("t,m,k", [(1, 8, 4), (17, 100, 64), (16, 1024, 512), (4, 300, 512), (2, 4096, 2048)])
+@pytest.mark.parametrize("t,m,k", [(1, 8, 4), (17, 100, 64), (16, 1024, 512), (4, 300, 512), (2, 4096, 2048),
+                                   (3, 2049, 7), (2, 5000, 3000), (2, 16384, 2048), (1, 65, 100)])
 @pytest.mark.parametrize("nasty", [False, True])
 def test_local_select_matches_reference(device, t, m, k, nasty):
     scores, ids = make_candidates(t, m, seed=t * 7 + m, nasty=nasty)
@@ -79,7 +80,7 @@ def test_local_select_compiles_fullgraph():
 # ---------------------------------------------------------------------------
 
 from _dist import run_workers  # noqa: E402
-from conftest import requires_gpus  # noqa: E402
+from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 
 def _global_candidates(world, t, c, seed, nasty):
@@ -107,6 +108,8 @@ def _peer_merge_worker(rank, world, backend, cases, max_rows):
         torch.cuda.set_device(device)
     picked = []
     for k, c in sorted({(k, c) for _, k, c, _ in cases}):
+        if k > world * c:
+            continue
         with torch_sdcp.TopKWorkspace(None, max_rows, k, candidates_per_rank=c, backend=backend,
                                       device=device) as ws:
             for i, (t, kk, cc, nasty) in enumerate(cases):
@@ -120,7 +123,7 @@ def _peer_merge_worker(rank, world, backend, cases, max_rows):
 
 
 HOST_CASES = [(1, 512, 512, True), (16, 512, 1024, False), (17, 1024, 1024, True), (64, 512, 512, True),
-              (3, 2048, 2048, True)]
+              (3, 2048, 2048, True), (4, 20, 16, True)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -131,13 +134,19 @@ def test_peer_merge_host_identical_on_every_rank(world):
 
 
 GPU_CASES = [(t, k, k, nasty) for t in (1, 16, 17, 64, 96, 128) for k in (512, 1024, 2048)
-             for nasty in (t % 2 == 1,)]
+             for nasty in (t % 2 == 1,)] + [
+    (9, 2048, 4096, True),  # an owner sorts two chunks
+    (5, 100, 300, False),   # C > k, k not a power of two
+    (3, 77, 77, True),      # odd shard rows (no 16-byte vectors)
+    (4, 20, 16, True),      # C < k
+]
 
 
-@requires_gpus(2)
+@requires_gpus(GPU_WORLD)
 def test_peer_merge_cuda():
-    picked = run_workers(_peer_merge_worker, 2, args=("cuda", GPU_CASES, 128), timeout=400)
-    assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[1]))
+    picked = run_workers(_peer_merge_worker, GPU_WORLD, args=("cuda", GPU_CASES, 128), timeout=400)
+    for r in range(1, GPU_WORLD):
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
 
 
 def _graph_worker(rank, world, replays):
@@ -173,9 +182,9 @@ def _graph_worker(rank, world, replays):
     return replays
 
 
-@requires_gpus(2)
+@requires_gpus(GPU_WORLD)
 def test_peer_merge_cuda_graph_replay_and_compile():
-    assert run_workers(_graph_worker, 2, args=(1000,), timeout=400) == [1000, 1000]
+    assert run_workers(_graph_worker, GPU_WORLD, args=(1000,), timeout=400) == [1000] * GPU_WORLD
 
 
 def test_peer_merge_opcheck_and_compile_world1(world1):
@@ -191,3 +200,12 @@ def test_peer_merge_opcheck_and_compile_world1(world1):
             assert torch.equal(f(scores, ids).cpu(), reference.topk_select_ref(scores.cpu(), ids.cpu(), 16))
             with pytest.raises(ValueError, match="'scores'.*candidates_per_rank = 32"):
                 ws.merge(scores[:, :16].contiguous(), ids[:, :16].contiguous())
+
+
+def test_workspace_fits_the_target_at_128_rows():
+    # One slot of 128 rows x 2048 sorted 8-byte keys, plus control: 4 MiB
+    # after rounding to a 2 MiB granularity.
+    nbytes = torch.ops.sdcp.workspace_nbytes(2, [128, 2048, 2048], 2)
+    assert 128 * 2048 * 8 < nbytes <= 4 * 2**20 - 2**20
+    with pytest.raises(ValueError, match="'k'.*at most world_size \\* candidates_per_rank = 64"):
+        torch.ops.sdcp.workspace_nbytes(2, [8, 32, 65], 2)

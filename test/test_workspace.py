@@ -1,5 +1,6 @@
 """Workspaces: the fallback policy (collective mode when peer memory is
-unavailable, logged), argument errors, and teardown."""
+unavailable, logged), argument errors, teardown, resizing, and the
+one-stream-at-a-time rule."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from _dist import run_workers
+from conftest import GPU_WORLD, requires_gpus
 
 
 def _collective_mode_worker(rank, world):
@@ -81,3 +83,64 @@ def _argument_worker(rank, world):
 
 def test_workspace_argument_errors_and_teardown():
     assert run_workers(_argument_worker, 2, timeout=120) == [True, True]
+
+
+def _resize_worker(rank, world):
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(world, 12, 32, generator=g)
+    ids = torch.randperm(world * 12 * 32, generator=g).view(world, 12, 32).to(torch.int32)
+    want = reference.topk_merge_ref([(scores[r], ids[r]) for r in range(world)], 16)
+    with torch_sdcp.TopKWorkspace(None, 4, 16, candidates_per_rank=32, backend="host") as ws:
+        old = ws.handle
+        ws.resize(16)  # collective: every rank re-creates it
+        assert ws.max_rows == 16 and ws.handle != old and old not in torch.ops.sdcp.workspace_handles()
+        assert torch.equal(ws.merge(scores[rank], ids[rank]), want)
+        with pytest.raises(ValueError, match="'max_rows'.*positive int"):
+            ws.resize(0)
+    return True
+
+
+def test_resize_recreates_the_workspace():
+    assert run_workers(_resize_worker, 2, timeout=120) == [True, True]
+
+
+def _stream_worker(rank, world):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 128, device=device) as ws:
+        out = torch.randn(4, 8, 128, device=device, dtype=torch.bfloat16)
+        lse = torch.randn(4, 8, device=device)
+        ws.combine(out, lse)  # default stream, then idle: a switch is fine
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            ws.combine(out, lse)
+        # The side stream still runs (a long kernel ahead of the call): a call
+        # from the default stream now would race with it.
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            ws.combine(out, lse)
+        with pytest.raises(RuntimeError, match="still runs an earlier call"):
+            ws.combine(out, lse)
+        side.synchronize()
+        # Capture, then resizing is refused.
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            ws.combine(out, lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match="'max_rows'.*captured in a CUDA graph"):
+            ws.resize(16)
+    return True
+
+
+@requires_gpus(GPU_WORLD)
+def test_one_stream_at_a_time_and_no_resize_after_capture():
+    assert run_workers(_stream_worker, GPU_WORLD, timeout=300) == [True] * GPU_WORLD

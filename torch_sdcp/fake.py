@@ -58,6 +58,16 @@ def _query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, n
     return ql_nope.new_empty((t, n * h, nope + q_pe.shape[2]), dtype=out_dtype)
 
 
+@register_fake("sdcp::query_publish")
+def _query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype):
+    return None
+
+
+@register_fake("sdcp::query_release")
+def _query_release(inbox, workspace):
+    return None
+
+
 # Peer ops publish into other ranks' memory: never dead code, even when the
 # caller drops the result on this rank.
 PEER_OPS = (
@@ -66,6 +76,8 @@ PEER_OPS = (
     torch.ops.sdcp.output_lse_combine_out.default,
     torch.ops.sdcp.topk_merge.default,
     torch.ops.sdcp.query_gather.default,
+    torch.ops.sdcp.query_publish.default,
+    torch.ops.sdcp.query_release.default,
 )
 for _op in PEER_OPS:
     torch.fx.node.has_side_effect(_op)

@@ -77,3 +77,18 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
     gathered [T, N * H_loc, Dn + R] (head = src_rank * H_loc + h)."""
     return torch.ops.sdcp.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace,
                                        rope_is_neox(rope_style), out_dtype)
+
+
+def query_publish(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                  q_scale: Optional[Tensor], workspace: int, *, rope_style: str = "interleaved",
+                  out_dtype: torch.dtype = torch.bfloat16) -> None:
+    """As query_gather, but the gathered query stays in this rank's inbox for a
+    zero-copy reader, which must call query_release when it is done."""
+    torch.ops.sdcp.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace,
+                                 rope_is_neox(rope_style), out_dtype)
+
+
+def query_release(inbox: Tensor, workspace: int) -> None:
+    """The reader of ``inbox`` (this rank's inbox view) is done with it:
+    producers may store the next call's query into it."""
+    torch.ops.sdcp.query_release(inbox, workspace)

@@ -6,6 +6,12 @@ Fallback policy (explicit, logged once per workspace and reason): a call with
 more rows than ``max_rows``, or a workspace whose group cannot use peer memory
 (created with ``fallback=True``), runs the collective path of
 :mod:`torch_sdcp.reference` instead. Nothing falls back as error recovery.
+
+One stream at a time: the signalling protocol assumes that a workspace's calls
+are ordered (docs/PROTOCOL.md). A call from a second stream while the first
+still runs a call is an error; switching streams when the first is idle (for
+example eager warm-up, then capture on a side stream) is fine. A workspace that
+was captured in a CUDA graph cannot be resized: the graph keeps its addresses.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ class PeerWorkspace:
         if not timeout_s > 0:
             raise ValueError(f"torch_sdcp: argument 'timeout_s': expected > 0, got {timeout_s!r}")
         self.group = group
+        self._init_kwargs = dict(backend=backend, device=device, timeout_s=timeout_s,
+                                 allow_shared_device=allow_shared_device, fallback=fallback)
+        self._stream: Optional[torch.cuda.Stream] = None
+        self._captured = False
         self.params = [int(p) for p in params]
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -62,6 +72,8 @@ class PeerWorkspace:
         self.arena: Optional[PeerArena] = None
         self._logged: set[str] = set()
         self.nbytes_per_rank = torch.ops.sdcp.workspace_nbytes(self.kind, self.params, self.world_size)
+        (self.flag_blocks, _, self.data_offset, self.slots, self.slot_bytes, _,
+         *self.part_offsets) = torch.ops.sdcp.workspace_layout(self.kind, self.params, self.world_size)
         try:
             self.arena = PeerArena(group, self.nbytes_per_rank, backend=backend, device=device,
                                    allow_shared_device=allow_shared_device, timeout_s=max(self.timeout_s, 30.0))
@@ -95,13 +107,46 @@ class PeerWorkspace:
             logger.warning("torch_sdcp %s workspace, rank %d: %s", type(self).__name__, self.rank, message)
 
     def _rows_fit(self, rows: int) -> bool:
+        """True when this call takes the peer path (and may use the workspace)."""
         if not self.peer:
             return False
         if rows > self.params[0]:
             self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.params[0]}; "
                              "this call takes the collective path")
             return False
+        self._check_stream()
         return True
+
+    def _check_stream(self) -> None:
+        """Calls on one workspace must be ordered: refuse a second stream while
+        the first still runs a call (docs/PROTOCOL.md)."""
+        if self.device.type != "cuda" or torch.compiler.is_compiling():
+            return
+        stream = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        self._captured = self._captured or capturing
+        last = self._stream
+        # A capture starts from a synchronised device (torch.cuda.graph does
+        # it); querying another stream during a global capture is not allowed.
+        if last is not None and last != stream and not capturing and not last.query():
+            raise RuntimeError(
+                f"torch_sdcp: {type(self).__name__} on rank {self.rank} is used from stream "
+                f"{stream.cuda_stream:#x} while stream {last.cuda_stream:#x} still runs an earlier call on it: "
+                "calls on one workspace must be ordered; use one workspace per stream, or make this stream "
+                "wait for the other (stream.wait_stream)")
+        self._stream = stream
+
+    def _resize(self, bound_name: str, bound: int) -> None:
+        """Re-create the workspace with a new first parameter (collective)."""
+        _positive(bound_name, bound)
+        if self._captured:
+            raise RuntimeError(
+                f"torch_sdcp: argument '{bound_name}': cannot resize {type(self).__name__} on rank {self.rank} "
+                f"to {bound}: it was captured in a CUDA graph, which keeps its addresses and epochs; create a new "
+                "workspace and capture again")
+        params = [bound] + self.params[1:]
+        self.close()
+        PeerWorkspace.__init__(self, self.group, params, **self._init_kwargs)
 
     def close(self) -> None:
         """Synchronise, barrier, unregister, unmap and free. Idempotent; local
@@ -175,6 +220,12 @@ class OutputLSEWorkspace(PeerWorkspace):
     def local_heads(self) -> int:
         return self.total_heads // self.world_size
 
+    def resize(self, max_rows: int) -> None:
+        """Re-create the workspace for a new row bound (collective; refused
+        once the workspace was captured in a CUDA graph)."""
+        self._resize("max_rows", max_rows)
+        self.max_rows = max_rows
+
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
                 return_lse: bool = False):
         """partial_out [T, H, D], partial_lse [T, H] fp32 over this rank's KV
@@ -199,8 +250,14 @@ class OutputLSEWorkspace(PeerWorkspace):
 
 
 class TopKWorkspace(PeerWorkspace):
-    """Top-K boundary: each owner publishes its candidate shard in place; every
-    consumer selects over local and peer shards (no inbox of N copies)."""
+    """Top-K boundary: each owner sorts its candidates once and publishes its
+    best min(C, k) in its own shard; every consumer reads the shards in place
+    and merges them (no inbox of N copies).
+
+    Physical memory per rank: control + max_rows x min(C, k) x 8 bytes (one
+    slot: consumers acknowledge before an owner reuses its shard),
+    granularity-rounded.
+    """
 
     kind = KIND_TOPK
 
@@ -210,7 +267,13 @@ class TopKWorkspace(PeerWorkspace):
         self.candidates_per_rank = _positive("candidates_per_rank",
                                              k if candidates_per_rank is None else candidates_per_rank)
         self.max_rows = max_rows
-        super().__init__(group, [_positive("max_rows", max_rows), self.candidates_per_rank], **kwargs)
+        super().__init__(group, [_positive("max_rows", max_rows), self.candidates_per_rank, self.k], **kwargs)
+
+    def resize(self, max_rows: int) -> None:
+        """Re-create the workspace for a new row bound (collective; refused
+        once the workspace was captured in a CUDA graph)."""
+        self._resize("max_rows", max_rows)
+        self.max_rows = max_rows
 
     def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
         """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
@@ -222,7 +285,18 @@ class TopKWorkspace(PeerWorkspace):
 
 class QueryWorkspace(PeerWorkspace):
     """Query boundary: the fused RoPE/FP8 producer stores this rank's head shard
-    into every consumer's inbox [T, N*H_loc, nope+rope]."""
+    into every consumer's inbox [T, N*H_loc, nope+rope].
+
+    Two ways to consume it: ``gather`` returns a fresh tensor (safe anywhere,
+    torch.compile included); ``gather_view`` returns a zero-copy view of this
+    rank's inbox, valid until ``release()``. The inbox has one slot: no producer
+    stores the next call's query into it before every consumer has finished
+    with the last one (``gather`` acknowledges inside the call, a view's reader
+    by ``release()``), so a late reader never sees a torn or overwritten inbox.
+
+    Physical memory per rank: control + max_rows x N x local_heads x
+    (nope + rope) x element size, granularity-rounded.
+    """
 
     kind = KIND_QUERY
 
@@ -240,13 +314,85 @@ class QueryWorkspace(PeerWorkspace):
         elem = torch.empty((), dtype=dtype).element_size()
         super().__init__(group, [_positive("max_rows", max_rows), _positive("local_heads", local_heads),
                                  nope_dim + rope_dim, elem], **kwargs)
+        self._open_view: Optional[Tensor] = None
+        self._inbox_view: Optional[Tensor] = None
+
+    @property
+    def inbox(self) -> Optional[Tensor]:
+        """This rank's whole inbox [max_rows, N*H_loc, nope+rope] (None in
+        collective mode). Read it only between gather_view() and release()."""
+        if self.arena is None:
+            return None
+        width = self.nope_dim + self.rope_dim
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        raw = self.arena.local_view(torch.uint8, (self.max_rows, self.world_size * self.local_heads, width * elem),
+                                    self.data_offset + self.part_offsets[0])
+        return raw.view(self.dtype)
+
+    def resize(self, max_rows: int) -> None:
+        """Re-create the workspace for a new row bound (collective; refused
+        once the workspace was captured in a CUDA graph or a view is open)."""
+        if self._open_view is not None:
+            raise RuntimeError("torch_sdcp: QueryWorkspace.resize: a view from gather_view() is still open; "
+                               "release() it first")
+        self._resize("max_rows", max_rows)
+        self.max_rows = max_rows
+
+    def close(self) -> None:
+        """As PeerWorkspace.close; an open view becomes invalid."""
+        self._open_view = self._inbox_view = None
+        super().close()
+
+    def _check_no_open_view(self, what: str) -> None:
+        if self._open_view is not None:
+            raise RuntimeError(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by the "
+                               "last gather_view() is still open; call release() once its reader is done, "
+                               "before producing the next query")
 
     def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                q_scale: Optional[Tensor] = None) -> Tensor:
         """A fresh gathered query [T, N*H_loc, nope+rope] (head = src*H_loc + h),
         bit-identical to producing locally then all_gather on heads."""
+        if not torch.compiler.is_compiling():
+            self._check_no_open_view("gather")
         if self._rows_fit(ql_nope.shape[0]):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype)
         return reference.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
                                           neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
+
+    def gather_view(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                    q_scale: Optional[Tensor] = None) -> Tensor:
+        """Zero-copy: as gather, but returns a view [T, N*H_loc, nope+rope] of
+        this rank's inbox. The view stays valid until ``release()``, which the
+        caller must call after the last kernel that reads it has been enqueued
+        (same stream) and before the next gather or gather_view. Eager and CUDA
+        graphs only: under torch.compile use ``gather``. A call with more rows
+        than max_rows takes the collective path and returns a fresh tensor
+        (release() is still required, and does nothing on the device)."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("torch_sdcp: QueryWorkspace.gather_view is not traceable by torch.compile (its "
+                               "result aliases workspace memory); use gather() inside compiled regions")
+        self._check_no_open_view("gather_view")
+        rows = ql_nope.shape[0]
+        if self._rows_fit(rows):
+            ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
+                              rope_style=self.rope_style, out_dtype=self.dtype)
+            if self._inbox_view is None:
+                self._inbox_view = self.inbox
+            view = self._inbox_view[:rows]
+        else:
+            view = self.gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+        self._open_view = view
+        return view
+
+    def release(self) -> None:
+        """The reader of the last gather_view() is done: producers may reuse
+        this rank's inbox. Enqueued on the current stream (capturable)."""
+        if self._open_view is None:
+            raise RuntimeError(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
+                               "(gather_view() was not called, or release() was already called)")
+        view, self._open_view = self._open_view, None
+        if self.peer and self._inbox_view is not None and view.data_ptr() == self._inbox_view.data_ptr():
+            self._check_stream()
+            ops.query_release(self._inbox_view, self.handle)
