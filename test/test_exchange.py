@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _dist import run_workers
-from conftest import requires_gpus
+from conftest import GPU_WORLD, requires_gpus
 
 
 def _epochs_worker(rank, world, epochs, backend, allow_shared):
@@ -89,9 +89,9 @@ def test_host_killed_rank_survivors_fail_within_timeout():
     assert out[0] == out[2] == "survived" and out[1] is None
 
 
-@requires_gpus(2)
+@requires_gpus(GPU_WORLD)
 def test_cuda_publish_wait_many_epochs():
-    assert run_workers(_epochs_worker, 2, args=(10000, "cuda", False), timeout=300) == [10000, 10000]
+    assert run_workers(_epochs_worker, GPU_WORLD, args=(10000, "cuda", False), timeout=300) == [10000] * GPU_WORLD
 
 
 @requires_gpus(2)
@@ -127,6 +127,6 @@ def _graph_worker(rank, world, replays):
     return replays
 
 
-@requires_gpus(2)
+@requires_gpus(GPU_WORLD)
 def test_cuda_graph_replay_advances_epochs():
-    assert run_workers(_graph_worker, 2, args=(1000,), timeout=300) == [1000, 1000]
+    assert run_workers(_graph_worker, GPU_WORLD, args=(1000,), timeout=300) == [1000] * GPU_WORLD

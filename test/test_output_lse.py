@@ -168,16 +168,16 @@ def test_peer_combine_fallback_and_errors():
 # CUDA: 2 GPUs, the full shape matrix, CUDA graphs and torch.compile.
 # ---------------------------------------------------------------------------
 
-from conftest import requires_gpus  # noqa: E402
+from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 GPU_CASES = [(t, h, d, b, n) for t in (1, 8, 17, 32, 64, 96, 128) for h in (32, 64, 128) for d in (128, 256, 512)
              for b, n in ((t % 2 == 0, t % 3 == 0),)]
 
 
-@requires_gpus(2)
+@requires_gpus(GPU_WORLD)
 def test_peer_combine_cuda_matrix():
-    done = run_workers(_peer_combine_worker, 2, args=("cuda", GPU_CASES, 128), timeout=400)
-    assert done == [len(GPU_CASES)] * 2
+    done = run_workers(_peer_combine_worker, GPU_WORLD, args=("cuda", GPU_CASES, 128), timeout=400)
+    assert done == [len(GPU_CASES)] * GPU_WORLD
 
 
 def _graph_worker(rank, world, layers, replays):
@@ -224,9 +224,9 @@ def _graph_worker(rank, world, layers, replays):
     return replays
 
 
-@requires_gpus(2)
+@requires_gpus(GPU_WORLD)
 def test_peer_combine_cuda_graph_replay_and_compile():
-    assert run_workers(_graph_worker, 2, args=(4, 1000), timeout=400) == [1000, 1000]
+    assert run_workers(_graph_worker, GPU_WORLD, args=(4, 1000), timeout=400) == [1000] * GPU_WORLD
 
 
 def test_peer_combine_opcheck_and_compile_world1(world1):

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the whole test
 # suite (GPU tests included), then the boundary benchmarks. Logs go to $OUT.
-#   tools/gpu_suite.sh [tests|bench|all]
+#   tools/gpu_suite.sh [build|tests|bench|all]
+# SDCP_GPU_WORLD=N (default 2) runs the boundary GPU tests and the benchmarks
+# at world size N (DCP4 / DCP8 on machines with 4 or 8 GPUs); the benchmarks
+# then also run the sparse decode step.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-/tmp/sdcp-out}
@@ -19,10 +22,14 @@ if ! python3 -c 'import torch_sdcp' 2>/dev/null; then
     || { tail -50 "$OUT/build.log"; exit 1; }
   echo "build: $(( $(date +%s) - start )) s"
 fi
+world=${SDCP_GPU_WORLD:-2}
+export SDCP_GPU_WORLD=$world
 if [[ $what == tests || $what == all ]]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -rs --durations=15 test 2>&1 | tee "$OUT/tests.log" | tail -40
 fi
 if [[ $what == bench || $what == all ]]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m torch_sdcp.bench --out "$OUT/bench" ${BENCH_ARGS:-} 2>&1 \
-    | tee "$OUT/bench.log" | tail -60
+  timeout ${BENCH_TIMEOUT:-300} python3 -m torch_sdcp.bench --world-size "$world" --out "$OUT/bench" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout ${BENCH_TIMEOUT:-300} python3 -m torch_sdcp.bench --world-size "$world" --boundaries decode --sparse \
+    --out "$OUT/bench-sparse" 2>&1 | tee "$OUT/bench-sparse.log" | tail -8
 fi
