@@ -24,7 +24,7 @@ def render(data: dict) -> str:
         table = [r for r in rows if "rows" in r]
         if table:
             paths = [p for p in PATHS if p in table[0]]
-            others = [p for p in paths if p != "sdcp"]
+            others = [p for p in paths if p not in ("sdcp", "sdcp_view")]
             head = ["rows"] + [f"{PATH_NAMES[p]} {k}" for k in ("k8", "k1") for p in paths] + \
                 [f"{PATH_NAMES[p]}/ours {k}" for p in others for k in ("k8", "k1")]
             out.append("| " + " | ".join(head) + " |")
@@ -36,6 +36,12 @@ def render(data: dict) -> str:
                         a, b = r[p].get(k), r["sdcp"].get(k)
                         cells.append(f"{a / b:.2f}x" if isinstance(a, (int, float)) and b else "n/a")
                 out.append("| " + " | ".join(cells) + " |")
+            kernels = [r for r in table if "kernels" in r]
+            if kernels:
+                names = list(kernels[0]["kernels"])
+                out.append("\nKernel alone, k8 (us): " + "; ".join(
+                    f"rows {r['rows']}: " + ", ".join(f"{n} {cell(r['kernels'], n, 'k8')}" for n in names)
+                    for r in kernels))
         for r in rows:
             if "requests" in r:  # the decode-step demo
                 step = {m: r[m].get("k1") for m in ("collective", "sdcp", "compute_only")}

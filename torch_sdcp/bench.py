@@ -38,8 +38,9 @@ PRESETS = {
     "deepseek-v3.2": dict(heads=128, head_dim=512, rope_dim=64, k=2048),
 }
 BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
-PATHS = ("collective", "symm_mem", "sdcp")
-PATH_NAMES = {"collective": "collective", "symm_mem": "symm-mem", "sdcp": "torch_sdcp"}
+PATHS = ("collective", "symm_mem", "sdcp", "sdcp_view")
+PATH_NAMES = {"collective": "collective", "symm_mem": "symm-mem", "sdcp": "torch_sdcp",
+              "sdcp_view": "torch_sdcp view"}
 
 
 # ---------------------------------------------------------------------------
@@ -172,7 +173,7 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
 
 def bench_topk(ctx, rows_list, out: list) -> None:
     import torch_sdcp
-    from torch_sdcp import reference
+    from torch_sdcp import ops, reference
 
     k, dev, n, r = ctx.k, ctx.device, ctx.world, ctx.rank
     ws = torch_sdcp.TopKWorkspace(None, max(rows_list), k, candidates_per_rank=k, backend=ctx.backend, device=dev)
@@ -183,6 +184,12 @@ def bench_topk(ctx, rows_list, out: list) -> None:
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: reference.topk_all_gather_merge(scores, ids, k))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.merge(scores, ids))
+        # The selection kernel alone: over the gathered N*C candidates (the
+        # collective path's share), and over C (an owner's sort).
+        gathered_s, gathered_i = scores.repeat(1, n), ids.repeat(1, n)
+        row["kernels"] = {
+            "select_gathered": guarded(ctx.timer, lambda: lambda: ops.topk_select(gathered_s, gathered_i, k), ks=(8,)),
+            "select_own": guarded(ctx.timer, lambda: lambda: ops.topk_select(scores, ids, k), ks=(8,))}
         out.append(row)
         ctx.progress(f"topk rows={t}")
     out.append({"workspace_bytes_per_rank": ws.physical_bytes})
@@ -214,6 +221,12 @@ def bench_query(ctx, rows_list, out: list) -> None:
         row["collective"] = guarded(ctx.timer, lambda: lambda: reference.query_all_gather(
             nope, pe, pos, cache, scale, out_dtype=dtype))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.gather(nope, pe, pos, cache, scale))
+
+        def view_and_release():  # zero-copy: the reader would sit between the two
+            ws.gather_view(nope, pe, pos, cache, scale)
+            ws.release()
+
+        row["sdcp_view"] = guarded(ctx.timer, lambda: view_and_release)
         out.append(row)
         ctx.progress(f"query rows={t}")
     out.append({"workspace_bytes_per_rank": ws.physical_bytes, "dtype": str(dtype).replace("torch.", "")})
@@ -227,8 +240,10 @@ def bench_query(ctx, rows_list, out: list) -> None:
 class DecodeStep:
     """A synthetic MLA DCP attention block, `layers` times: query boundary ->
     attention of every head over this rank's KV shard (absorbed MLA in plain
-    torch: scores = q . kv over 576 dims, fp32 logsumexp, out = softmax . kv[:512])
-    -> output/LSE boundary. With `sparse`, an indexer proposes each rank's local
+    torch: scores = q . kv over 576 dims and out = P . kv[:512] as bf16
+    tensor-core matmuls with fp32 accumulation, softmax and logsumexp in fp32,
+    P rounded to bf16 for the second product as flash kernels do) ->
+    output/LSE boundary. torch_sdcp reads the query in place (gather_view). With `sparse`, an indexer proposes each rank's local
     top-k candidates and the top-K boundary selects the tokens attended to.
     `mode` is "collective" or "sdcp": identical inputs, different crossings."""
 
@@ -264,13 +279,13 @@ class DecodeStep:
                 ws.close()
 
     def attention(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
-        scores = torch.einsum("thc,tjc->thj", q.float(), kv.float()) * self.scale
+        scores = torch.matmul(q, kv.transpose(1, 2)).float() * self.scale  # [T, H, L]
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         p = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-        out = torch.einsum("thj,tjd->thd", p, kv[..., : self.ctx.head_dim].float())
-        return out.to(torch.bfloat16), lse
+        out = torch.matmul(p.to(torch.bfloat16), kv[..., : self.ctx.head_dim])
+        return out, lse
 
     def selected_mask(self, layer: int, mode: str) -> torch.Tensor:
         from torch_sdcp import reference
@@ -295,11 +310,13 @@ class DecodeStep:
             if compute_only:  # the same math without crossing the group
                 q = torch.cat([self.nope[layer], self.pe[layer]], -1).repeat(1, self.ctx.world, 1)
             elif mode == "sdcp":
-                q = self.query_ws.gather(self.nope[layer], self.pe[layer], self.pos, self.cache)
+                q = self.query_ws.gather_view(self.nope[layer], self.pe[layer], self.pos, self.cache)
             else:
                 q = reference.query_all_gather(self.nope[layer], self.pe[layer], self.pos, self.cache)
             mask = self.selected_mask(layer, mode) if self.sparse and not compute_only else None
             o, lse = self.attention(q, self.kv[layer], mask)
+            if mode == "sdcp" and not compute_only:
+                self.query_ws.release()  # the attention above was the inbox's last reader
             if compute_only:
                 outs.append(o[:, : self.hl])
             elif mode == "sdcp":
@@ -419,9 +436,12 @@ def tables(data: dict) -> str:
                 ours = row["sdcp"].get("k8") if "error" not in row["sdcp"] else None
                 for p in paths:
                     theirs = row[p].get("k8") if "error" not in row[p] else None
-                    if p != "sdcp" and ours and theirs:
+                    if p not in ("sdcp", "sdcp_view") and ours and theirs:
                         cells.append(f"{PATH_NAMES[p]}/torch_sdcp {theirs / ours:.2f}x")
                 lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells))
+                if "kernels" in row:
+                    lines.append("             kernel alone (k8): " + ", ".join(
+                        f"{name} {fmt_us(cell, 'k8')}" for name, cell in row["kernels"].items()))
                 for p in paths:
                     if "error" in row[p]:
                         lines.append(f"           {PATH_NAMES[p]}: {row[p]['error']}")
