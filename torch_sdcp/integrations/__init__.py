@@ -1,0 +1,34 @@
+"""Engine integrations: adapters with the call shapes of the DCP call sites
+engines use today, over workspaces cached per group and geometry.
+
+    from torch_sdcp import integrations as sdcp
+
+    sdcp.prepare_mla_dcp(dcp_group, max_rows=128, num_heads=64)      # model load, every rank
+    q = sdcp.query_gather(ql_nope, q_pe, positions, cos_sin_cache, group=dcp_group)
+    out = sdcp.cp_lse_ag_out_rs(attn_out, attn_lse, dcp_group)
+    sdcp.teardown()                                                   # shutdown, every rank
+
+See docs/INTEGRATION.md and :mod:`torch_sdcp.integrations.dcp`.
+"""
+
+from torch_sdcp.integrations.dcp import (  # noqa: F401
+    DEFAULT_MAX_ROWS,
+    MLADCPWorkspaces,
+    all_gather,
+    cp_lse_ag_out_rs,
+    prepare_all_gather,
+    prepare_mla_dcp,
+    prepare_output_lse,
+    prepare_query_gather,
+    prepare_topk,
+    query_gather,
+    teardown,
+    topk_merge,
+    workspaces,
+)
+
+__all__ = [
+    "DEFAULT_MAX_ROWS", "MLADCPWorkspaces", "all_gather", "cp_lse_ag_out_rs", "prepare_all_gather",
+    "prepare_mla_dcp", "prepare_output_lse", "prepare_query_gather", "prepare_topk", "query_gather", "teardown",
+    "topk_merge", "workspaces",
+]
