@@ -75,7 +75,7 @@ _WORKSPACE_OPTIONS = ("timeout_s", "allow_shared_device", "fallback")
 @dataclass
 class _Entry:
     workspace: Any
-    group: dist.ProcessGroup  # keeps id(group) of the cache key valid
+    group: dist.ProcessGroup
     max_rows: int  # the rows bound it was made for (the workspace's own bound where it has one)
     was_peer: bool
     logged: set = field(default_factory=set)
@@ -238,7 +238,9 @@ def _resolve(key: tuple, group: dist.ProcessGroup, adapter: str, prepare_call: s
 
 
 def _key(kind: str, group: dist.ProcessGroup, **geometry) -> tuple:
-    return (id(group), kind) + tuple(geometry.items())
+    # group_name: unique per group, and a constant that torch.compile (2.11
+    # and later) traces, where id(group) is not traceable.
+    return (group.group_name, kind) + tuple(geometry.items())
 
 
 def _backend(device: torch.device) -> str:
