@@ -18,7 +18,6 @@ struct DeviceWorkspace {
   int64_t stride;
   int64_t data_offset;
   int64_t slot_bytes;
-  int64_t part[4];
   int64_t handle;
   uint64_t timeout_ns;
   int32_t rank;
@@ -48,7 +47,6 @@ inline DeviceWorkspace device_workspace(const Workspace& ws) {
   d.stride = ws.stride;
   d.data_offset = ws.layout.data_offset;
   d.slot_bytes = ws.layout.slot_bytes;
-  for (int i = 0; i < 4; ++i) d.part[i] = ws.layout.part_offset[i];
   d.handle = ws.handle;
   d.timeout_ns = static_cast<uint64_t>(ws.timeout_ns);
   d.rank = static_cast<int32_t>(ws.rank);
@@ -56,6 +54,12 @@ inline DeviceWorkspace device_workspace(const Workspace& ws) {
   d.blocks = static_cast<int32_t>(ws.layout.blocks);
   d.slots = static_cast<int32_t>(ws.layout.slots);
   return d;
+}
+
+// The CUDA kernels hold per-rank arrays of kMaxDeviceWorld entries.
+inline void check_device_world(const Workspace& ws) {
+  SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld
+                 << " on CUDA", ws.world_size);
 }
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
@@ -86,9 +90,6 @@ __device__ __forceinline__ uint64_t block_next_epoch(const DeviceWorkspace& ws) 
 __device__ __forceinline__ void block_commit_epoch(const DeviceWorkspace& ws, uint64_t epoch) {
   if (threadIdx.x == 0) *ws.epoch(blockIdx.x) = epoch;
 }
-
-// Flag set 1 of a one-slot workspace: "rank src has finished reading epoch e".
-constexpr int kAckSet = 1;
 
 // Thread s spins until flag `f` (written by peer s) holds at least `value`;
 // on timeout it reports rank, block, peer, what it awaited, slot and epoch and

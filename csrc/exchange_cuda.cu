@@ -3,6 +3,7 @@
 // destination, waits for chunk b of every source, copies it out.
 
 #include "device_signal.cuh"
+#include "exchange.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,21 +36,14 @@ __global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uin
   block_commit_epoch(ws, epoch);
 }
 
-at::Tensor peer_all_gather_cuda(const at::Tensor& x, int64_t workspace) {
-  check_contiguous(x, "x");
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kExchange, x);
-  const Workspace& ws = *ws_ptr;
-  const int64_t nbytes = x.numel() * x.element_size(), cap = ws.params[0];
-  SDCP_CHECK_ARG(nbytes <= cap, "x", "at most " << cap << " bytes (the workspace capacity)", nbytes << " bytes");
-  std::vector<int64_t> shape{ws.world_size};
-  for (auto s : x.sizes()) shape.push_back(s);
-  auto out = at::empty(shape, x.options());
+void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
+  const Workspace& ws = *c.ws;
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto dws = device_workspace(ws);
   const auto* src = static_cast<const uint8_t*>(x.data_ptr());
-  auto* dst = static_cast<uint8_t*>(out.data_ptr());
-  const int64_t per_src = ws.layout.part_offset[1];
+  auto* dst = static_cast<uint8_t*>(c.out.data_ptr());
+  const int64_t nbytes = c.nbytes, per_src = c.geo.source_bytes;
   const bool vec16 = nbytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(dst) % 16 == 0;
   // The grid is fixed by the workspace: per-block epochs must advance together.
@@ -59,13 +53,12 @@ at::Tensor peer_all_gather_cuda(const at::Tensor& x, int64_t workspace) {
     peer_all_gather_kernel<uint8_t><<<ws.layout.blocks, 256, 0, stream>>>(dws, src, dst, nbytes, per_src);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
-  m.impl("peer_all_gather", &peer_all_gather_cuda);
+  m.impl("peer_all_gather", &peer_all_gather_op<all_gather_cuda>);
 }
 
 }  // namespace sdcp

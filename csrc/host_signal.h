@@ -18,9 +18,6 @@ inline void host_commit_epoch(const Workspace& ws, uint64_t epoch, int64_t block
   __atomic_store_n(&ws.epochs(ws.rank)[block], epoch, __ATOMIC_RELAXED);
 }
 
-// Flag set 1 of a one-slot workspace: "this rank has finished reading epoch e".
-constexpr int64_t kAckSet = 1;
-
 namespace detail {
 
 // Spins until `f` holds at least `value`; throws after the workspace timeout

@@ -1,19 +1,59 @@
-// Output/LSE boundary: shared argument checks of the CPU and CUDA kernels.
+// Output/LSE boundary: what the CPU and CUDA kernels share (argument checks,
+// typed workspace geometry, output allocation).
 #pragma once
 
 #include "sdcp.h"
 
 namespace sdcp {
 
-constexpr int kMaxWorld = 64;
+// Workspace params [max_rows, total_heads, head_dim, elem_bytes] and the inbox
+// layout of one slot, decoded once:
+//   payload inbox [src][max_rows][local_heads][head_dim], LSE inbox [src][max_rows][local_heads].
+struct OutputLSEGeometry {
+  int64_t max_rows, total_heads, head_dim, elem_bytes;
+  int64_t local_heads;
+  int64_t out_inbox_offset;  // inside a slot
+  int64_t lse_inbox_offset;
+  static OutputLSEGeometry of(const Workspace& ws);
+};
+
+void output_lse_layout(const std::vector<int64_t>& params, int64_t world_size, WorkspaceLayout& l);
 
 // partial_out [T, H, D] (bf16/fp16/fp32, packed) and partial_lse [T, H] fp32.
 void check_partial_inputs(const at::Tensor& partial_out, const at::Tensor& partial_lse);
 
-void check_output_lse_workspace(const Workspace& ws, const at::Tensor& partial_out);
+// Stacked partials of lse_combine: partial_out [N, T, H, D], partial_lse [N, T, H].
+void check_stacked_partials(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t max_shards);
 
-// Caller-owned outputs of output_lse_combine_out.
-void check_combine_outputs(const Workspace& ws, const at::Tensor& partial_out, const at::Tensor& out,
-                           const at::Tensor& out_lse);
+// One output_lse_combine_out call, checked against its workspace.
+struct CombineCall {
+  std::shared_ptr<const Workspace> ws;
+  OutputLSEGeometry geo;
+  int64_t rows;
+};
+
+CombineCall prepare_combine_out(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
+                                const at::Tensor& out, const at::Tensor& out_lse);
+
+// The ops of one backend, written once on top of its launchers:
+//   StackedLaunch(partial_out, partial_lse, base2, out, lse)         (lse_combine)
+//   CombineLaunch(call, partial_out, partial_lse, base2, out, out_lse) (output_lse_combine_out)
+// `output_lse_combine` is registered once for both backends (output_lse.cpp).
+template <auto StackedLaunch, int64_t kMaxShards>
+std::tuple<at::Tensor, at::Tensor> lse_combine_op(const at::Tensor& partial_out, const at::Tensor& partial_lse,
+                                                  bool base2) {
+  check_stacked_partials(partial_out, partial_lse, kMaxShards);
+  auto out = at::empty({partial_out.size(1), partial_out.size(2), partial_out.size(3)}, partial_out.options());
+  auto lse = at::empty({partial_out.size(1), partial_out.size(2)}, partial_lse.options());
+  if (out.numel() > 0) StackedLaunch(partial_out, partial_lse, base2, out, lse);
+  return {out, lse};
+}
+
+template <auto CombineLaunch>
+void output_lse_combine_out_op(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
+                               bool base2, at::Tensor& out, at::Tensor& out_lse) {
+  const CombineCall c = prepare_combine_out(partial_out, partial_lse, workspace, out, out_lse);
+  CombineLaunch(c, partial_out, partial_lse, base2, out, out_lse);
+}
 
 }  // namespace sdcp

@@ -16,44 +16,6 @@
 
 namespace sdcp {
 
-void check_partial_inputs(const at::Tensor& partial_out, const at::Tensor& partial_lse) {
-  check_dim(partial_out, "partial_out", 3);
-  check_dim(partial_lse, "partial_lse", 2);
-  check_float_dtype(partial_out, "partial_out");
-  check_dtype(partial_lse, "partial_lse", at::kFloat);
-  check_contiguous(partial_out, "partial_out");
-  check_contiguous(partial_lse, "partial_lse");
-  check_size(partial_lse, "partial_lse", 0, partial_out.size(0));
-  check_size(partial_lse, "partial_lse", 1, partial_out.size(1));
-  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
-}
-
-void check_output_lse_workspace(const Workspace& ws, const at::Tensor& partial_out) {
-  const auto& p = ws.params;  // max_rows, total_heads, head_dim, elem_bytes
-  SDCP_CHECK_ARG(partial_out.size(0) <= p[0], "partial_out", "at most max_rows = " << p[0] << " rows",
-                 partial_out.size(0) << " (larger batches take the collective path)");
-  check_size(partial_out, "partial_out", 1, p[1]);
-  check_size(partial_out, "partial_out", 2, p[2]);
-  SDCP_CHECK_ARG(static_cast<int64_t>(partial_out.element_size()) == p[3], "partial_out",
-                 "elements of " << p[3] << " bytes (the workspace dtype)", partial_out.scalar_type());
-}
-
-void check_combine_outputs(const Workspace& ws, const at::Tensor& partial_out, const at::Tensor& out,
-                           const at::Tensor& out_lse) {
-  const int64_t rows = partial_out.size(0), hl = partial_out.size(1) / ws.world_size;
-  const int64_t d = partial_out.size(2);
-  SDCP_CHECK_ARG(out.sizes() == at::IntArrayRef({rows, hl, d}), "out",
-                 "shape [" << rows << ", " << hl << ", " << d << "]", "shape " << out.sizes());
-  SDCP_CHECK_ARG(out_lse.sizes() == at::IntArrayRef({rows, hl}), "out_lse",
-                 "shape [" << rows << ", " << hl << "]", "shape " << out_lse.sizes());
-  check_dtype(out, "out", partial_out.scalar_type());
-  check_dtype(out_lse, "out_lse", at::kFloat);
-  check_contiguous(out, "out");
-  check_contiguous(out_lse, "out_lse");
-  check_same_device(out, "out", partial_out, "partial_out");
-  check_same_device(out_lse, "out_lse", partial_out, "partial_out");
-}
-
 namespace {
 
 // out[d] = sum_i w_i * src_i[d] over the shards with w_i != 0, fp32, one rounding.
@@ -68,21 +30,10 @@ void weighted_sum(int n, const float* w, SrcAt src, int64_t dim, scalar_t* out) 
   for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<scalar_t>(acc[d]);
 }
 
-std::tuple<at::Tensor, at::Tensor> lse_combine_cpu(const at::Tensor& partial_out,
-                                                   const at::Tensor& partial_lse, bool base2) {
-  check_dim(partial_out, "partial_out", 4);
-  check_dim(partial_lse, "partial_lse", 3);
-  check_float_dtype(partial_out, "partial_out");
-  check_dtype(partial_lse, "partial_lse", at::kFloat);
-  check_contiguous(partial_out, "partial_out");
-  check_contiguous(partial_lse, "partial_lse");
-  for (int d = 0; d < 3; ++d) check_size(partial_lse, "partial_lse", d, partial_out.size(d));
-  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
+void lse_combine_cpu(const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2, at::Tensor& out,
+                     at::Tensor& lse) {
   const int64_t n = partial_out.size(0), rows = partial_out.size(1), heads = partial_out.size(2);
   const int64_t dim = partial_out.size(3);
-  SDCP_CHECK_ARG(n >= 1 && n <= kMaxWorld, "partial_out", "1.." << kMaxWorld << " shards in dim 0", n);
-  auto out = at::empty({rows, heads, dim}, partial_out.options());
-  auto lse = at::empty({rows, heads}, partial_lse.options());
   const float* l = partial_lse.data_ptr<float>();
   float* lo = lse.data_ptr<float>();
   const int64_t plane = rows * heads;  // (row, head) pairs per shard
@@ -98,27 +49,22 @@ std::tuple<at::Tensor, at::Tensor> lse_combine_cpu(const at::Tensor& partial_out
       }
     });
   });
-  return {out, lse};
 }
 
-void output_lse_combine_out_cpu(const at::Tensor& partial_out, const at::Tensor& partial_lse,
-                                int64_t workspace, bool base2, at::Tensor& out, at::Tensor& out_lse) {
-  check_partial_inputs(partial_out, partial_lse);
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
-  const Workspace& ws = *ws_ptr;
-  check_output_lse_workspace(ws, partial_out);
-  check_combine_outputs(ws, partial_out, out, out_lse);
-  const int64_t n = ws.world_size, rows = partial_out.size(0), heads = partial_out.size(1);
-  const int64_t dim = partial_out.size(2), hl = heads / n, max_rows = ws.params[0];
-  const int64_t eb = partial_out.element_size();
+void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2,
+                     at::Tensor& out, at::Tensor& out_lse) {
+  const Workspace& ws = *c.ws;
+  const OutputLSEGeometry& g = c.geo;
+  const int64_t n = ws.world_size, rows = c.rows, heads = g.total_heads, dim = g.head_dim;
+  const int64_t hl = g.local_heads, max_rows = g.max_rows, eb = g.elem_bytes;
   const uint64_t epoch = host_next_epoch(ws);
-  const int64_t slot = epoch & 1;
+  const int64_t slot = ws.slot_of(epoch);
   // Inbox of rank d: out [src][row][h_loc][dim], lse [src][row][h_loc].
   auto inbox_out = [&](int64_t d, int64_t src) {
-    return ws.slot_data(d, slot) + ws.layout.part_offset[0] + src * max_rows * hl * dim * eb;
+    return ws.slot_data(d, slot) + g.out_inbox_offset + src * max_rows * hl * dim * eb;
   };
   auto inbox_lse = [&](int64_t d, int64_t src) {
-    return reinterpret_cast<float*>(ws.slot_data(d, slot) + ws.layout.part_offset[1]) + src * max_rows * hl;
+    return reinterpret_cast<float*>(ws.slot_data(d, slot) + g.lse_inbox_offset) + src * max_rows * hl;
   };
   const auto* po = static_cast<const uint8_t*>(partial_out.data_ptr());
   const float* pl = partial_lse.data_ptr<float>();
@@ -149,26 +95,11 @@ void output_lse_combine_out_cpu(const at::Tensor& partial_out, const at::Tensor&
   host_commit_epoch(ws, epoch);
 }
 
-std::tuple<at::Tensor, at::Tensor> output_lse_combine_cpu(const at::Tensor& partial_out,
-                                                          const at::Tensor& partial_lse, int64_t workspace,
-                                                          bool base2) {
-  check_partial_inputs(partial_out, partial_lse);
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
-  const int64_t n = ws_ptr->world_size;
-  SDCP_CHECK_ARG(partial_out.size(1) % n == 0, "partial_out", "heads divisible by the world size " << n,
-                 partial_out.size(1));
-  auto out = at::empty({partial_out.size(0), partial_out.size(1) / n, partial_out.size(2)}, partial_out.options());
-  auto lse = at::empty({partial_out.size(0), partial_out.size(1) / n}, partial_lse.options());
-  output_lse_combine_out_cpu(partial_out, partial_lse, workspace, base2, out, lse);
-  return {out, lse};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
-  m.impl("lse_combine", &lse_combine_cpu);
-  m.impl("output_lse_combine", &output_lse_combine_cpu);
-  m.impl("output_lse_combine_out", &output_lse_combine_out_cpu);
+  m.impl("lse_combine", &lse_combine_op<lse_combine_cpu, kMaxWorld>);
+  m.impl("output_lse_combine_out", &output_lse_combine_out_op<combine_out_cpu>);
 }
 
 }  // namespace sdcp

@@ -18,7 +18,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxDeviceWorld = 16;
 
 template <typename scalar_t>
 struct Vec {
@@ -81,23 +80,23 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 }
 
 template <typename scalar_t>
-__global__ void output_lse_kernel(DeviceWorkspace ws, const scalar_t* po, const float* pl, int64_t rows,
-                                  int64_t heads, int64_t dim, int64_t max_rows, bool base2, scalar_t* out,
-                                  float* out_lse) {
+__global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl,
+                                  int64_t rows, bool base2, scalar_t* out, float* out_lse) {
   const uint64_t epoch = block_next_epoch(ws);
-  const int slot = epoch & 1;
+  const int slot = ws.slot_of(epoch);
   const int n = ws.world;
-  const int64_t hl = heads / n, items = rows * hl;
+  const int64_t heads = g.total_heads, dim = g.head_dim, max_rows = g.max_rows;
+  const int64_t hl = g.local_heads, items = rows * hl;
   const int64_t nvec = dim / Vec<scalar_t>::kElems;
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
   const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   // Inbox of rank d: payload [src][max_rows][hl][dim], LSE [src][max_rows][hl].
   auto inbox_out = [&](int d, int src) {
-    return reinterpret_cast<scalar_t*>(ws.slot_data(d, slot) + ws.part[0]) + src * max_rows * hl * dim;
+    return reinterpret_cast<scalar_t*>(ws.slot_data(d, slot) + g.out_inbox_offset) + src * max_rows * hl * dim;
   };
   auto inbox_lse = [&](int d, int src) {
-    return reinterpret_cast<float*>(ws.slot_data(d, slot) + ws.part[1]) + src * max_rows * hl;
+    return reinterpret_cast<float*>(ws.slot_data(d, slot) + g.lse_inbox_offset) + src * max_rows * hl;
   };
   // 1. Producer: item i = (t, h) goes to destination d's inbox, slot of this
   //    rank. The (destination, vector) pairs of an item are flattened and
@@ -142,23 +141,11 @@ void check_vectorizable(const at::Tensor& t, const char* name) {
                  "address " << t.data_ptr());
 }
 
-std::tuple<at::Tensor, at::Tensor> lse_combine_cuda(const at::Tensor& partial_out, const at::Tensor& partial_lse,
-                                                    bool base2) {
-  check_dim(partial_out, "partial_out", 4);
-  check_dim(partial_lse, "partial_lse", 3);
-  check_float_dtype(partial_out, "partial_out");
-  check_dtype(partial_lse, "partial_lse", at::kFloat);
-  check_contiguous(partial_out, "partial_out");
-  check_contiguous(partial_lse, "partial_lse");
-  for (int d = 0; d < 3; ++d) check_size(partial_lse, "partial_lse", d, partial_out.size(d));
-  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
+void lse_combine_cuda(const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2, at::Tensor& out,
+                      at::Tensor& lse) {
   check_vectorizable(partial_out, "partial_out");
-  const int64_t n = partial_out.size(0), rows = partial_out.size(1), heads = partial_out.size(2);
-  const int64_t dim = partial_out.size(3), items = rows * heads;
-  SDCP_CHECK_ARG(n >= 1 && n <= kMaxDeviceWorld, "partial_out", "1.." << kMaxDeviceWorld << " shards in dim 0", n);
-  auto out = at::empty({rows, heads, dim}, partial_out.options());
-  auto lse = at::empty({rows, heads}, partial_lse.options());
-  if (items == 0) return {out, lse};
+  const int64_t n = partial_out.size(0), items = partial_out.size(1) * partial_out.size(2);
+  const int64_t dim = partial_out.size(3);
   const c10::cuda::CUDAGuard guard(partial_out.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const int grid = static_cast<int>(std::min<int64_t>((items + kWarps - 1) / kWarps, 1024));
@@ -168,53 +155,31 @@ std::tuple<at::Tensor, at::Tensor> lse_combine_cuda(const at::Tensor& partial_ou
         out.data_ptr<scalar_t>(), lse.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {out, lse};
 }
 
-void output_lse_combine_out_cuda(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
-                                 bool base2, at::Tensor& out, at::Tensor& out_lse) {
-  check_partial_inputs(partial_out, partial_lse);
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
-  const Workspace& ws = *ws_ptr;
-  check_output_lse_workspace(ws, partial_out);
-  check_combine_outputs(ws, partial_out, out, out_lse);
+void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2,
+                      at::Tensor& out, at::Tensor& out_lse) {
+  const Workspace& ws = *c.ws;
   check_vectorizable(partial_out, "partial_out");
   check_vectorizable(out, "out");
-  SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
-                 ws.world_size);
+  check_device_world(ws);
   const c10::cuda::CUDAGuard guard(partial_out.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto dws = device_workspace(ws);
   // The grid is fixed by the workspace (per-block epochs), even for 0 rows.
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
     output_lse_kernel<scalar_t><<<ws.layout.blocks, kThreads, 0, stream>>>(
-        dws, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), partial_out.size(0),
-        partial_out.size(1), partial_out.size(2), ws.params[0], base2, out.data_ptr<scalar_t>(),
-        out_lse.data_ptr<float>());
+        dws, c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
+        out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-std::tuple<at::Tensor, at::Tensor> output_lse_combine_cuda(const at::Tensor& partial_out,
-                                                           const at::Tensor& partial_lse, int64_t workspace,
-                                                           bool base2) {
-  check_partial_inputs(partial_out, partial_lse);
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
-  const int64_t n = ws_ptr->world_size;
-  SDCP_CHECK_ARG(partial_out.size(1) % n == 0, "partial_out", "heads divisible by the world size " << n,
-                 partial_out.size(1));
-  auto out = at::empty({partial_out.size(0), partial_out.size(1) / n, partial_out.size(2)}, partial_out.options());
-  auto lse = at::empty({partial_out.size(0), partial_out.size(1) / n}, partial_lse.options());
-  output_lse_combine_out_cuda(partial_out, partial_lse, workspace, base2, out, lse);
-  return {out, lse};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
-  m.impl("lse_combine", &lse_combine_cuda);
-  m.impl("output_lse_combine", &output_lse_combine_cuda);
-  m.impl("output_lse_combine_out", &output_lse_combine_out_cuda);
+  m.impl("lse_combine", &lse_combine_op<lse_combine_cuda, kMaxDeviceWorld>);
+  m.impl("output_lse_combine_out", &output_lse_combine_out_op<combine_out_cuda>);
 }
 
 }  // namespace sdcp

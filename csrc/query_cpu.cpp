@@ -15,64 +15,6 @@
 
 namespace sdcp {
 
-QueryShape check_query_inputs(const at::Tensor& ql_nope, const at::Tensor& q_pe,
-                              const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                              const std::optional<at::Tensor>& q_scale, at::ScalarType out_dtype) {
-  check_dim(ql_nope, "ql_nope", 3);
-  check_dim(q_pe, "q_pe", 3);
-  check_dtype(ql_nope, "ql_nope", at::kBFloat16);
-  check_dtype(q_pe, "q_pe", at::kBFloat16);
-  check_size(q_pe, "q_pe", 0, ql_nope.size(0));
-  check_size(q_pe, "q_pe", 1, ql_nope.size(1));
-  SDCP_CHECK_ARG(ql_nope.stride(2) == 1, "ql_nope", "unit stride in the last dimension",
-                 "strides " << ql_nope.strides());
-  SDCP_CHECK_ARG(q_pe.stride(2) == 1, "q_pe", "unit stride in the last dimension",
-                 "strides " << q_pe.strides());
-  const int64_t rope = q_pe.size(2);
-  SDCP_CHECK_ARG(rope % 2 == 0 && rope > 0, "q_pe", "an even, positive last dimension", rope);
-  check_dim(positions, "positions", 1);
-  check_size(positions, "positions", 0, ql_nope.size(0));
-  SDCP_CHECK_ARG(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt,
-                 "positions", "dtype int64 or int32", "dtype " << positions.scalar_type());
-  check_dim(cos_sin_cache, "cos_sin_cache", 2);
-  check_size(cos_sin_cache, "cos_sin_cache", 1, rope);
-  SDCP_CHECK_ARG(cos_sin_cache.scalar_type() == at::kFloat || cos_sin_cache.scalar_type() == at::kBFloat16,
-                 "cos_sin_cache", "dtype float32 or bfloat16", "dtype " << cos_sin_cache.scalar_type());
-  check_contiguous(cos_sin_cache, "cos_sin_cache");
-  check_same_device(q_pe, "q_pe", ql_nope, "ql_nope");
-  check_same_device(positions, "positions", ql_nope, "ql_nope");
-  check_same_device(cos_sin_cache, "cos_sin_cache", ql_nope, "ql_nope");
-  SDCP_CHECK_ARG(out_dtype == at::kBFloat16 || out_dtype == at::kFloat8_e4m3fn, "out_dtype",
-                 "bfloat16 or float8_e4m3fn", out_dtype);
-  if (q_scale.has_value()) {
-    const auto& s = *q_scale;
-    SDCP_CHECK_ARG(s.numel() == 1, "q_scale", "one element", "shape " << s.sizes());
-    check_dtype(s, "q_scale", at::kFloat);
-    check_same_device(s, "q_scale", ql_nope, "ql_nope");
-    SDCP_CHECK_ARG(out_dtype == at::kFloat8_e4m3fn, "q_scale", "None for a bfloat16 output",
-                   "a scale tensor");
-  }
-  return QueryShape{ql_nope.size(0), ql_nope.size(1), ql_nope.size(2), rope};
-}
-
-void check_query_workspace(const Workspace& ws, const QueryShape& s, at::ScalarType out_dtype) {
-  const auto& p = ws.params;  // max_rows, local_heads, head_dim, elem_bytes
-  SDCP_CHECK_ARG(s.rows <= p[0], "ql_nope", "at most max_rows = " << p[0] << " rows",
-                 s.rows << " (larger batches take the collective path)");
-  SDCP_CHECK_ARG(s.heads == p[1], "ql_nope", "local_heads = " << p[1] << " heads", s.heads);
-  SDCP_CHECK_ARG(s.width() == p[2], "ql_nope, q_pe", "nope + rope = " << p[2],
-                 s.nope << " + " << s.rope);
-  SDCP_CHECK_ARG(c10::elementSize(out_dtype) == static_cast<size_t>(p[3]), "out_dtype",
-                 "an element of " << p[3] << " bytes (the workspace dtype)", out_dtype);
-}
-
-void check_query_inbox(const Workspace& ws, const at::Tensor& inbox) {
-  SDCP_CHECK_ARG(inbox.data_ptr() == static_cast<void*>(local_inbox(ws)), "inbox",
-                 "the view of this rank's inbox that gather_view() returned (address "
-                     << static_cast<const void*>(local_inbox(ws)) << ")",
-                 "a tensor at " << static_cast<const void*>(inbox.data_ptr()));
-}
-
 namespace {
 
 int64_t position_at(const at::Tensor& positions, int64_t t) {
@@ -136,69 +78,46 @@ void produce_dispatch(const at::Tensor& ql_nope, const at::Tensor& q_pe, const a
   }
 }
 
-at::Tensor query_rope_quant_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
-                                const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                                const std::optional<at::Tensor>& q_scale, bool neox,
-                                at::ScalarType out_dtype) {
-  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
-  auto out = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+void rope_quant_cpu(const QueryShape& s, const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                 const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
+                 at::ScalarType out_dtype, at::Tensor& out) {
   produce_dispatch(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, out.data_ptr(),
                    s.heads * s.width(), s);
-  return out;
 }
 
 // Produces this rank's head shard into every inbox, publishes and waits for
-// every producer; with `out`, copies the local inbox out and acknowledges.
-void gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
-                bool neox, at::ScalarType out_dtype, at::Tensor* out) {
-  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, ql_nope);
-  const Workspace& ws = *ws_ptr;
-  check_query_workspace(ws, s, out_dtype);
+// every producer; with an output (query_gather), copies the local inbox out
+// and acknowledges.
+void gather_cpu(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
+                at::ScalarType out_dtype) {
+  const Workspace& ws = *c.ws;
+  const QueryShape& s = c.shape;
   const int64_t n = ws.world_size, eb = c10::elementSize(out_dtype);
   const int64_t row_bytes = n * s.heads * s.width() * eb;  // one inbox row, all sources
   const int64_t shard_bytes = s.heads * s.width() * eb;    // this rank's heads of one row
   // Produce once locally, then store the head shard into every inbox once
   // every consumer has finished reading the previous epoch (one slot).
-  auto local = query_rope_quant_cpu(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype);
+  auto local = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+  rope_quant_cpu(s, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, local);
   const auto* src = static_cast<const uint8_t*>(local.data_ptr());
   const uint64_t epoch = host_next_epoch(ws);
   for (int64_t r = 0; r < n; ++r) host_wait_ack(ws, r, epoch);
   for (int64_t d = 0; d < n; ++d) {
-    uint8_t* inbox = ws.slot_data(d, 0) + ws.layout.part_offset[0];
+    uint8_t* inbox = ws.slot_data(d, 0) + c.geo.inbox_offset;
     for (int64_t t = 0; t < s.rows; ++t)
       std::memcpy(inbox + t * row_bytes + ws.rank * shard_bytes, src + t * shard_bytes, shard_bytes);
   }
   for (int64_t d = 0; d < n; ++d) host_publish(ws, d, epoch);
   for (int64_t r = 0; r < n; ++r) host_wait(ws, r, epoch);
-  if (out) {
-    *out = at::empty({s.rows, n * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
-    std::memcpy(out->data_ptr(), local_inbox(ws), s.rows * row_bytes);
+  if (c.out) {
+    std::memcpy(c.out->data_ptr(), local_inbox(ws), s.rows * row_bytes);
     for (int64_t d = 0; d < n; ++d) host_ack(ws, d, epoch);
   }
   host_commit_epoch(ws, epoch);
 }
 
-at::Tensor query_gather_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe,
-                            const at::Tensor& positions, const at::Tensor& cos_sin_cache,
-                            const std::optional<at::Tensor>& q_scale, int64_t workspace, bool neox,
-                            at::ScalarType out_dtype) {
-  at::Tensor out;
-  gather_cpu(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, &out);
-  return out;
-}
-
-void query_publish_cpu(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                       const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
-                       int64_t workspace, bool neox, at::ScalarType out_dtype) {
-  gather_cpu(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, nullptr);
-}
-
-void query_release_cpu(const at::Tensor& inbox, int64_t workspace) {
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, inbox);
-  const Workspace& ws = *ws_ptr;
-  check_query_inbox(ws, inbox);
+void release_cpu(const Workspace& ws, const at::Tensor&) {
   const uint64_t last = ws.epochs(ws.rank)[0];
   for (int64_t d = 0; d < ws.world_size; ++d) host_ack(ws, d, last);
 }
@@ -206,10 +125,10 @@ void query_release_cpu(const at::Tensor& inbox, int64_t workspace) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
-  m.impl("query_rope_quant", &query_rope_quant_cpu);
-  m.impl("query_gather", &query_gather_cpu);
-  m.impl("query_publish", &query_publish_cpu);
-  m.impl("query_release", &query_release_cpu);
+  m.impl("query_rope_quant", &query_rope_quant_op<rope_quant_cpu>);
+  m.impl("query_gather", &query_gather_op<gather_cpu>);
+  m.impl("query_publish", &query_publish_op<gather_cpu>);
+  m.impl("query_release", &query_release_op<release_cpu>);
 }
 
 }  // namespace sdcp

@@ -20,7 +20,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxDeviceWorld = 16;
 
 struct ProducerArgs {
   const c10::BFloat16* nope;
@@ -111,7 +110,7 @@ constexpr int kMaxItemBytes = 2048;
 // kCopyOut: copy the gathered chunk into `out` and acknowledge (query_gather);
 // otherwise the inbox stays for a zero-copy reader (query_publish).
 template <typename out_t, bool kCopyOut>
-__global__ void query_gather_kernel(DeviceWorkspace ws, ProducerArgs a, out_t* out) {
+__global__ void query_gather_kernel(DeviceWorkspace ws, int64_t inbox_offset, ProducerArgs a, out_t* out) {
   __shared__ __align__(16) uint8_t stage[kWarps][kMaxItemBytes];
   const uint64_t epoch = block_next_epoch(ws);
   const int slot = 0;
@@ -121,7 +120,7 @@ __global__ void query_gather_kernel(DeviceWorkspace ws, ProducerArgs a, out_t* o
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
   const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
   // Inbox [row][src * hl + h][width] of every rank.
-  auto inbox = [&](int d) { return reinterpret_cast<uint4*>(ws.slot_data(d, slot) + ws.part[0]); };
+  auto inbox = [&](int d) { return reinterpret_cast<uint4*>(ws.slot_data(d, slot) + inbox_offset); };
   // 1. Produce each item once into shared memory, then store it into every
   //    consumer's inbox as 16-byte vectors. Every consumer must have finished
   //    reading the previous epoch first: the wait overlaps the first item.
@@ -197,13 +196,10 @@ ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
   return a;
 }
 
-at::Tensor query_rope_quant_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                                 const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
-                                 bool neox, at::ScalarType out_dtype) {
-  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
-  auto out = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+void rope_quant_cuda(const QueryShape& s, const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                  const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
+                  at::ScalarType out_dtype, at::Tensor& out) {
   const int64_t items = s.rows * s.heads;
-  if (items == 0) return out;
   const c10::cuda::CUDAGuard guard(ql_nope.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, s);
@@ -215,59 +211,38 @@ at::Tensor query_rope_quant_cuda(const at::Tensor& ql_nope, const at::Tensor& q_
     query_rope_quant_kernel<c10::BFloat16><<<grid, kThreads, 0, stream>>>(a, out.data_ptr<c10::BFloat16>());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
-// Launches the gather kernel; `out` is null for query_publish.
-void launch_gather(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                   const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
-                   bool neox, at::ScalarType out_dtype, at::Tensor* out) {
-  const QueryShape s = check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype);
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, ql_nope);
-  const Workspace& ws = *ws_ptr;
-  check_query_workspace(ws, s, out_dtype);
-  SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
-                 ws.world_size);
+// Launches the gather kernel; the call has no output for query_publish.
+void gather_cuda(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                 const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
+                 at::ScalarType out_dtype) {
+  const Workspace& ws = *c.ws;
+  const QueryShape& s = c.shape;
+  check_device_world(ws);
   const int64_t item_bytes = s.width() * static_cast<int64_t>(c10::elementSize(out_dtype));
   SDCP_CHECK_ARG(item_bytes % 16 == 0 && item_bytes <= kMaxItemBytes, "ql_nope, q_pe",
                  "heads of a multiple of 16 bytes, at most " << kMaxItemBytes << ", on CUDA",
                  s.width() << " elements of " << out_dtype);
-  if (out) *out = at::empty({s.rows, ws.world_size * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
   const c10::cuda::CUDAGuard guard(ql_nope.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, s);
   const auto dws = device_workspace(ws);
   const auto grid = static_cast<unsigned>(ws.layout.blocks);
+  void* out = c.out ? c.out->data_ptr() : nullptr;
   if (out_dtype == at::kFloat8_e4m3fn) {
     using T = c10::Float8_e4m3fn;
-    if (out) query_gather_kernel<T, true><<<grid, kThreads, 0, stream>>>(dws, a, static_cast<T*>(out->data_ptr()));
-    else query_gather_kernel<T, false><<<grid, kThreads, 0, stream>>>(dws, a, nullptr);
+    if (out) query_gather_kernel<T, true><<<grid, kThreads, 0, stream>>>(dws, c.geo.inbox_offset, a, static_cast<T*>(out));
+    else query_gather_kernel<T, false><<<grid, kThreads, 0, stream>>>(dws, c.geo.inbox_offset, a, nullptr);
   } else {
     using T = c10::BFloat16;
-    if (out) query_gather_kernel<T, true><<<grid, kThreads, 0, stream>>>(dws, a, out->data_ptr<T>());
-    else query_gather_kernel<T, false><<<grid, kThreads, 0, stream>>>(dws, a, nullptr);
+    if (out) query_gather_kernel<T, true><<<grid, kThreads, 0, stream>>>(dws, c.geo.inbox_offset, a, static_cast<T*>(out));
+    else query_gather_kernel<T, false><<<grid, kThreads, 0, stream>>>(dws, c.geo.inbox_offset, a, nullptr);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor query_gather_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                             const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
-                             int64_t workspace, bool neox, at::ScalarType out_dtype) {
-  at::Tensor out;
-  launch_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, &out);
-  return out;
-}
-
-void query_publish_cuda(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                        const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
-                        int64_t workspace, bool neox, at::ScalarType out_dtype) {
-  launch_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, nullptr);
-}
-
-void query_release_cuda(const at::Tensor& inbox, int64_t workspace) {
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kQuery, inbox);
-  const Workspace& ws = *ws_ptr;
-  check_query_inbox(ws, inbox);
+void release_cuda(const Workspace& ws, const at::Tensor& inbox) {
   const c10::cuda::CUDAGuard guard(inbox.device());
   query_release_kernel<<<static_cast<unsigned>(ws.layout.blocks), 32, 0, at::cuda::getCurrentCUDAStream()>>>(
       device_workspace(ws));
@@ -277,10 +252,10 @@ void query_release_cuda(const at::Tensor& inbox, int64_t workspace) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
-  m.impl("query_rope_quant", &query_rope_quant_cuda);
-  m.impl("query_gather", &query_gather_cuda);
-  m.impl("query_publish", &query_publish_cuda);
-  m.impl("query_release", &query_release_cuda);
+  m.impl("query_rope_quant", &query_rope_quant_op<rope_quant_cuda>);
+  m.impl("query_gather", &query_gather_op<gather_cuda>);
+  m.impl("query_publish", &query_publish_op<gather_cuda>);
+  m.impl("query_release", &query_release_op<release_cuda>);
 }
 
 }  // namespace sdcp

@@ -2,13 +2,15 @@
 // workspace registry and the peer-memory layout every family uses.
 #pragma once
 
+#include "limits.h"
+
 #include <torch/types.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <type_traits>
-#include <string>
 #include <vector>
 
 namespace sdcp {
@@ -62,6 +64,15 @@ void check_same_device(const at::Tensor& t, const char* name,
                        const at::Tensor& ref, const char* ref_name);
 void check_float_dtype(const at::Tensor& t, const char* name);
 
+// Layout arithmetic. Sizes are products of user arguments: every product is
+// checked, and a region larger than kMaxRegionBytes is refused with an error
+// naming `arg` (the argument that made it too large).
+constexpr int64_t kMaxRegionBytes = int64_t{1} << 40;
+int64_t checked_mul(std::initializer_list<int64_t> factors, const char* arg);
+int64_t align_up(int64_t x, int64_t a);
+// params holds n positive values, described by `what`.
+void check_params(const std::vector<int64_t>& params, size_t n, const char* what);
+
 // ---------------------------------------------------------------------------
 // Workspaces. A workspace is one peer-addressable arena: rank r's region is
 // mapped at base + r * stride in this process, for every r. The Python side
@@ -96,15 +107,18 @@ struct WorkspaceLayout {
   int64_t data_offset = 0;    // == control_bytes
   int64_t slots = 2;          // data slots: 2 (epoch parity) or 1 (acknowledged)
   int64_t region_bytes = 0;   // control + slots + tail pad (before granularity rounding)
-  // Family-specific sub-offsets inside one slot.
+  // Family-specific values, named by each family's Geometry struct
+  // (ExchangeGeometry, OutputLSEGeometry, TopKGeometry, QueryGeometry).
   int64_t part_offset[4] = {0, 0, 0, 0};
 };
 
-// params per kind:
+// params per kind (decoded by the family's Geometry struct):
 //   kExchange : [max_bytes_per_rank]
 //   kOutputLSE: [max_rows, total_heads, head_dim, elem_bytes]
 //   kTopK     : [max_rows, candidates_per_rank, k]
 //   kQuery    : [max_rows, local_heads, head_dim, elem_bytes]
+// Each family lays out its slot (<family>_layout in <family>.cpp); this adds
+// the control region and the tail pad.
 WorkspaceLayout compute_layout(WorkspaceKind kind,
                                const std::vector<int64_t>& params,
                                int64_t world_size);

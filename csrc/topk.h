@@ -1,14 +1,51 @@
-// Top-K boundary: shared argument checks of the CPU and CUDA kernels.
+// Top-K boundary: what the CPU and CUDA kernels share (argument checks, typed
+// workspace geometry, output allocation).
 #pragma once
 
 #include "sdcp.h"
 
 namespace sdcp {
 
-// Checks scores [T, C] fp32 / ids [T, C] int32 (unit stride in the last
-// dimension) and k >= 1.
-void check_topk_inputs(const at::Tensor& scores, const at::Tensor& ids, int64_t k);
+// Workspace params [max_rows, candidates_per_rank, k] and the shard layout,
+// decoded once: each owner's shard holds its best min(C, k) candidates per
+// row as sorted 64-bit selection keys (semantics.h), [max_rows][keys_per_row].
+struct TopKGeometry {
+  int64_t max_rows = 0, candidates_per_rank = 0, k = 0;
+  int64_t keys_per_row = 0;  // min(candidates_per_rank, k)
+  int64_t shard_offset = 0;  // inside the slot
+  static TopKGeometry of(const Workspace& ws);
+};
 
-void check_topk_workspace(const Workspace& ws, const at::Tensor& scores, int64_t k);
+void topk_layout(const std::vector<int64_t>& params, int64_t world_size, WorkspaceLayout& l);
+
+// scores [T, C] fp32 / ids [T, C] int32 (unit stride in the last dimension),
+// k >= 1; returns the [T, k] int32 output.
+at::Tensor prepare_topk_select(const at::Tensor& scores, const at::Tensor& ids, int64_t k);
+
+// One topk_merge call, checked against its workspace, with its output.
+struct TopKMergeCall {
+  std::shared_ptr<const Workspace> ws;
+  TopKGeometry geo;
+  int64_t rows = 0;
+  at::Tensor out;  // [T, k] int32
+};
+
+TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k);
+
+// The ops of one backend, written once on top of its launchers:
+//   SelectLaunch(scores, ids, k, out)      MergeLaunch(call, scores, ids)
+template <auto SelectLaunch>
+at::Tensor topk_select_op(const at::Tensor& scores, const at::Tensor& ids, int64_t k) {
+  at::Tensor out = prepare_topk_select(scores, ids, k);
+  if (scores.size(0) > 0) SelectLaunch(scores, ids, k, out);
+  return out;
+}
+
+template <auto MergeLaunch>
+at::Tensor topk_merge_op(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k) {
+  const TopKMergeCall c = prepare_topk_merge(scores, ids, workspace, k);
+  MergeLaunch(c, scores, ids);
+  return c.out;
+}
 
 }  // namespace sdcp

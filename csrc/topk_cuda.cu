@@ -30,7 +30,6 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 4096;              // keys sorted together, 4 per thread
 constexpr int64_t kMaxSortKeys = 16384;   // candidates per row of topk_select
-constexpr int kMaxDeviceWorld = 16;
 
 __device__ __forceinline__ uint64_t kmax(uint64_t a, uint64_t b) { return a > b ? a : b; }
 __device__ __forceinline__ uint64_t kmin(uint64_t a, uint64_t b) { return a < b ? a : b; }
@@ -195,14 +194,14 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(const float* scor
 }
 
 // Grid: max_rows blocks (per-block epochs), block t handles row t.
-__global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws, const float* scores,
+__global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws, TopKGeometry g, const float* scores,
                                                               const int32_t* ids, int64_t s0, int64_t i0, int rows,
                                                               int c, int k, int32_t* out) {
   extern __shared__ __align__(16) uint8_t smem[];
   const uint64_t epoch = block_next_epoch(ws);
   const int t = blockIdx.x, n = ws.world;
-  const int kk = static_cast<int>(ws.part[1]);  // keys per row in a shard: min(c, k)
-  auto shard = [&](int r) { return reinterpret_cast<uint64_t*>(ws.slot_data(r, 0) + ws.part[0]) + t * kk; };
+  const int kk = static_cast<int>(g.keys_per_row);  // min(c, k)
+  auto shard = [&](int r) { return reinterpret_cast<uint64_t*>(ws.slot_data(r, 0) + g.shard_offset) + t * kk; };
   // 1. Owner: sort the row once; once every consumer has finished reading the
   //    previous epoch, store the best kk keys into the own shard, in order.
   uint64_t* own = shard(ws.rank);
@@ -253,13 +252,10 @@ void set_smem(const void* kernel, int64_t bytes, std::array<std::atomic<int64_t>
   }
 }
 
-at::Tensor topk_select_cuda(const at::Tensor& scores, const at::Tensor& ids, int64_t k) {
-  check_topk_inputs(scores, ids, k);
+void select_cuda(const at::Tensor& scores, const at::Tensor& ids, int64_t k, at::Tensor& out) {
   const int64_t rows = scores.size(0), m = scores.size(1);
   SDCP_CHECK_ARG(m <= kMaxSortKeys, "scores", "at most " << kMaxSortKeys << " candidates per row on CUDA", m);
   SDCP_CHECK_ARG(k <= INT32_MAX / 2, "k", "at most " << INT32_MAX / 2 << " on CUDA", k);
-  auto out = at::empty({rows, k}, ids.options());
-  if (rows == 0) return out;
   const c10::cuda::CUDAGuard guard(scores.device());
   const int64_t smem = select_smem(m, k), limit = max_smem_optin(scores);
   SDCP_CHECK_ARG(smem <= limit, "scores", "a row that fits in shared memory (" << limit << " bytes)", smem << " bytes for "
@@ -270,37 +266,30 @@ at::Tensor topk_select_cuda(const at::Tensor& scores, const at::Tensor& ids, int
       scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0), static_cast<int>(m),
       static_cast<int>(k), out.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
-at::Tensor topk_merge_cuda(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k) {
-  check_topk_inputs(scores, ids, k);
-  const auto ws_ptr = resolve_workspace(workspace, WorkspaceKind::kTopK, scores);
-  const Workspace& ws = *ws_ptr;
-  check_topk_workspace(ws, scores, k);
-  SDCP_CHECK_ARG(ws.world_size <= kMaxDeviceWorld, "workspace", "a world size of at most " << kMaxDeviceWorld,
-                 ws.world_size);
-  const int64_t c = scores.size(1), kk = ws.layout.part_offset[1];
-  const int64_t smem = std::max(select_smem(c, kk), ws.world_size * kk * 8), limit = max_smem_optin(scores);
+void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tensor& ids) {
+  const Workspace& ws = *c.ws;
+  check_device_world(ws);
+  const int64_t cand = c.geo.candidates_per_rank, kk = c.geo.keys_per_row, k = c.geo.k;
+  const int64_t smem = std::max(select_smem(cand, kk), ws.world_size * kk * 8), limit = max_smem_optin(scores);
   SDCP_CHECK_ARG(smem <= limit, "scores", "candidates that fit in shared memory (" << limit << " bytes)",
-                 smem << " bytes for " << c << " candidates per rank, " << ws.world_size << " ranks and k = " << k);
-  auto out = at::empty({scores.size(0), k}, ids.options());
+                 smem << " bytes for " << cand << " candidates per rank, " << ws.world_size << " ranks and k = " << k);
   const c10::cuda::CUDAGuard guard(scores.device());
   static std::array<std::atomic<int64_t>, 64> current{};
   set_smem(reinterpret_cast<const void*>(topk_merge_kernel), smem, current, scores.get_device());
   // The grid is fixed by the workspace (max_rows blocks): per-block epochs.
   topk_merge_kernel<<<ws.layout.blocks, kThreads, smem, at::cuda::getCurrentCUDAStream().stream()>>>(
-      device_workspace(ws), scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
-      static_cast<int>(scores.size(0)), static_cast<int>(c), static_cast<int>(k), out.data_ptr<int32_t>());
+      device_workspace(ws), c.geo, scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
+      static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
-  m.impl("topk_select", &topk_select_cuda);
-  m.impl("topk_merge", &topk_merge_cuda);
+  m.impl("topk_select", &topk_select_op<select_cuda>);
+  m.impl("topk_merge", &topk_merge_op<merge_cuda>);
 }
 
 }  // namespace sdcp

@@ -2,6 +2,11 @@
 
 #include "sdcp.h"
 
+#include "exchange.h"
+#include "output_lse.h"
+#include "query.h"
+#include "topk.h"
+
 #include <torch/library.h>
 
 #include <memory>
@@ -78,82 +83,46 @@ const char* kind_name(WorkspaceKind kind) {
   return "unknown";
 }
 
-namespace {
+int64_t checked_mul(std::initializer_list<int64_t> factors, const char* arg) {
+  int64_t product = 1;
+  for (int64_t f : factors) {
+    TORCH_CHECK_VALUE(f >= 0, cat("torch_sdcp: argument '", arg, "': expected sizes >= 0, got a factor ", f));
+    TORCH_CHECK_VALUE(!__builtin_mul_overflow(product, f, &product) && product <= kMaxRegionBytes,
+                      cat("torch_sdcp: argument '", arg, "': expected a workspace region of at most ",
+                          kMaxRegionBytes, " bytes per rank, got a size that exceeds it (a factor of ", f, ")"));
+  }
+  return product;
+}
 
-constexpr int64_t kAlign = 256;
-// Library kernels (cuBLAS) may read up to 64 KiB past a buffer they are given.
-constexpr int64_t kTailPad = 64 * 1024;
-
-int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+int64_t align_up(int64_t x, int64_t a) {
+  TORCH_CHECK_VALUE(x >= 0 && x <= kMaxRegionBytes, cat("torch_sdcp: internal: size ", x, " out of range"));
+  return (x + a - 1) / a * a;
+}
 
 void check_params(const std::vector<int64_t>& p, size_t n, const char* what) {
   TORCH_CHECK_VALUE(p.size() == n, cat("torch_sdcp: argument 'params': expected ", n, " values (", what,
-                    ") , got ", p.size()));
+                    "), got ", p.size()));
   for (size_t i = 0; i < p.size(); ++i)
     TORCH_CHECK_VALUE(p[i] > 0, cat("torch_sdcp: argument 'params': expected positive values (", what,
                       "), got ", p[i], " at position ", i));
 }
 
-}  // namespace
-
 WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p,
                                int64_t world_size) {
-  TORCH_CHECK_VALUE(world_size >= 1 && world_size <= 64, cat("torch_sdcp: argument 'world_size': expected 1..64, got ", world_size));
-  const int64_t n = world_size;
+  TORCH_CHECK_VALUE(world_size >= 1 && world_size <= kMaxWorld, cat("torch_sdcp: argument 'world_size': expected 1..",
+                    kMaxWorld, ", got ", world_size));
   WorkspaceLayout l;
   switch (kind) {
-    case WorkspaceKind::kExchange: {
-      check_params(p, 1, "max_bytes_per_rank");
-      l.blocks = 16;
-      const int64_t per_src = align_up(p[0], kAlign);
-      l.slot_bytes = n * per_src;
-      l.part_offset[0] = 0;
-      l.part_offset[1] = per_src;  // distance between sources
-      break;
-    }
-    case WorkspaceKind::kOutputLSE: {
-      check_params(p, 4, "max_rows, total_heads, head_dim, elem_bytes");
-      const int64_t rows = p[0], heads = p[1], dim = p[2], eb = p[3];
-      TORCH_CHECK_VALUE(heads % n == 0, cat("torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
-                        n, ", got ", heads));
-      const int64_t hl = heads / n;
-      l.blocks = 256;  // two 256-thread blocks per SM, all co-resident
-      const int64_t out_bytes = align_up(n * rows * hl * dim * eb, kAlign);
-      const int64_t lse_bytes = align_up(n * rows * hl * 4, kAlign);
-      l.part_offset[0] = 0;          // out inbox [src][row][h_loc][d]
-      l.part_offset[1] = out_bytes;  // lse inbox [src][row][h_loc]
-      l.slot_bytes = out_bytes + lse_bytes;
-      break;
-    }
-    case WorkspaceKind::kTopK: {
-      check_params(p, 3, "max_rows, candidates_per_rank, k");
-      const int64_t rows = p[0], c = p[1], k = p[2];
-      TORCH_CHECK_VALUE(k <= n * c, cat("torch_sdcp: argument 'k': expected at most world_size * "
-                        "candidates_per_rank = ", n * c, ", got ", k));
-      l.blocks = rows;
-      // Each owner's shard: its best min(c, k) candidates per row as sorted
-      // 64-bit selection keys (semantics.h). One slot: consumers acknowledge.
-      l.slots = 1;
-      l.part_offset[0] = 0;                      // keys [row][min(c, k)]
-      l.part_offset[1] = std::min(c, k);         // keys per row
-      l.slot_bytes = align_up(rows * std::min(c, k) * 8, kAlign);
-      break;
-    }
-    case WorkspaceKind::kQuery: {
-      check_params(p, 4, "max_rows, local_heads, head_dim, elem_bytes");
-      const int64_t rows = p[0], hl = p[1], dim = p[2], eb = p[3];
-      l.blocks = 256;
-      // One slot: the inbox may be read after the call (a zero-copy view), so
-      // producers wait for the consumer's acknowledgement before reusing it.
-      l.slots = 1;
-      l.part_offset[0] = 0;  // inbox [row][src*H_loc + h][dim]
-      l.slot_bytes = align_up(rows * n * hl * dim * eb, kAlign);
-      break;
-    }
+    case WorkspaceKind::kExchange: exchange_layout(p, world_size, l); break;
+    case WorkspaceKind::kOutputLSE: output_lse_layout(p, world_size, l); break;
+    case WorkspaceKind::kTopK: topk_layout(p, world_size, l); break;
+    case WorkspaceKind::kQuery: query_layout(p, world_size, l); break;
     default:
       TORCH_CHECK_VALUE(false, cat("torch_sdcp: argument 'kind': expected 0..3, got ", static_cast<int64_t>(kind)));
   }
-  l.control_bytes = align_up(8 * l.blocks + 2 * n * l.blocks * 8, 4096);
+  const int64_t n = world_size;
+  // epoch[blocks] + flags[2][N][blocks], uint64 each
+  l.control_bytes = align_up(checked_mul({2 * n + 1, l.blocks, 8}, "max_rows"), 4096);
   l.data_offset = l.control_bytes;
   l.region_bytes = l.control_bytes + l.slots * l.slot_bytes + kTailPad;
   return l;

@@ -1,0 +1,34 @@
+// Exchange: argument checks, the inbox layout and output allocation shared by
+// the CPU and CUDA kernels.
+
+#include "exchange.h"
+
+namespace sdcp {
+
+void exchange_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
+  check_params(p, 1, "max_bytes_per_rank");
+  l.blocks = 16;
+  const int64_t per_src = align_up(p[0], kAlign);
+  l.slot_bytes = checked_mul({n, per_src}, "max_bytes");
+  l.part_offset[0] = 0;
+  l.part_offset[1] = per_src;
+}
+
+ExchangeGeometry ExchangeGeometry::of(const Workspace& ws) {
+  return {ws.params[0], ws.layout.part_offset[1]};
+}
+
+AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
+  check_contiguous(x, "x");
+  AllGatherCall c{resolve_workspace(workspace, WorkspaceKind::kExchange, x), {}, 0, {}};
+  c.geo = ExchangeGeometry::of(*c.ws);
+  c.nbytes = x.numel() * x.element_size();
+  SDCP_CHECK_ARG(c.nbytes <= c.geo.max_bytes, "x", "at most " << c.geo.max_bytes << " bytes (the workspace capacity)",
+                 c.nbytes << " bytes");
+  std::vector<int64_t> shape{c.ws->world_size};
+  for (auto s : x.sizes()) shape.push_back(s);
+  c.out = at::empty(shape, x.options());
+  return c;
+}
+
+}  // namespace sdcp

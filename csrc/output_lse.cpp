@@ -1,0 +1,116 @@
+// Output/LSE boundary: argument checks, the inbox layout and the allocating
+// op, shared by the CPU and CUDA kernels. `output_lse_combine` is registered
+// once for both backends, on top of `output_lse_combine_out`.
+
+#include "output_lse.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace sdcp {
+
+void output_lse_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
+  check_params(p, 4, "max_rows, total_heads, head_dim, elem_bytes");
+  const int64_t rows = p[0], heads = p[1], dim = p[2], eb = p[3];
+  TORCH_CHECK_VALUE(heads % n == 0, cat("torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
+                    n, ", got ", heads));
+  const int64_t hl = heads / n;
+  l.blocks = 256;  // two 256-thread blocks per SM, all co-resident
+  const int64_t out_bytes = align_up(checked_mul({n, rows, hl, dim, eb}, "max_rows"), kAlign);
+  const int64_t lse_bytes = align_up(checked_mul({n, rows, hl, 4}, "max_rows"), kAlign);
+  l.part_offset[0] = 0;          // payload inbox
+  l.part_offset[1] = out_bytes;  // LSE inbox
+  l.slot_bytes = out_bytes + lse_bytes;
+}
+
+OutputLSEGeometry OutputLSEGeometry::of(const Workspace& ws) {
+  const auto& p = ws.params;
+  return {p[0], p[1], p[2], p[3], p[1] / ws.world_size, ws.layout.part_offset[0], ws.layout.part_offset[1]};
+}
+
+void check_partial_inputs(const at::Tensor& partial_out, const at::Tensor& partial_lse) {
+  check_dim(partial_out, "partial_out", 3);
+  check_dim(partial_lse, "partial_lse", 2);
+  check_float_dtype(partial_out, "partial_out");
+  check_dtype(partial_lse, "partial_lse", at::kFloat);
+  check_contiguous(partial_out, "partial_out");
+  check_contiguous(partial_lse, "partial_lse");
+  check_size(partial_lse, "partial_lse", 0, partial_out.size(0));
+  check_size(partial_lse, "partial_lse", 1, partial_out.size(1));
+  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
+}
+
+void check_stacked_partials(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t max_shards) {
+  check_dim(partial_out, "partial_out", 4);
+  check_dim(partial_lse, "partial_lse", 3);
+  check_float_dtype(partial_out, "partial_out");
+  check_dtype(partial_lse, "partial_lse", at::kFloat);
+  check_contiguous(partial_out, "partial_out");
+  check_contiguous(partial_lse, "partial_lse");
+  for (int d = 0; d < 3; ++d) check_size(partial_lse, "partial_lse", d, partial_out.size(d));
+  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
+  const int64_t n = partial_out.size(0);
+  SDCP_CHECK_ARG(n >= 1 && n <= max_shards, "partial_out", "1.." << max_shards << " shards in dim 0", n);
+}
+
+CombineCall prepare_combine_out(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
+                                const at::Tensor& out, const at::Tensor& out_lse) {
+  check_partial_inputs(partial_out, partial_lse);
+  CombineCall c{resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out), {}, partial_out.size(0)};
+  c.geo = OutputLSEGeometry::of(*c.ws);
+  const auto& g = c.geo;
+  SDCP_CHECK_ARG(c.rows <= g.max_rows, "partial_out", "at most max_rows = " << g.max_rows << " rows",
+                 c.rows << " (larger batches take the collective path)");
+  check_size(partial_out, "partial_out", 1, g.total_heads);
+  check_size(partial_out, "partial_out", 2, g.head_dim);
+  SDCP_CHECK_ARG(static_cast<int64_t>(partial_out.element_size()) == g.elem_bytes, "partial_out",
+                 "elements of " << g.elem_bytes << " bytes (the workspace dtype)", partial_out.scalar_type());
+  const int64_t hl = g.local_heads, d = g.head_dim;
+  SDCP_CHECK_ARG(out.sizes() == at::IntArrayRef({c.rows, hl, d}), "out",
+                 "shape [" << c.rows << ", " << hl << ", " << d << "]", "shape " << out.sizes());
+  SDCP_CHECK_ARG(out_lse.sizes() == at::IntArrayRef({c.rows, hl}), "out_lse",
+                 "shape [" << c.rows << ", " << hl << "]", "shape " << out_lse.sizes());
+  check_dtype(out, "out", partial_out.scalar_type());
+  check_dtype(out_lse, "out_lse", at::kFloat);
+  check_contiguous(out, "out");
+  check_contiguous(out_lse, "out_lse");
+  check_same_device(out, "out", partial_out, "partial_out");
+  check_same_device(out_lse, "out_lse", partial_out, "partial_out");
+  return c;
+}
+
+namespace {
+
+// Allocates the caller-owned outputs and runs the `_out` op of the inputs'
+// backend through the dispatcher.
+std::tuple<at::Tensor, at::Tensor> output_lse_combine(const at::Tensor& partial_out, const at::Tensor& partial_lse,
+                                                      int64_t workspace, bool base2) {
+  check_partial_inputs(partial_out, partial_lse);
+  const auto ws = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
+  const int64_t n = ws->world_size;
+  SDCP_CHECK_ARG(partial_out.size(1) % n == 0, "partial_out", "heads divisible by the world size " << n,
+                 partial_out.size(1));
+  auto out = at::empty({partial_out.size(0), partial_out.size(1) / n, partial_out.size(2)}, partial_out.options());
+  auto lse = at::empty({partial_out.size(0), partial_out.size(1) / n}, partial_lse.options());
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sdcp::output_lse_combine_out", "")
+                             .typed<void(const at::Tensor&, const at::Tensor&, int64_t, bool, at::Tensor&,
+                                         at::Tensor&)>();
+  op.call(partial_out, partial_lse, workspace, base2, out, lse);
+  return {out, lse};
+}
+
+}  // namespace
+
+// One implementation for both backends (the fake lives in torch_sdcp/fake.py).
+TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
+  m.impl("output_lse_combine", &output_lse_combine);
+}
+
+#ifdef SDCP_WITH_CUDA
+TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
+  m.impl("output_lse_combine", &output_lse_combine);
+}
+#endif
+
+}  // namespace sdcp
