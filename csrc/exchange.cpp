@@ -7,9 +7,13 @@ namespace sdcp {
 
 void exchange_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
   check_params(p, 1, "max_bytes_per_rank");
-  l.blocks = 16;
-  const int64_t per_src = align_up(p[0], kAlign);
-  l.slot_bytes = checked_mul({n, per_src}, "max_bytes");
+  l.protocol = Protocol::kLamport;
+  l.blocks = 1;
+  l.slots = kLamportBuffers;
+  // Buffer [peer slot][word]: tagged 64-bit words of kTaggedPayload bytes.
+  const int64_t words = (p[0] + kTaggedPayload - 1) / kTaggedPayload;
+  const int64_t per_src = align_up(checked_mul({words, 8}, "max_bytes"), kAlign);
+  l.slot_bytes = checked_mul({n - 1, per_src}, "max_bytes");
   l.part_offset[0] = 0;
   l.part_offset[1] = per_src;
 }

@@ -9,7 +9,7 @@ namespace sdcp {
 // Workspace params [max_bytes] and the inbox layout, decoded once.
 struct ExchangeGeometry {
   int64_t max_bytes;     // capacity per source
-  int64_t source_bytes;  // distance between two sources' inbox entries
+  int64_t source_bytes;  // distance between two peer slots of a buffer (tagged words)
   static ExchangeGeometry of(const Workspace& ws);
 };
 

@@ -1,9 +1,10 @@
-// Signalling primitive, CUDA: peer all-gather through a workspace. Block b
-// stores chunk b of x into every rank's inbox, publishes one flag per
-// destination, waits for chunk b of every source, copies it out.
+// Signalling primitive, CUDA: peer all-gather through a data-as-flag
+// workspace. Every word of x travels tagged with the call (lamport.h), so the
+// consumer polls its local buffer and no flag, fence or acknowledgement is
+// needed; the grid is sized to the words.
 
-#include "device_signal.cuh"
 #include "exchange.h"
+#include "lamport.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,46 +13,59 @@
 namespace sdcp {
 namespace {
 
-template <typename vec_t>
-__device__ void copy_chunk(const uint8_t* src, uint8_t* dst, int64_t begin, int64_t end) {
-  const auto* s = reinterpret_cast<const vec_t*>(src);
-  auto* d = reinterpret_cast<vec_t*>(dst);
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) d[i] = s[i];
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ uint32_t load_word(const uint8_t* x, int64_t nbytes, int64_t w, bool aligned) {
+  if (aligned) return reinterpret_cast<const uint32_t*>(x)[w];
+  uint32_t v = 0;
+  for (int b = 0; b < 4 && 4 * w + b < nbytes; ++b) v |= static_cast<uint32_t>(x[4 * w + b]) << (8 * b);
+  return v;
 }
 
-template <typename vec_t>
-__global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uint8_t* out, int64_t nvec,
-                                       int64_t per_src) {
-  const uint64_t epoch = block_next_epoch(ws);
-  const int slot = epoch & 1;
-  const int64_t per_block = (nvec + gridDim.x - 1) / gridDim.x;
-  const int64_t begin = min(nvec, blockIdx.x * per_block), end = min(nvec, begin + per_block);
-  for (int d = 0; d < ws.world; ++d)
-    copy_chunk<vec_t>(x, ws.slot_data(d, slot) + ws.rank * per_src, begin, end);
-  block_publish_all(ws, epoch);
-  block_wait_all(ws, epoch);
-  const int64_t nbytes = nvec * sizeof(vec_t);
-  for (int s = 0; s < ws.world; ++s)
-    copy_chunk<vec_t>(ws.slot_data(ws.rank, slot) + s * per_src, out + s * nbytes, begin, end);
-  block_commit_epoch(ws, epoch);
+__device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t w, uint32_t v, bool aligned) {
+  if (aligned) {
+    reinterpret_cast<uint32_t*>(out)[w] = v;
+    return;
+  }
+  for (int b = 0; b < 4 && 4 * w + b < nbytes; ++b) out[4 * w + b] = static_cast<uint8_t>(v >> (8 * b));
+}
+
+// Thread j stores word j of x, tagged with the call, into every peer's
+// buffer and its own output row, then polls word j of every peer's entry.
+__global__ void peer_all_gather_kernel(LamportWorkspace ws, const uint8_t* x, uint8_t* out, int64_t nbytes,
+                                       int64_t source_bytes, bool aligned) {
+  const uint64_t call = block_call_index(ws);
+  const uint64_t tag = static_cast<uint64_t>(call_tag(call)) << 32;
+  const int64_t words = (nbytes + 3) / 4;
+  const int n = ws.world, me = ws.rank;
+  auto entry = [&](int dst, int src) {
+    return reinterpret_cast<uint64_t*>(ws.buffer(dst, call) + ws.peer_slot(src, dst) * source_bytes);
+  };
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t w = first; w < words; w += step) {
+    const uint32_t v = load_word(x, nbytes, w, aligned);
+    for (int d = 0; d < n; ++d)
+      if (d != me) st_volatile_u64(entry(d, me) + w, tag | v);
+    store_word(out + me * nbytes, nbytes, w, v, aligned);
+  }
+  for (int64_t w = first; w < words; w += step) {
+    for (int s = 0; s < n; ++s)
+      if (s != me) store_word(out + s * nbytes, nbytes, w, poll_tagged(ws, entry(me, s) + w, tag >> 32, s, call), aligned);
+  }
+  block_finish_call(ws, call);
 }
 
 void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
   const Workspace& ws = *c.ws;
   const c10::cuda::CUDAGuard guard(x.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
-  const auto dws = device_workspace(ws);
   const auto* src = static_cast<const uint8_t*>(x.data_ptr());
   auto* dst = static_cast<uint8_t*>(c.out.data_ptr());
-  const int64_t nbytes = c.nbytes, per_src = c.geo.source_bytes;
-  const bool vec16 = nbytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-  // The grid is fixed by the workspace: per-block epochs must advance together.
-  if (vec16) {
-    peer_all_gather_kernel<uint4><<<ws.layout.blocks, 256, 0, stream>>>(dws, src, dst, nbytes / 16, per_src);
-  } else {
-    peer_all_gather_kernel<uint8_t><<<ws.layout.blocks, 256, 0, stream>>>(dws, src, dst, nbytes, per_src);
-  }
+  const bool aligned = c.nbytes % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 &&
+                       reinterpret_cast<uintptr_t>(dst) % 4 == 0;
+  const int grid = lamport_grid((c.nbytes + 3) / 4, kThreads, x.get_device());
+  peer_all_gather_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      lamport_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -7,8 +7,9 @@
 namespace sdcp {
 
 // Workspace params [max_rows, total_heads, head_dim, elem_bytes] and the inbox
-// layout of one slot, decoded once:
-//   payload inbox [src][max_rows][local_heads][head_dim], LSE inbox [src][max_rows][local_heads].
+// layout of one data-as-flag buffer, decoded once (one entry per peer,
+// peer_slot(src, dst)): payload [peer][max_rows][local_heads][head_dim],
+// LSE [peer][max_rows][local_heads].
 struct OutputLSEGeometry {
   int64_t max_rows, total_heads, head_dim, elem_bytes;
   int64_t local_heads;

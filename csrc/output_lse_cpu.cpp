@@ -51,48 +51,58 @@ void lse_combine_cpu(const at::Tensor& partial_out, const at::Tensor& partial_ls
   });
 }
 
+// Data-as-flag (lamport.h): push every peer's head shard and LSE into its
+// buffer, take the peers' shards from the local buffer as they land (writing
+// the sentinel back), read this rank's own shard in place, then combine.
 void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2,
                      at::Tensor& out, at::Tensor& out_lse) {
   const Workspace& ws = *c.ws;
   const OutputLSEGeometry& g = c.geo;
   const int64_t n = ws.world_size, rows = c.rows, heads = g.total_heads, dim = g.head_dim;
   const int64_t hl = g.local_heads, max_rows = g.max_rows, eb = g.elem_bytes;
-  const uint64_t epoch = host_next_epoch(ws);
-  const int64_t slot = ws.slot_of(epoch);
-  // Inbox of rank d: out [src][row][h_loc][dim], lse [src][row][h_loc].
-  auto inbox_out = [&](int64_t d, int64_t src) {
-    return ws.slot_data(d, slot) + g.out_inbox_offset + src * max_rows * hl * dim * eb;
+  SDCP_CHECK_ARG(dim * eb % 4 == 0, "partial_out", "a last dimension of a multiple of 4 bytes",
+                 dim << " elements of " << eb << " bytes");
+  const int64_t item_words = dim * eb / 4;
+  const uint64_t call = host_call_index(ws);
+  const int64_t buf = call % kLamportBuffers;
+  // Buffer of rank d, entry of source s: payload [row][h_loc][dim], LSE [row][h_loc].
+  auto inbox_out = [&](int64_t d, int64_t s) {
+    return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.out_inbox_offset) +
+           peer_slot(s, d, n) * max_rows * hl * item_words;
   };
-  auto inbox_lse = [&](int64_t d, int64_t src) {
-    return reinterpret_cast<float*>(ws.slot_data(d, slot) + g.lse_inbox_offset) + src * max_rows * hl;
+  auto inbox_lse = [&](int64_t d, int64_t s) {
+    return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.lse_inbox_offset) + peer_slot(s, d, n) * max_rows * hl;
   };
-  const auto* po = static_cast<const uint8_t*>(partial_out.data_ptr());
-  const float* pl = partial_lse.data_ptr<float>();
+  const auto* po = static_cast<const uint32_t*>(partial_out.data_ptr());
+  const auto* pl = reinterpret_cast<const uint32_t*>(partial_lse.data_ptr<float>());
   for (int64_t d = 0; d < n; ++d) {
-    uint8_t* dst = inbox_out(d, ws.rank);
-    float* dl = inbox_lse(d, ws.rank);
+    if (d == ws.rank) continue;
     for (int64_t t = 0; t < rows; ++t) {
-      std::memcpy(dst + t * hl * dim * eb, po + (t * heads + d * hl) * dim * eb, hl * dim * eb);
-      std::memcpy(dl + t * hl, pl + t * heads + d * hl, hl * 4);
+      host_store_payload(inbox_out(d, ws.rank) + t * hl * item_words, po + (t * heads + d * hl) * item_words,
+                         hl * item_words, false);
+      host_store_payload(inbox_lse(d, ws.rank) + t * hl, pl + t * heads + d * hl, hl, true);
     }
   }
-  for (int64_t d = 0; d < n; ++d) host_publish(ws, d, epoch);
-  for (int64_t r = 0; r < n; ++r) host_wait(ws, r, epoch);
-  float* lo = out_lse.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
-    scalar_t* oo = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * hl, 16, [&](int64_t begin, int64_t end) {
-      float w[kMaxWorld];
-      for (int64_t i = begin; i < end; ++i) {
-        lo[i] = lse_weights(static_cast<int>(n), [&](int s) { return inbox_lse(ws.rank, s)[i]; }, base2, w);
-        weighted_sum<scalar_t>(
-            static_cast<int>(n), w,
-            [&](int s) { return reinterpret_cast<const scalar_t*>(inbox_out(ws.rank, s)) + i * dim; }, dim,
-            oo + i * dim);
+  // Gather the shards [N][rows][h_loc] (own one copied from partial_out), then combine.
+  auto shards = at::empty({n, rows, hl, dim}, partial_out.options());
+  auto lses = at::empty({n, rows, hl}, partial_lse.options());
+  auto* so = static_cast<uint32_t*>(shards.data_ptr());
+  auto* sl = reinterpret_cast<uint32_t*>(lses.data_ptr<float>());
+  for (int64_t s = 0; s < n; ++s) {
+    uint32_t* to = so + s * rows * hl * item_words;
+    uint32_t* tl = sl + s * rows * hl;
+    if (s == ws.rank) {
+      for (int64_t t = 0; t < rows; ++t) {
+        std::memcpy(to + t * hl * item_words, po + (t * heads + s * hl) * item_words, hl * item_words * 4);
+        std::memcpy(tl + t * hl, pl + t * heads + s * hl, hl * 4);
       }
-    });
-  });
-  host_commit_epoch(ws, epoch);
+    } else {
+      host_take_payload(ws, s, call, inbox_lse(ws.rank, s), rows * hl, tl);
+      host_take_payload(ws, s, call, inbox_out(ws.rank, s), rows * hl * item_words, to);
+    }
+  }
+  host_finish_call(ws, call);
+  if (rows > 0) lse_combine_cpu(shards, lses, base2, out, out_lse);
 }
 
 }  // namespace

@@ -1,10 +1,9 @@
-// Output/LSE boundary, CUDA. One fused kernel on a fixed grid: block b stores
-// its chunk of every destination's head shard (payload and LSE) into that
-// owner's inbox, publishes one flag per destination, waits for chunk b from
-// every producer, then combines it in fp32 and rounds once. A warp handles
-// one (row, head) item; payloads move as 16-byte vectors.
+// Output/LSE boundary, CUDA: the LSE-weighted combine of stacked partials,
+// and the peer path, one fused kernel with data-as-flag signalling (see
+// output_lse_kernel). A warp handles one (row, head) item; payloads move as
+// 16-byte vectors.
 
-#include "device_signal.cuh"
+#include "lamport.cuh"
 #include "output_lse.h"
 #include "semantics.h"
 
@@ -79,57 +78,102 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
   }
 }
 
+// Data-as-flag (lamport.h). Block b owns the same items (row, local head) on
+// every rank: it stores its items' head shards for every peer into that
+// peer's buffer, then, for its own heads, polls each peer's LSE and payload
+// vectors in the local buffer as they land, writes the sentinel back, reads
+// this rank's own shard in place from partial_out and combines in fp32. A
+// block waits only for the same block of its peers, which stores before it
+// waits, so the grid is sized to the items and need not be co-resident.
 template <typename scalar_t>
-__global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl,
+__global__ void output_lse_kernel(LamportWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl,
                                   int64_t rows, bool base2, scalar_t* out, float* out_lse) {
-  const uint64_t epoch = block_next_epoch(ws);
-  const int slot = ws.slot_of(epoch);
-  const int n = ws.world;
-  const int64_t heads = g.total_heads, dim = g.head_dim, max_rows = g.max_rows;
-  const int64_t hl = g.local_heads, items = rows * hl;
-  const int64_t nvec = dim / Vec<scalar_t>::kElems;
+  using V = Vec<scalar_t>;
+  const uint64_t call = block_call_index(ws);
+  const int n = ws.world, me = ws.rank;
+  const int64_t heads = g.total_heads, dim = g.head_dim, hl = g.local_heads, items = rows * hl;
+  const int64_t nvec = dim / V::kElems;
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
   const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  // Inbox of rank d: payload [src][max_rows][hl][dim], LSE [src][max_rows][hl].
-  auto inbox_out = [&](int d, int src) {
-    return reinterpret_cast<scalar_t*>(ws.slot_data(d, slot) + g.out_inbox_offset) + src * max_rows * hl * dim;
+  // Buffer of rank d, entry of source s: payload [row][h_loc][dim], LSE [row][h_loc].
+  auto inbox_out = [&](int d, int s) {
+    return reinterpret_cast<uint4*>(ws.buffer(d, call) + g.out_inbox_offset) +
+           ws.peer_slot(s, d) * g.max_rows * hl * nvec;
   };
-  auto inbox_lse = [&](int d, int src) {
-    return reinterpret_cast<float*>(ws.slot_data(d, slot) + g.lse_inbox_offset) + src * max_rows * hl;
+  auto inbox_lse = [&](int d, int s) {
+    return reinterpret_cast<uint32_t*>(ws.buffer(d, call) + g.lse_inbox_offset) + ws.peer_slot(s, d) * g.max_rows * hl;
   };
-  // 1. Producer: item i = (t, h) goes to destination d's inbox, slot of this
-  //    rank. The (destination, vector) pairs of an item are flattened and
-  //    moved kUnroll per lane at a time: all loads first, then all stores.
+  // 1. Producer: item i = (t, h) of destination d is partial_out[t, d*hl + h].
+  //    The (peer, vector) pairs of an item are flattened, kUnroll per lane.
   constexpr int kUnroll = 4;
-  const int64_t pairs = n * nvec;
+  const int64_t pairs = (n - 1) * nvec;
   for (int64_t i = begin + warp; i < end; i += kWarps) {
     const int64_t t = i / hl, h = i % hl;
-    const scalar_t* src_row = po + (t * heads + h) * dim;  // + d * hl * dim for destination d
     for (int64_t base = 0; base < pairs; base += 32 * kUnroll) {
       uint4 buf[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t x = base + u * 32 + lane;
-        if (x < pairs) buf[u] = reinterpret_cast<const uint4*>(src_row + (x / nvec) * hl * dim)[x % nvec];
+        const int d = static_cast<int>(x / nvec + 1 + me) % n;
+        if (x < pairs) buf[u] = reinterpret_cast<const uint4*>(po + (t * heads + d * hl + h) * dim)[x % nvec];
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t x = base + u * 32 + lane;
-        if (x < pairs) reinterpret_cast<uint4*>(inbox_out(static_cast<int>(x / nvec), ws.rank) + i * dim)[x % nvec] = buf[u];
+        const int d = static_cast<int>(x / nvec + 1 + me) % n;
+        if (x < pairs) inbox_out(d, me)[i * nvec + x % nvec] = canonical_payload(buf[u]);
       }
     }
-    if (lane < n) inbox_lse(lane, ws.rank)[i] = pl[t * heads + lane * hl + h];
+    if (lane < n && lane != me)
+      inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(pl[t * heads + lane * hl + h]));
   }
-  block_publish_all(ws, epoch);
-  // 2. Owner: wait for chunk b of every producer, then combine it.
-  block_wait_all(ws, epoch);
+  // 2. Owner: for each own item, every shard's LSE (lane s polls peer s),
+  //    then the payload vectors, each polled, re-filled and weighed.
   for (int64_t i = begin + warp; i < end; i += kWarps) {
-    combine_item<scalar_t>(
-        n, [&](int s) { return inbox_lse(ws.rank, s)[i]; },
-        [&](int s) { return inbox_out(ws.rank, s) + i * dim; }, nvec, base2, out + i * dim, out_lse + i);
+    const int64_t t = i / hl, h = i % hl;
+    float mine = 0.0f;
+    if (lane < n) {
+      if (lane == me) {
+        mine = pl[t * heads + me * hl + h];
+      } else {
+        uint32_t* p = inbox_lse(me, lane) + i;
+        mine = __uint_as_float(poll_word(ws, p, lane, call));
+        *p = kSentinel;
+      }
+    }
+    __syncwarp();
+    float lse[kMaxDeviceWorld];
+#pragma unroll
+    for (int s = 0; s < kMaxDeviceWorld; ++s) lse[s] = __shfl_sync(0xffffffffu, mine, s);
+    float w[kMaxDeviceWorld];
+    const float L = lse_weights(n, [&](int s) { return lse[s]; }, base2, w);
+    if (lane == 0) out_lse[i] = L;
+    const uint4* own = reinterpret_cast<const uint4*>(po + (t * heads + me * hl + h) * dim);
+    for (int64_t v = lane; v < nvec; v += 32) {
+      float acc[V::kElems];
+#pragma unroll
+      for (int e = 0; e < V::kElems; ++e) acc[e] = 0.0f;
+      for (int s = 0; s < n; ++s) {
+        V x;
+        if (s == me) {
+          x.raw = own[v];
+        } else {
+          uint4* p = inbox_out(me, s) + i * nvec + v;
+          x.raw = poll_vector(ws, p, s, call);  // waited for even at weight 0: the buffer is re-filled here
+          *p = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
+        }
+        if (w[s] == 0.0f) continue;  // a zero-weight payload contributes exactly 0
+#pragma unroll
+        for (int e = 0; e < V::kElems; ++e) acc[e] += w[s] * x.get(e);
+      }
+      V o;
+#pragma unroll
+      for (int e = 0; e < V::kElems; ++e) o.set(e, acc[e]);
+      reinterpret_cast<uint4*>(out + i * dim)[v] = o.raw;
+    }
   }
-  block_commit_epoch(ws, epoch);
+  block_finish_call(ws, call);
 }
 
 // The kernels move payloads as 16-byte vectors.
@@ -165,11 +209,11 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   check_device_world(ws);
   const c10::cuda::CUDAGuard guard(partial_out.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  const auto dws = device_workspace(ws);
-  // The grid is fixed by the workspace (per-block epochs), even for 0 rows.
+  // One warp per item; at least one block, even for 0 rows (it advances the call index).
+  const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
-    output_lse_kernel<scalar_t><<<ws.layout.blocks, kThreads, 0, stream>>>(
-        dws, c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
+    output_lse_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+        lamport_workspace(ws), c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
         out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();

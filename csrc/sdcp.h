@@ -2,6 +2,7 @@
 // workspace registry and the peer-memory layout every family uses.
 #pragma once
 
+#include "lamport.h"
 #include "limits.h"
 
 #include <torch/types.h>
@@ -82,6 +83,7 @@ void check_params(const std::vector<int64_t>& params, size_t n, const char* what
 //
 // Region layout (identical on every rank):
 //   [0, control_bytes)        control: epoch[blocks] then flags[2][N][blocks]
+//                             (Protocol::kFlags), or a LamportControl
 //   [control_bytes, ...)      the family's data, `slots` slots (1 or 2)
 // Flags are uint64 words with one writer each: flags[set][src][block] in the
 // destination's region is written by rank src only. Epochs are local.
@@ -100,7 +102,14 @@ enum class WorkspaceKind : int64_t {
 
 const char* kind_name(WorkspaceKind kind);
 
+// How a workspace's data paths signal (docs/PROTOCOL.md).
+enum class Protocol : int64_t {
+  kFlags = 0,    // per-block epochs, release/acquire flags, acknowledgements (top-K, query)
+  kLamport = 1,  // data-as-flag: sentinel or tagged words, one call index (exchange, Output/LSE)
+};
+
 struct WorkspaceLayout {
+  Protocol protocol = Protocol::kFlags;
   int64_t blocks = 1;         // flag blocks (fixed grid of the family kernels)
   int64_t control_bytes = 0;  // epoch + flags, aligned
   int64_t slot_bytes = 0;     // one data slot
@@ -138,6 +147,7 @@ struct Workspace {
   uint8_t* region(int64_t r) const {
     return reinterpret_cast<uint8_t*>(base + static_cast<uintptr_t>(r * stride));
   }
+  LamportControl* lamport(int64_t r) const { return reinterpret_cast<LamportControl*>(region(r)); }
   uint64_t* epochs(int64_t r) const {
     return reinterpret_cast<uint64_t*>(region(r));
   }
@@ -146,7 +156,11 @@ struct Workspace {
     auto* f = reinterpret_cast<uint64_t*>(region(r) + 8 * layout.blocks);
     return f + (set * world_size + src) * layout.blocks + block;
   }
-  // The data slot and the "ready" flag set of epoch e.
+  // Where rank `dst` keeps what rank `src` sends it in a data-as-flag
+// buffer: one entry per peer, none for itself (0 .. N-2).
+inline int64_t peer_slot(int64_t src, int64_t dst, int64_t n) { return (src - dst - 1 + n) % n; }
+
+// The data slot and the "ready" flag set of epoch e.
   int64_t slot_of(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
   int64_t ready_set(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
   uint8_t* slot_data(int64_t r, int64_t slot) const {

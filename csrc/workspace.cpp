@@ -121,8 +121,10 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
       TORCH_CHECK_VALUE(false, cat("torch_sdcp: argument 'kind': expected 0..3, got ", static_cast<int64_t>(kind)));
   }
   const int64_t n = world_size;
-  // epoch[blocks] + flags[2][N][blocks], uint64 each
-  l.control_bytes = align_up(checked_mul({2 * n + 1, l.blocks, 8}, "max_rows"), 4096);
+  // epoch[blocks] + flags[2][N][blocks], uint64 each; or one LamportControl
+  l.control_bytes = l.protocol == Protocol::kLamport
+                        ? align_up(static_cast<int64_t>(sizeof(LamportControl)), 4096)
+                        : align_up(checked_mul({2 * n + 1, l.blocks, 8}, "max_rows"), 4096);
   l.data_offset = l.control_bytes;
   l.region_bytes = l.control_bytes + l.slots * l.slot_bytes + kTailPad;
   return l;
