@@ -60,24 +60,22 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import datetime
 import fcntl
 import logging
 import math
 import mmap
 import os
-import pickle
-import secrets
 import socket
-import struct
 import sys
-import tempfile
 import threading
-import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .collectives import _EXC_TYPES, _all_gather_obj, _describe, _group_barrier
+from .dlpack import _byte_tensor
+from .fd_exchange import _exchange_fds, _make_socket_dir, _remove_socket_dir
 
 __all__ = ["PeerArena"]
 
@@ -102,13 +100,9 @@ def _interpreter_exiting() -> bool:
     return _AT_EXIT or sys.is_finalizing()
 
 
-# Fault injection for the tests: called with the name of each creation stage ("validate",
-# "allocate", "exchange", "map", "probe") just before it runs. None in production.
-_TEST_HOOK = None
-
-
 def _hook(stage: str) -> None:
-    hook = _TEST_HOOK
+    # Fault injection for the tests: torch_sdcp.peer._TEST_HOOK, set on the package.
+    hook = getattr(sys.modules[__package__], "_TEST_HOOK", None)
     if hook is not None:
         hook(stage)
 
@@ -213,113 +207,6 @@ def _cuda_alloc_prop(device_index: int):
 
 def _fd_handle_type():
     return _driver().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-
-
-# --------------------------------------------------------------------------------------------
-# Tensors over raw memory with an explicit device: DLPack through ctypes
-# --------------------------------------------------------------------------------------------
-# The device must never be inferred from the pointer: for peer memory cudaPointerGetAttributes names
-# the owning GPU (torch.as_tensor(__cuda_array_interface__) without a device gives a tensor on the
-# peer's GPU). at::fromDLPack passes the DLPack device to from_blob as its target device, so no
-# inference happens; _byte_tensor still checks data_ptr, device and size of the result.
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DLDeleterType = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
-                             ("deleter", _DLDeleterType)]
-
-_KDL_CPU = 1
-_KDL_CUDA = 2
-_KDL_UINT = 1
-_DLTENSOR_NAME = b"dltensor"
-
-# address of the DLManagedTensor -> (struct, shape array, _Mapping): keeps the struct alive
-# until torch calls the deleter, and holds the mapping reference of that storage.
-_LIVE: Dict[int, Tuple[Any, Any, "_Mapping"]] = {}
-_LIVE_LOCK = threading.Lock()
-
-
-def _dl_deleter_impl(address) -> None:
-    try:
-        with _LIVE_LOCK:
-            entry = _LIVE.pop(address, None)
-        if entry is not None:
-            entry[2].unref()
-    except BaseException:  # noqa: BLE001 - never let an exception escape into C
-        pass
-
-
-_DL_DELETER = _DLDeleterType(_dl_deleter_impl)
-# The callback's trampoline must outlive every tensor, also those freed late at interpreter
-# shutdown: keep one reference forever.
-ctypes.pythonapi.Py_IncRef.argtypes = [ctypes.py_object]
-ctypes.pythonapi.Py_IncRef.restype = None
-ctypes.pythonapi.Py_IncRef(_DL_DELETER)
-
-_PyCapsule_New = ctypes.pythonapi.PyCapsule_New
-_PyCapsule_New.restype = ctypes.py_object
-_PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-
-
-def _byte_tensor(address: int, nbytes: int, device: torch.device, mapping: "_Mapping") -> torch.Tensor:
-    """A 1-D uint8 tensor over [address, address + nbytes) on `device`, zero-copy, whose storage
-    holds one reference on `mapping` until torch frees it."""
-    m = _DLManagedTensor()
-    shape = (ctypes.c_int64 * 1)(nbytes)
-    m.dl_tensor.data = address
-    if device.type == "cuda":
-        m.dl_tensor.device.device_type = _KDL_CUDA
-        m.dl_tensor.device.device_id = device.index
-    else:
-        m.dl_tensor.device.device_type = _KDL_CPU
-        m.dl_tensor.device.device_id = 0
-    m.dl_tensor.ndim = 1
-    m.dl_tensor.dtype.code = _KDL_UINT
-    m.dl_tensor.dtype.bits = 8
-    m.dl_tensor.dtype.lanes = 1
-    m.dl_tensor.shape = shape
-    m.dl_tensor.strides = None
-    m.dl_tensor.byte_offset = 0
-    m.manager_ctx = None
-    m.deleter = _DL_DELETER
-    key = ctypes.addressof(m)
-    mapping.ref()
-    with _LIVE_LOCK:
-        _LIVE[key] = (m, shape, mapping)
-    try:
-        capsule = _PyCapsule_New(key, _DLTENSOR_NAME, None)
-        t = torch.utils.dlpack.from_dlpack(capsule)
-        del capsule
-    except BaseException:
-        # Not consumed (or consumed and already freed): drop our entry if still there.
-        _dl_deleter_impl(key)
-        raise
-    if t.data_ptr() != address or t.device != device or t.numel() != nbytes:
-        got = (t.data_ptr(), t.device, t.numel())
-        del t
-        raise RuntimeError(
-            "torch_sdcp: PeerArena: the tensor made over the mapping is not a zero-copy view: "
-            f"expected (data_ptr 0x{address:x}, device {device}, {nbytes} bytes), got "
-            f"(0x{got[0]:x}, {got[1]}, {got[2]})")
-    return t
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,233 +341,8 @@ class _Mapping:
 
 
 # --------------------------------------------------------------------------------------------
-# Collectives with timeouts
-# --------------------------------------------------------------------------------------------
-
-
-def _collective_device(group) -> torch.device:
-    try:
-        backend = str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001
-        backend = "gloo"
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _wait(work, timeout_s: float) -> None:
-    ok = work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-    if ok is False:
-        raise TimeoutError(f"collective did not complete within {timeout_s} s")
-
-
-def _all_gather_obj(group, obj, timeout_s: float) -> list:
-    """all_gather_object with a bounded wait (all_gather_object has no timeout). The bound holds
-    for groups whose collectives run on gloo (CPU tensors); on an NCCL-only group the tensors are
-    on the current CUDA device and a dead peer is caught by NCCL's own timeout/watchdog."""
-    world_size = dist.get_world_size(group)
-    dev = _collective_device(group)
-    data = pickle.dumps(obj)
-    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(world_size)]
-    _wait(dist.all_gather(sizes, n, group=group, async_op=True), timeout_s)
-    lengths = [int(s.item()) for s in sizes]
-    buf = torch.zeros(max(lengths), dtype=torch.uint8)
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    buf = buf.to(dev)
-    outs = [torch.empty(max(lengths), dtype=torch.uint8, device=dev) for _ in range(world_size)]
-    _wait(dist.all_gather(outs, buf, group=group, async_op=True), timeout_s)
-    return [pickle.loads(bytes(o[:k].cpu().tolist())) for o, k in zip(outs, lengths)]
-
-
-def _group_barrier(group, timeout_s: float) -> None:
-    t = torch.zeros(1, dtype=torch.int32, device=_collective_device(group))
-    _wait(dist.all_reduce(t, group=group, async_op=True), timeout_s)
-    t.item()  # NCCL's wait() only orders the current stream: block the host too
-
-
-# --------------------------------------------------------------------------------------------
-# File-descriptor exchange over AF_UNIX sockets (SCM_RIGHTS)
-# --------------------------------------------------------------------------------------------
-
-_MAGIC = b"SDCP"
-_HELLO = struct.Struct("<4sI")   # magic, rank of the connecting process
-_REPLY = struct.Struct("<4sIQ")  # magic, rank of the serving process, bytes of its allocation
-_UCRED = struct.Struct("3i")     # struct ucred: pid, uid, gid
-
-
-def _check_peer_credentials(sock: socket.socket, expected_pids, uid: int) -> int:
-    """Return the pid of the process at the other end of the connected AF_UNIX socket `sock` if
-    it runs as `uid` and its pid is in `expected_pids`; raise PermissionError otherwise."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    pid, peer_uid, _gid = _UCRED.unpack(raw)
-    if peer_uid != uid:
-        raise PermissionError(f"peer pid {pid} runs as uid {peer_uid}, expected uid {uid}")
-    if pid not in expected_pids:
-        raise PermissionError(
-            f"peer pid {pid} (uid {peer_uid}) is not an expected rank of this group "
-            f"(expected one of pids {sorted(expected_pids)})")
-    return pid
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    return left
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        sock.settimeout(_remaining(deadline))
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection")
-        buf += chunk
-    return buf
-
-
-def _serve_fd(listener: socket.socket, fd: int, my_rank: int, nbytes: int,
-              expected: Dict[int, int], uid: int, deadline: float,
-              stop: Optional[threading.Event] = None) -> set:
-    """Accept connections on `listener` and send `fd` to each verified peer, until every rank of
-    `expected` (rank -> pid) has been served, `deadline` (time.monotonic()) passes, or `stop` is
-    set. A connection is served only if SO_PEERCRED gives our uid and the pid that `expected`
-    gives for the rank it claims; anything else is refused (closed) and logged as a warning.
-    Returns the set of ranks served."""
-    served: set = set()
-    pids = set(expected.values())
-    while len(served) < len(expected):
-        if stop is not None and stop.is_set():
-            break
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        listener.settimeout(min(left, 0.1))
-        try:
-            conn, _ = listener.accept()
-        except (socket.timeout, BlockingIOError, InterruptedError):
-            continue
-        with conn:
-            try:
-                pid = _check_peer_credentials(conn, pids, uid)
-                magic, peer = _HELLO.unpack(_recv_exact(conn, _HELLO.size, deadline))
-                if magic != _MAGIC:
-                    raise PermissionError(f"pid {pid} sent an unknown greeting {magic!r}")
-                if expected.get(peer) != pid:
-                    raise PermissionError(
-                        f"pid {pid} claims to be rank {peer}, whose pid is {expected.get(peer)}")
-                if peer in served:
-                    raise PermissionError(f"rank {peer} (pid {pid}) was already served")
-                conn.settimeout(_remaining(deadline))
-                socket.send_fds(conn, [_REPLY.pack(_MAGIC, my_rank, nbytes)], [fd])
-                served.add(peer)
-            except PermissionError as e:
-                logger.warning("torch_sdcp: PeerArena rank %d refused a connection on its "
-                               "descriptor-exchange socket: %s", my_rank, e)
-            except (OSError, ValueError, struct.error) as e:
-                logger.warning("torch_sdcp: PeerArena rank %d dropped a connection on its "
-                               "descriptor-exchange socket: %r", my_rank, e)
-    return served
-
-
-def _fetch_fd(path: str, my_rank: int, peer: int, peer_pid: int, uid: int, nbytes: int,
-              deadline: float) -> int:
-    """Connect to rank `peer`'s socket at `path`, check that the listener is that rank's process,
-    and receive its descriptor. Returns the received fd (the caller closes it)."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fds: List[int] = []
-    try:
-        s.settimeout(_remaining(deadline))
-        s.connect(path)
-        _check_peer_credentials(s, {peer_pid}, uid)
-        s.sendall(_HELLO.pack(_MAGIC, my_rank))
-        s.settimeout(_remaining(deadline))
-        msg, fds, flags, _ = socket.recv_fds(s, 4 * _REPLY.size, 4)
-        if not msg and not fds:
-            raise ConnectionError("the peer closed the connection without sending its "
-                                  "descriptor (it refused us or failed)")
-        if flags & getattr(socket, "MSG_CTRUNC", 0) or len(fds) != 1 or len(msg) != _REPLY.size:
-            raise ConnectionError(f"malformed reply: {len(msg)} bytes, {len(fds)} descriptors, "
-                                  f"flags 0x{flags:x}")
-        magic, r, n = _REPLY.unpack(msg)
-        if magic != _MAGIC or r != peer or n != nbytes:
-            raise ConnectionError(f"unexpected reply (magic {magic!r}, rank {r}, {n} bytes), "
-                                  f"expected (rank {peer}, {nbytes} bytes)")
-        return fds.pop()
-    finally:
-        for f in fds:
-            os.close(f)
-        s.close()
-
-
-def _exchange_fds(listener: socket.socket, fd: int, rank: int, world_size: int, nbytes: int,
-                  pids: Sequence[int], paths: Sequence[str], uid: int,
-                  timeout_s: float) -> Dict[int, int]:
-    """Serve our fd to every peer (a thread) while fetching every peer's fd (this thread).
-    Returns {rank: received fd} for every peer; on failure closes what it received and raises."""
-    deadline = time.monotonic() + timeout_s
-    expected = {r: pids[r] for r in range(world_size) if r != rank}
-    stop = threading.Event()
-    box: Dict[str, Any] = {}
-
-    def serve():
-        try:
-            box["served"] = _serve_fd(listener, fd, rank, nbytes, expected, uid, deadline, stop)
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
-    thread = threading.Thread(target=serve, name=f"sdcp-fd-server-{rank}", daemon=True)
-    thread.start()
-    received: Dict[int, int] = {}
-    ok = False
-    try:
-        for k in range(1, world_size):
-            peer = (rank + k) % world_size
-            try:
-                received[peer] = _fetch_fd(paths[peer], rank, peer, pids[peer], uid, nbytes,
-                                           deadline)
-            except TimeoutError as e:
-                raise TimeoutError(f"timed out after {timeout_s} s fetching the descriptor of "
-                                   f"rank {peer}") from e
-            except (OSError, ValueError, struct.error) as e:
-                raise RuntimeError(f"could not fetch the descriptor of rank {peer} from its "
-                                   f"socket: {e!r}") from e
-        thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
-        if thread.is_alive():
-            stop.set()
-            thread.join(5.0)
-        if "error" in box:
-            raise RuntimeError(f"descriptor server failed: {box['error']!r}")
-        missing = sorted(set(expected) - box.get("served", set()))
-        if missing:
-            raise TimeoutError(f"ranks {missing} did not fetch this rank's descriptor within "
-                               f"{timeout_s} s")
-        ok = True
-        return received
-    finally:
-        if not ok:
-            stop.set()
-            thread.join(5.0)
-            for f in received.values():
-                os.close(f)
-
-
-# --------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------
-
-_EXC_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "TimeoutError": TimeoutError,
-              "PermissionError": PermissionError, "RuntimeError": RuntimeError}
-
-
-def _describe(e: BaseException) -> Tuple[str, str]:
-    """(exception class name, message) of a local failure, as gathered from every rank."""
-    name = type(e).__name__
-    if name in _EXC_TYPES:
-        return name, str(e) or repr(e)
-    return "RuntimeError", f"{name}: {e}"
 
 
 def _round_up(x: int, a: int) -> int:
@@ -705,43 +367,6 @@ def _ns_id(kind: str) -> Optional[int]:
 def _word(src: int, dst: int) -> int:
     """Probe word that rank src writes into rank dst's region (distinct per pair, non-zero)."""
     return 0x5344_4350_0000_0000 | ((src & 0xFFFF) << 16) | (dst & 0xFFFF)
-
-
-_MAX_UNIX_PATH = 107
-
-
-def _make_socket_dir() -> Tuple[str, str, socket.socket]:
-    base = tempfile.gettempdir()
-    if len(os.path.join(base, "sdcp-XXXXXXXX", "x" * 32)) > _MAX_UNIX_PATH:
-        base = "/tmp"
-    d = tempfile.mkdtemp(prefix="sdcp-", dir=base)  # mode 0700
-    path = os.path.join(d, secrets.token_hex(16))
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.bind(path)
-        s.listen(128)
-    except BaseException:
-        s.close()
-        _remove_socket_dir(d, path)
-        raise
-    return d, path, s
-
-
-def _remove_socket_dir(d: Optional[str], path: Optional[str]) -> None:
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logger.warning("torch_sdcp: could not remove %s: %s", path, e)
-    if d:
-        try:
-            os.rmdir(d)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logger.warning("torch_sdcp: could not remove %s: %s", d, e)
 
 
 # --------------------------------------------------------------------------------------------
