@@ -1,10 +1,11 @@
-"""Collectives over the arena's process group, every wait bounded by a timeout."""
+"""Collectives over the arena's process group, every wait bounded by a timeout, and the
+agreement that makes every failure of a creation step collective."""
 
 from __future__ import annotations
 
 import datetime
 import pickle
-from typing import Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ def _group_barrier(group, timeout_s: float) -> None:
     _wait(dist.all_reduce(t, group=group, async_op=True), timeout_s)
     t.item()  # NCCL's wait() only orders the current stream: block the host too
 
+
 _EXC_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "TimeoutError": TimeoutError,
               "PermissionError": PermissionError, "RuntimeError": RuntimeError}
 
@@ -61,3 +63,49 @@ def _describe(e: BaseException) -> Tuple[str, str]:
         return name, str(e) or repr(e)
     return "RuntimeError", f"{name}: {e}"
 
+
+def _collective_error(stage: str, failures: Dict[int, Tuple[str, str]]) -> Exception:
+    """The error every rank raises when `failures` ({rank: (class name, message)}) failed
+    `stage`: the class of the lowest failing rank, the messages of all of them."""
+    first = min(failures)
+    cls = _EXC_TYPES.get(failures[first][0], RuntimeError)
+    detail = "; ".join(f"rank {r}: {failures[r][1]}" for r in sorted(failures))
+    return cls(f"torch_sdcp: PeerArena creation failed at step '{stage}': {detail}")
+
+
+class _Agreement:
+    """After each creation step every rank gathers every rank's status, so that all ranks raise
+    the same error and none hangs; a gather that fails or times out is an error too."""
+
+    def __init__(self, group, rank: int, timeout_s: float) -> None:
+        self.group = group
+        self.rank = rank
+        self.timeout_s = timeout_s
+
+    def _gather(self, stage: str, obj, own_status: Optional[Tuple[str, str]]) -> list:
+        try:
+            gathered = _all_gather_obj(self.group, (stage, obj), self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            extra = f"; this rank's own status: {own_status[1]}" if own_status else ""
+            raise RuntimeError(
+                f"torch_sdcp: PeerArena creation failed at step '{stage}': the collective over "
+                f"the group failed on rank {self.rank} (a rank may have died, hung for more than "
+                f"timeout_s={self.timeout_s} s, or not called PeerArena): {e}{extra}") from e
+        stages = [g[0] if isinstance(g, tuple) and len(g) == 2 else None for g in gathered]
+        if any(st != stage for st in stages):
+            got = ", ".join(f"rank {r}: {st!r}" for r, st in enumerate(stages))
+            raise RuntimeError(
+                f"torch_sdcp: PeerArena creation failed at step '{stage}': the ranks are out of "
+                f"step (each rank's step: {got}); a rank called collectives on the group between "
+                "its PeerArena steps, or an earlier creation failed on some ranks only")
+        return [g[1] for g in gathered]
+
+    def agree(self, stage: str, local_error: Optional[BaseException], extra=None) -> list:
+        """Gather (status, extra) from every rank; raise the same error everywhere if any rank
+        failed; return the extras."""
+        status = None if local_error is None else _describe(local_error)
+        gathered = self._gather(stage, (status, extra), status)
+        failures = {r: s for r, (s, _) in enumerate(gathered) if s is not None}
+        if failures:
+            raise _collective_error(stage, failures)
+        return [x for _, x in gathered]

@@ -214,3 +214,24 @@ def _remove_socket_dir(d: Optional[str], path: Optional[str]) -> None:
         except OSError as e:
             logger.warning("torch_sdcp: could not remove %s: %s", d, e)
 
+
+
+class _ExchangeSocket:
+    """This rank's listening socket for one exchange, in its private directory. close() closes
+    the socket and removes both; idempotent, so it can run on success and on failure."""
+
+    def __init__(self) -> None:
+        self.dir: Optional[str] = None
+        self.path: Optional[str] = None
+        self.listener: Optional[socket.socket] = None
+
+    def open(self) -> str:
+        self.dir, self.path, self.listener = _make_socket_dir()
+        return self.path
+
+    def close(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        _remove_socket_dir(self.dir, self.path)
+        self.dir = self.path = None
