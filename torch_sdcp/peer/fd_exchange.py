@@ -199,20 +199,14 @@ def _make_socket_dir() -> Tuple[str, str, socket.socket]:
 
 
 def _remove_socket_dir(d: Optional[str], path: Optional[str]) -> None:
-    if path:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logger.warning("torch_sdcp: could not remove %s: %s", path, e)
-    if d:
-        try:
-            os.rmdir(d)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            logger.warning("torch_sdcp: could not remove %s: %s", d, e)
+    for name, remove in ((path, os.unlink), (d, os.rmdir)):
+        if name:
+            try:
+                remove(name)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.warning("torch_sdcp: could not remove %s: %s", name, e)
 
 
 
