@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from torch_sdcp import peer as peer_mod
-from torch_sdcp.peer import PeerArena
+from torch_sdcp.peer import PeerArena, fd_exchange
 
 from _dist import run_workers
 from conftest import requires_gpus
@@ -467,12 +467,12 @@ def test_peer_credentials_check():
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
         me, uid = os.getpid(), os.getuid()
-        assert peer_mod._check_peer_credentials(a, {me}, uid) == me
-        assert peer_mod._check_peer_credentials(a, {me + 1, me}, uid) == me
+        assert fd_exchange._check_peer_credentials(a, {me}, uid) == me
+        assert fd_exchange._check_peer_credentials(a, {me + 1, me}, uid) == me
         with pytest.raises(PermissionError, match="not an expected rank"):
-            peer_mod._check_peer_credentials(a, {me + 1}, uid)
+            fd_exchange._check_peer_credentials(a, {me + 1}, uid)
         with pytest.raises(PermissionError, match="uid"):
-            peer_mod._check_peer_credentials(a, {me}, uid + 1)
+            fd_exchange._check_peer_credentials(a, {me}, uid + 1)
 
 
 _FOREIGN_CLIENT = r"""
@@ -500,7 +500,7 @@ def test_foreign_connection_is_refused_and_logged(caplog):
     served = {}
     deadline = time.monotonic() + 30
     # rank 0 serves; the only expected peer is "rank 1" = this process (the legit client below)
-    server = threading.Thread(target=lambda: served.setdefault("ranks", peer_mod._serve_fd(
+    server = threading.Thread(target=lambda: served.setdefault("ranks", fd_exchange._serve_fd(
         listener, memfd, 0, 8192, {1: os.getpid()}, os.getuid(), deadline)))
     try:
         with caplog.at_level(logging.WARNING, logger="torch_sdcp"):
@@ -514,12 +514,12 @@ def test_foreign_connection_is_refused_and_logged(caplog):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(10)
             s.connect(path)
-            s.sendall(peer_mod._HELLO.pack(peer_mod._MAGIC, 2))
+            s.sendall(fd_exchange._HELLO.pack(fd_exchange._MAGIC, 2))
             assert s.recv(64) == b""
             s.close()
             # the legitimate peer: served
-            fd = peer_mod._fetch_fd(path, 1, 0, os.getpid(), os.getuid(), 8192,
-                                    time.monotonic() + 10)
+            fd = fd_exchange._fetch_fd(path, 1, 0, os.getpid(), os.getuid(), 8192,
+                                       time.monotonic() + 10)
             try:
                 assert os.fstat(fd).st_size == 8192
                 assert os.path.samestat(os.fstat(fd), os.fstat(memfd))
@@ -552,8 +552,8 @@ def test_exchange_times_out_naming_the_missing_rank():
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="rank 1"):
-            peer_mod._exchange_fds(listener, memfd, 0, 2, 4096, [os.getpid(), os.getpid()],
-                                   [mine, silent], os.getuid(), 1.0)
+            fd_exchange._exchange_fds(listener, memfd, 0, 2, 4096, [os.getpid(), os.getpid()],
+                                      [mine, silent], os.getuid(), 1.0)
         assert time.monotonic() - t0 < 5
         assert len(os.listdir("/proc/self/fd")) == fds_before
     finally:

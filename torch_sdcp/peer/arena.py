@@ -1,0 +1,392 @@
+"""PeerArena: every rank's memory mapped rank-major into every rank, and views over it.
+
+Creation is collective and every failure is collective (see collectives._Agreement); the memory
+itself comes from a backend (backend.MemoryBackend). The view lifetime policy is described in
+docs/DESIGN.md, section "Peer-addressable objects": in short, views hold a reference on the
+mapping, close() is idempotent and collective only outside destructors and interpreter exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .backend import MemoryBackend
+from .collectives import _Agreement, _group_barrier
+from .dlpack import _byte_tensor
+from .fd_exchange import _exchange_fds, _ExchangeSocket
+from .lifetime import _interpreter_exiting, _Mapping
+from .plan import local_plan, verdict
+
+__all__ = ["PeerArena"]
+
+logger = logging.getLogger("torch_sdcp")
+
+
+def _hook(stage: str) -> None:
+    # Fault injection for the tests: torch_sdcp.peer._TEST_HOOK, set on the package.
+    hook = getattr(sys.modules[__package__], "_TEST_HOOK", None)
+    if hook is not None:
+        hook(stage)
+
+
+def _word(src: int, dst: int) -> int:
+    """Probe word that rank src writes into rank dst's region (distinct per pair, non-zero)."""
+    return 0x5344_4350_0000_0000 | ((src & 0xFFFF) << 16) | (dst & 0xFFFF)
+
+
+class PeerArena:
+    """nbytes_per_rank of memory owned by each rank, mapped into every rank of the group at
+    base + r * stride (one contiguous virtual range, rank-major).
+
+    Args:
+        group: the process group (None: the default group). Must be initialised; creation is
+            collective over it.
+        nbytes_per_rank: bytes each rank owns (> 0). Identical on every rank.
+        backend: "cuda", "host" or "auto" ("cuda" when every rank has CUDA and the ranks are on
+            distinct GPUs, or share GPUs with allow_shared_device=True; "host" otherwise).
+        device: cuda: the local GPU (default torch.device("cuda", torch.cuda.current_device())).
+            host: None or cpu.
+        allow_shared_device: cuda: explicit opt-in for several ranks on one GPU (correct but slow;
+            DESIGN.md section 6).
+        timeout_s: bound on every blocking step of creation, barrier() and close().
+
+    Attributes: rank, world_size, backend ("cuda" | "host"), device (local device of the views;
+    cpu for host), stride (bytes between ranks' regions: nbytes_per_rank rounded up to the CUDA
+    recommended allocation granularity, or the page size for host), nbytes_per_rank,
+    base_address (address of rank 0's region in this process), native_peer_atomics (cuda: True if
+    every rank's GPU has native atomics to every peer GPU, None if unknown; host: True), closed,
+    timeout_s.
+
+    View lifetime: docs/DESIGN.md, section "Peer-addressable objects".
+    """
+
+    def __init__(self, group: Optional[dist.ProcessGroup], nbytes_per_rank: int, *,
+                 backend: str = "auto", device: Optional[torch.device] = None,
+                 allow_shared_device: bool = False, timeout_s: float = 60.0) -> None:
+        self._closed = True  # until creation completes; guards __del__ and close()
+        self._mapping: Optional[_Mapping] = None
+        self._base_u8: Optional[torch.Tensor] = None
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("torch_sdcp: PeerArena needs an initialised torch.distributed "
+                               "process group (call torch.distributed.init_process_group first)")
+        if group is None:
+            group = dist.group.WORLD
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("torch_sdcp: argument 'group': expected a group this process is a "
+                             "member of, got one it is not in")
+        self._group = group
+        self.rank = rank
+        self.world_size = dist.get_world_size(group)
+        self.nbytes_per_rank = nbytes_per_rank
+        self.backend = ""
+        self.device = torch.device("cpu")
+        self.stride = 0
+        self.base_address = 0
+        self.native_peer_atomics: Optional[bool] = None
+        try:
+            self.timeout_s = float(timeout_s)
+        except (TypeError, ValueError):
+            self.timeout_s = 60.0
+        self._create(nbytes_per_rank, backend, device, bool(allow_shared_device), timeout_s)
+
+    # ---------------------------------------------------------------------------------------
+    # creation: one sequence for every backend, each step followed by an agreement
+    # ---------------------------------------------------------------------------------------
+
+    def _step(self, steps: _Agreement, stage: str, action: Callable[[], Any]) -> list:
+        """This rank's part of creation step `stage`, then the agreement on it: every rank raises
+        the same error if any rank failed. Returns every rank's result of `action`."""
+        err = result = None
+        try:
+            _hook(stage)
+            result = action()
+        except Exception as e:  # noqa: BLE001
+            err = e
+        return steps.agree(stage, err, result)
+
+    def _create(self, nbytes_per_rank, backend, device, allow_shared_device, timeout_s) -> None:
+        N, me = self.world_size, self.rank
+        steps = _Agreement(self._group, me, self.timeout_s)
+        candidates: Dict[str, MemoryBackend] = {}
+        sock = _ExchangeSocket()
+        received: Dict[int, int] = {}
+        try:
+            # 1. validate locally, publish the plan, check it on the gathered plans
+            def validate():
+                plan = local_plan(me, N, nbytes_per_rank, backend, device, allow_shared_device,
+                                  timeout_s, candidates)
+                if N > 1:
+                    plan["socket"] = sock.open()
+                return plan
+
+            plans = self._step(steps, "validate", validate)
+            self.backend, self.stride = verdict(plans)
+            mem = candidates[self.backend]
+            for other in candidates.values():
+                if other is not mem:
+                    other.release()  # "auto" may have set up others
+            infos = [p["backends"][self.backend] for p in plans]
+            self.device = mem.device
+            m = _Mapping(mem)
+
+            # 2. allocate and export
+            def allocate():
+                mem.allocate(self.stride)
+                mem.export_fd()
+
+            self._step(steps, "allocate", allocate)
+
+            # 3. exchange descriptors; the sockets and their directory go as soon as it is over
+            def exchange():
+                try:
+                    if N > 1:
+                        received.update(_exchange_fds(
+                            sock.listener, mem.own_fd, me, N, self.stride,
+                            [p["pid"] for p in plans], [p["socket"] for p in plans],
+                            os.getuid(), self.timeout_s))
+                finally:
+                    sock.close()
+
+            self._step(steps, "exchange", exchange)
+
+            # 4. map every rank's memory, zero ours, synchronise; the agreement is the barrier
+            def map_every_rank():
+                try:
+                    self.base_address = mem.map_peers({**received, me: mem.own_fd})
+                    self._base_u8 = _byte_tensor(self.base_address, N * self.stride,
+                                                 self.device, m)
+                finally:
+                    for f in received.values():
+                        os.close(f)
+                    received.clear()
+                    # host: the mapping keeps the memfd alive; cuda: every peer has imported
+                    # the exported fd, and we map our own allocation handle
+                    mem.close_own_fd()
+
+            self._step(steps, "map", map_every_rank)
+
+            # 5. capability gate: write-and-verify probe through the mapping
+            self._probe(steps, mem, infos)
+        except BaseException:
+            self._base_u8 = None
+            sock.close()
+            for f in received.values():
+                try:
+                    os.close(f)
+                except OSError:
+                    pass
+            for b in candidates.values():
+                b.release()
+            raise
+        m.ref()  # the arena's reference
+        self._mapping = m
+        self._closed = False
+
+    def _raw_words(self, r: int, offset: int, count: int) -> torch.Tensor:
+        start = r * self.stride + offset
+        return self._base_u8[start:start + 8 * count].view(torch.int64)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _probe(self, steps: _Agreement, mem: MemoryBackend, infos) -> None:
+        N, me, stride = self.world_size, self.rank, self.stride
+        tail = stride - 8 * N if stride >= 16 * N else None
+        # write: word(me, dst) at 8*me of the head and of the tail of every region
+        err = None
+        try:
+            _hook("probe")
+            for dst in range(N):
+                for off in (0, tail):
+                    if off is not None:
+                        self._raw_words(dst, off, N)[me:me + 1].fill_(_word(me, dst))
+            self._sync()
+        except Exception as e:  # noqa: BLE001
+            err = RuntimeError(f"probe write through the mapping failed: {e}")
+        steps.agree("probe write", err)
+        # verify our region, re-zero the probe words, check peer capabilities
+        err = None
+        atomics: Optional[bool] = True
+        try:
+            bad = []
+            for off in (0, tail):
+                if off is None:
+                    continue
+                words = self._raw_words(me, off, N)
+                got = words.cpu().tolist()
+                for src in range(N):
+                    want = _word(src, me)
+                    if got[src] != want:
+                        bad.append(f"word of rank {src} at offset {off + 8 * src}: got "
+                                   f"0x{got[src] & (2**64 - 1):016x}, expected 0x{want:016x}")
+                words.zero_()
+            self._sync()
+            if bad:
+                raise RuntimeError("write-and-verify probe: stores through the peer mapping did "
+                                   "not arrive (" + "; ".join(bad) + ")")
+            atomics = mem.check_peer_access(infos)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        extras = steps.agree("probe verify", err, atomics)
+        # host: every rank reports True
+        self.native_peer_atomics = None if any(a is None for a in extras) else all(extras)
+
+    # ---------------------------------------------------------------------------------------
+    # public API
+    # ---------------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"torch_sdcp: PeerArena.{what}: the arena is closed")
+
+    def _check_rank(self, rank, what: str) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"torch_sdcp: argument 'rank' of PeerArena.{what}: expected an int "
+                             f"in [0, {self.world_size}), got {rank!r}")
+        return rank
+
+    def address(self, rank: int) -> int:
+        """Address of rank `rank`'s region in this process: base_address + rank * stride."""
+        self._check_open("address")
+        return self.base_address + self._check_rank(rank, "address") * self.stride
+
+    def _view_geometry(self, what: str, dtype, shape, offset) -> Tuple[torch.dtype, Tuple[int, ...], int]:
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"torch_sdcp: argument 'dtype' of PeerArena.{what}: expected a "
+                             f"torch.dtype, got {dtype!r}")
+        itemsize = dtype.itemsize
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise ValueError(f"torch_sdcp: argument 'offset' of PeerArena.{what}: expected an "
+                             f"int number of bytes, got {offset!r}")
+        if not 0 <= offset <= self.nbytes_per_rank:
+            raise ValueError(f"torch_sdcp: argument 'offset' of PeerArena.{what}: expected a byte "
+                             f"offset in [0, {self.nbytes_per_rank}] (nbytes_per_rank), got {offset}")
+        if offset % itemsize:
+            raise ValueError(f"torch_sdcp: argument 'offset' of PeerArena.{what}: expected a "
+                             f"multiple of {itemsize} (the itemsize of {dtype}), got {offset}")
+        if shape is None:
+            shape = ((self.nbytes_per_rank - offset) // itemsize,)
+        else:
+            if isinstance(shape, int) and not isinstance(shape, bool):
+                shape = (shape,)
+            try:
+                shape = tuple(shape)
+                ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
+            except TypeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"torch_sdcp: argument 'shape' of PeerArena.{what}: expected a "
+                                 f"sequence of non-negative ints, got {shape!r}")
+            need = math.prod(shape) * itemsize
+            if offset + need > self.nbytes_per_rank:
+                raise ValueError(
+                    f"torch_sdcp: argument 'shape' of PeerArena.{what}: expected at most "
+                    f"{self.nbytes_per_rank - offset} bytes (nbytes_per_rank {self.nbytes_per_rank} "
+                    f"minus offset {offset}), got shape {list(shape)} of {dtype} = {need} bytes")
+        return dtype, shape, offset
+
+    @staticmethod
+    def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+        strides, acc = [], 1
+        for s in reversed(shape):
+            strides.append(acc)
+            acc *= max(s, 1)
+        return tuple(reversed(strides))
+
+    def _region_view(self, rank: int, what: str, dtype, shape, offset) -> torch.Tensor:
+        dtype, shape, offset = self._view_geometry(what, dtype, shape, offset)
+        itemsize = dtype.itemsize
+        full = self._base_u8.view(dtype)
+        return full.as_strided(shape, self._contiguous_strides(shape),
+                               (rank * self.stride + offset) // itemsize)
+
+    def local_view(self, dtype: torch.dtype = torch.uint8, shape=None, offset: int = 0) -> torch.Tensor:
+        """View of this rank's region: `shape` elements of `dtype` from byte `offset` (shape None:
+        the rest of the region, flat). Device: self.device."""
+        self._check_open("local_view")
+        return self._region_view(self.rank, "local_view", dtype, shape, offset)
+
+    def peer_view(self, rank: int, dtype: torch.dtype = torch.uint8, shape=None,
+                  offset: int = 0) -> torch.Tensor:
+        """View of rank `rank`'s region through the mapping, on the local device."""
+        self._check_open("peer_view")
+        return self._region_view(self._check_rank(rank, "peer_view"), "peer_view", dtype, shape,
+                                 offset)
+
+    def rank_major_view(self, dtype: torch.dtype = torch.uint8, shape=None,
+                        offset: int = 0) -> torch.Tensor:
+        """[world_size, *shape] view covering every rank; stride(0) == self.stride // itemsize."""
+        self._check_open("rank_major_view")
+        dtype, shape, offset = self._view_geometry("rank_major_view", dtype, shape, offset)
+        itemsize = dtype.itemsize
+        full = self._base_u8.view(dtype)
+        return full.as_strided((self.world_size,) + shape,
+                               (self.stride // itemsize,) + self._contiguous_strides(shape),
+                               offset // itemsize)
+
+    def barrier(self) -> None:
+        """Barrier over the group (host-side; bounded by timeout_s). Does not synchronise the
+        device."""
+        self._check_open("barrier")
+        _group_barrier(self._group, self.timeout_s)
+
+    def close(self, barrier: bool = True) -> None:
+        """Idempotent. Synchronise the device, barrier over the group (if `barrier`, the process
+        group is still initialised and the interpreter is not exiting; failures are logged), then
+        release locally: the memory is unmapped and freed now if no view is alive, else when the
+        last view is released."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        try:
+            if self._mapping is not None:
+                self._mapping.backend.synchronize()
+            if barrier and not _interpreter_exiting() and dist.is_available() and dist.is_initialized():
+                _group_barrier(self._group, self.timeout_s)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("torch_sdcp: PeerArena rank %d: close() could not synchronise with "
+                           "the group (%s); releasing locally", self.rank, e)
+        finally:
+            self._release_local()
+
+    def _release_local(self) -> None:
+        self._base_u8 = None  # drops the storage reference unless views keep it alive
+        m, self._mapping = self._mapping, None
+        if m is not None:
+            m.unref()
+
+    def __del__(self) -> None:
+        # Local only: no barrier, nothing collective from a destructor.
+        try:
+            if not getattr(self, "_closed", True):
+                self._closed = True
+                self._release_local()
+        except BaseException:  # noqa: BLE001
+            pass
+
+    def __enter__(self) -> "PeerArena":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an exception the peers may never reach a barrier: release locally (safe, the
+        # physical memory is reference-counted by every process that maps it).
+        self.close(barrier=exc_type is None)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"base=0x{self.base_address:x}"
+        return (f"PeerArena(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={self.device}, nbytes_per_rank={self.nbytes_per_rank}, "
+                f"stride={self.stride}, {state})")
