@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch_sdcp import reference
 
 from _dist import run_workers
+from conftest import requires_gpus
 
 VLLM_MODULES = (
     "vllm", "vllm.logger", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops", "vllm.v1.attention.ops.dcp",
@@ -784,3 +785,114 @@ def test_local_candidates_mapping(plugin):
         col = (local.clamp_min(0).long() + starts.long().unsqueeze(1)).clamp_max(69)
         want = torch.where(local >= 0, logits.gather(1, col), -math.inf)
         assert torch.equal(scores, want)
+
+
+# ---------------------------------------------------------------------------
+# CUDA graphs (GPU machines only): masking and the three boundaries captured
+# once and replayed with inputs changed in place.
+# ---------------------------------------------------------------------------
+
+
+def _fixed_masking(world, rows, seed):
+    """As _combine_inputs with a fixed request count (static graph shapes)."""
+    g = torch.Generator().manual_seed(seed)
+    ends = sorted(torch.randperm(rows - 1, generator=g)[:3].add(1).tolist())
+    qsl = torch.tensor([0] + ends, dtype=torch.int32)
+    per_rank = []
+    for _ in range(world):
+        out = torch.randn(rows, world * H_LOC, D, generator=g).to(torch.bfloat16)
+        lse = torch.randn(rows, world * H_LOC, generator=g) * 3
+        seq_lens = torch.randint(0, 2, (3,), generator=g, dtype=torch.int32) * 5
+        masked = _mask_loop(torch.zeros(rows, 1), seq_lens, qsl)[:, 0] == -math.inf
+        lse[masked] = 80.0
+        out[masked] = float("nan")
+        per_rank.append((out, lse, seq_lens))
+    return per_rank, qsl
+
+
+def _gpu_capture_worker(rank, world):
+    from torch_sdcp.integrations import vllm as plugin
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
+    plugin.configure(dcp_group=lambda: coord)
+    rows = 8
+    assert plugin.prepare_output_lse(coord, max_rows=16, total_heads=world * H_LOC, head_dim=D,
+                                     dtype=torch.bfloat16, device=device)
+    assert plugin.prepare_query_gather(coord, max_rows=16, local_heads=H_LOC, width=W,
+                                       dtype=torch.float8_e4m3fn, device=device)
+    assert plugin.prepare_topk(coord, max_rows=16, k=K, device=device)
+
+    def load(seed):
+        per_rank, qsl = _fixed_masking(world, rows, seed)
+        qs = _query_inputs(world, rows, seed, torch.float8_e4m3fn)
+        cands = _topk_inputs(world, rows, seed)
+        return per_rank, qsl, qs, cands
+
+    per_rank, qsl, qs, cands = load(0)
+    s_out, s_lse, s_seq = (x.to(device) for x in per_rank[rank])
+    s_qsl, s_q = qsl.to(device), qs[rank].to(device)
+    s_logits, s_local, s_starts = (x.to(device) for x in cands[rank][:3])
+    s_topk = s_local.clone()
+
+    def calls():
+        res = plugin.cp_lse_ag_out_rs(s_out, s_lse, coord, return_lse=True, seq_lens=s_seq,
+                                      query_start_loc=s_qsl)
+        q = plugin.gather_query(s_q, coord, padded_num_heads=P)
+        plugin.merge_dcp_topk_global(s_logits, s_topk, K, rank, world, I, row_starts=s_starts)
+        return res, q
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up on the capture stream
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (r_out, r_lse), r_q = calls()
+    for seed in (1, 2, 3):
+        per_rank, qsl, qs, cands = load(seed)
+        for dst, src in zip((s_out, s_lse, s_seq, s_qsl, s_q, s_logits, s_local, s_starts),
+                            (*per_rank[rank], qsl, qs[rank], *cands[rank][:3])):
+            dst.copy_(src)
+        s_topk.copy_(s_local)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = _combine_expected(per_rank, qsl, rank, world, base2=False)
+        assert not torch.isnan(r_out).any()
+        torch.testing.assert_close(r_out.cpu().double(), ref_out, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(r_lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+        assert torch.equal(r_q.cpu().view(torch.uint8), torch.cat(qs, dim=1).view(torch.uint8))
+        ref_ids = reference.topk_merge_ref([(s, i) for _, _, _, s, i in cands], K)
+        assert torch.equal(s_topk.cpu(), ref_ids)
+    del graph
+    plugin.teardown()
+    return True
+
+
+@requires_gpus(2)
+def test_capture_and_replay_cuda():
+    assert run_workers(_gpu_capture_worker, 2, timeout=300) == [True, True]
+
+
+@requires_gpus(1)
+def test_mask_empty_shards_captured_cuda():
+    from torch_sdcp.integrations import vllm as plugin
+
+    device = torch.device("cuda", 0)
+    lse = torch.randn(8, 4, device=device)
+    seq = torch.tensor([3, 0, 2], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 2, 3, 6], dtype=torch.int32, device=device)
+    plugin.mask_empty_shards(lse, seq, qsl)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = plugin.mask_empty_shards(lse, seq, qsl)
+    for s, q in (([0, 1, 1], [0, 1, 5, 7]), ([2, 2, 0], [0, 3, 4, 4])):
+        seq.copy_(torch.tensor(s))
+        qsl.copy_(torch.tensor(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), _mask_loop(lse.cpu(), seq.cpu(), qsl.cpu()))
