@@ -85,4 +85,6 @@ setup(
     cmdclass={"build_ext": cpp_extension.BuildExtension},
     python_requires=">=3.10",
     install_requires=["torch", "cuda-python"],
+    # vLLM loads this in every process; it does nothing unless SDCP_VLLM=1 (docs/VLLM.md).
+    entry_points={"vllm.general_plugins": ["torch_sdcp = torch_sdcp.integrations.vllm:register"]},
 )

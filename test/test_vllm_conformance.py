@@ -1,0 +1,216 @@
+"""The vLLM plugin against the installed vLLM's sources, read with ``ast``
+WITHOUT importing vLLM (importing it needs its CUDA stack): the version,
+every function the plugin replaces, wraps, mirrors or calls (module path and
+parameter list, defaults included), the MLADCPManager attributes the patched
+methods read, and the call shapes at vLLM's call sites. Skipped when vLLM is
+not installed; CI does not depend on vLLM.
+
+Run against a throwaway copy:
+
+    pip install --no-deps --target /tmp/vllm033 vllm==0.33.0
+    PYTHONPATH=$PWD:/tmp/vllm033 python -m pytest -q test/test_vllm_conformance.py
+
+``SDCP_VLLM_CHECK_ANY_VERSION=1`` runs the checks on a version the plugin
+does not (yet) support, to see what a new release changed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from torch_sdcp.integrations import vllm as plugin
+
+
+def _vllm_dir():
+    if "vllm" in sys.modules and getattr(sys.modules["vllm"], "__file__", None) is None:
+        pytest.skip("a stand-in for vllm is in sys.modules")
+    spec = importlib.util.find_spec("vllm")  # finds the package, does not import it
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed")
+    return os.path.dirname(spec.origin)
+
+
+_TREES: dict = {}
+
+
+def _tree(module: str) -> ast.Module:
+    if module not in _TREES:
+        root = _vllm_dir()
+        rel = module.split(".")[1:]
+        path = os.path.join(root, *rel) + ".py"
+        if not os.path.exists(path):
+            path = os.path.join(root, *rel, "__init__.py")
+        if not os.path.exists(path):
+            pytest.fail(f"vLLM has no module {module} (looked for {path})")
+        with open(path, encoding="utf-8") as f:
+            _TREES[module] = ast.parse(f.read(), filename=path)
+    return _TREES[module]
+
+
+def _installed_version() -> str:
+    tree = _tree("vllm._version")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
+                isinstance(node.value.value, str) and \
+                any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets):
+            return node.value.value
+    pytest.fail("no __version__ in vllm/_version.py")
+
+
+@pytest.fixture(scope="module")
+def version():
+    v = _installed_version()
+    if v.split("+")[0] not in plugin.SUPPORTED_VLLM_VERSIONS and os.environ.get("SDCP_VLLM_CHECK_ANY_VERSION") != "1":
+        pytest.skip(f"vLLM {v} is installed; the plugin supports {plugin.SUPPORTED_VLLM_VERSIONS} "
+                    "(SDCP_VLLM_CHECK_ANY_VERSION=1 checks it anyway)")
+    return v
+
+
+def _find(module: str, path: str):
+    """The FunctionDef (or ClassDef) of ``path`` ("f" or "Class.method") at
+    the top level of ``module``."""
+    body = _tree(module).body
+    node = None
+    for part in path.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            # A re-export (from .x import f) is not a definition: report the module it really lives in.
+            pytest.fail(f"{module} defines no {path} (missing: {part})")
+        body = node.body
+    return node
+
+
+def _params(fn: ast.FunctionDef) -> str:
+    """The parameter list as text, annotations left out."""
+    a = fn.args
+    out = []
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    for arg, default in zip(positional, defaults):
+        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
+    if a.vararg:
+        out.append("*" + a.vararg.arg)
+    elif a.kwonlyargs:
+        out.append("*")
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
+    if a.kwarg:
+        out.append("**" + a.kwarg.arg)
+    return "(" + ", ".join(out) + ")"
+
+
+@pytest.mark.parametrize("target", sorted(plugin.VLLM_SIGNATURES), ids=lambda t: f"{t[0]}:{t[1]}")
+def test_signature(version, target):
+    module, path = target
+    fn = _find(module, path)
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)), f"{module}.{path} is not a function"
+    assert _params(fn) == plugin.VLLM_SIGNATURES[target], f"vLLM {version}: {module}.{path} changed"
+
+
+def test_patched_targets_are_checked(version):
+    for target in plugin.PATCHED:
+        assert target in plugin.VLLM_SIGNATURES, target
+
+
+def _self_attribute_assigned(node: ast.AST) -> list:
+    names = []
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for t in targets:
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+            names.append(t.attr)
+    return names
+
+
+def test_manager_attributes_set_before_the_hooks(version):
+    """The patched _init_combine/_init_query_gather read these attributes:
+    MLADCPManager.__init__ must set them before it calls either hook."""
+    init = _find("vllm.v1.attention.ops.dcp", "MLADCPManager.__init__")
+    assigned: list = []
+    hooks_seen = {}
+    for stmt in init.body:
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and \
+                    node.func.attr in ("_init_combine", "_init_query_gather"):
+                hooks_seen.setdefault(node.func.attr, list(assigned))
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            assigned += _self_attribute_assigned(stmt)
+    assert set(hooks_seen) == {"_init_combine", "_init_query_gather"}, hooks_seen
+    for hook, before in hooks_seen.items():
+        missing = [a for a in plugin.MANAGER_ATTRIBUTES if a not in before]
+        assert not missing, f"MLADCPManager.__init__ sets {missing} after calling {hook}"
+
+
+def _calls_to(tree: ast.AST, attr: str):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr:
+            yield node
+
+
+def _dcp_manager_calls(module: str, attr: str):
+    calls = []
+    for node in _calls_to(_tree(module), attr):
+        owner = node.func.value
+        if isinstance(owner, ast.Attribute) and owner.attr == "dcp_manager":
+            calls.append(node)
+    return calls
+
+
+@pytest.mark.parametrize("module", ["vllm.model_executor.layers.attention.mla_attention",
+                                    "vllm.models.deepseek_v32.attention"])
+def test_combine_and_query_gather_call_shapes(version, module):
+    """Call sites pass what the plugin's partials accept:
+    combine(out, lse, seq_lens=..., query_start_loc=...), query_gather(q)."""
+    combines = _dcp_manager_calls(module, "combine")
+    assert combines, f"{module}: no dcp_manager.combine call"
+    for c in combines:
+        assert len(c.args) == 2 and {k.arg for k in c.keywords} <= {"seq_lens", "query_start_loc"}, \
+            f"{module}:{c.lineno}: {ast.unparse(c)}"
+    for c in _dcp_manager_calls(module, "query_gather"):
+        assert len(c.args) == 1 and not c.keywords, f"{module}:{c.lineno}: {ast.unparse(c)}"
+
+
+def test_init_combine_picks_the_mirrored_functions(version):
+    """_init_combine chooses between the two functions the plugin mirrors and
+    binds cp_group and is_lse_base_on_e, as the plugin's partial does."""
+    fn = _find("vllm.v1.attention.ops.dcp", "MLADCPManager._init_combine")
+    names = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+    assert {"cp_lse_ag_out_rs", "dcp_a2a_lse_reduce"} <= names
+    partials = [c for c in ast.walk(fn) if isinstance(c, ast.Call) and ast.unparse(c.func).endswith("partial")]
+    assert any({k.arg for k in c.keywords} == {"cp_group", "is_lse_base_on_e"} for c in partials), \
+        [ast.unparse(c) for c in partials]
+
+
+def test_indexer_calls_the_merge_through_its_module_global(version):
+    """Patching the module attribute reaches every call: the indexer calls
+    _merge_dcp_topk_global by its global name and never aliases it."""
+    tree = _tree(plugin._INDEXER)
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "_merge_dcp_topk_global"]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id == "_merge_dcp_topk_global"]
+    assert calls and len(uses) == len(calls), "the merge is referenced other than by calls"
+    for c in calls:
+        assert len(c.args) + len(c.keywords) in (6, 7), ast.unparse(c)
+
+
+def test_plugin_group_name(version):
+    tree = _tree("vllm.plugins")
+    values = {n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+              and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)}
+    assert "vllm.general_plugins" in values
+
+
+def test_default_row_bound_function_exists(version):
+    """The manager's max_num_tokens (the plugin's bound) comes from here."""
+    fn = _find("vllm.v1.attention.ops.dcp", "get_dcp_workspace_max_num_tokens")
+    assert _params(fn) == "(vllm_config)"
+
+
+def test_vllm_was_not_imported(version):
+    assert "vllm" not in sys.modules, "the conformance checks must read vLLM's sources, not import them"
