@@ -156,17 +156,17 @@ struct Workspace {
     auto* f = reinterpret_cast<uint64_t*>(region(r) + 8 * layout.blocks);
     return f + (set * world_size + src) * layout.blocks + block;
   }
-  // Where rank `dst` keeps what rank `src` sends it in a data-as-flag
-// buffer: one entry per peer, none for itself (0 .. N-2).
-inline int64_t peer_slot(int64_t src, int64_t dst, int64_t n) { return (src - dst - 1 + n) % n; }
-
-// The data slot and the "ready" flag set of epoch e.
+  // The data slot and the "ready" flag set of epoch e.
   int64_t slot_of(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
   int64_t ready_set(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
   uint8_t* slot_data(int64_t r, int64_t slot) const {
     return region(r) + layout.data_offset + slot * layout.slot_bytes;
   }
 };
+
+// Where rank `dst` keeps what rank `src` sends it in a data-as-flag
+// buffer: one entry per peer, none for itself (0 .. N-2).
+inline int64_t peer_slot(int64_t src, int64_t dst, int64_t n) { return (src - dst - 1 + n) % n; }
 
 // Resolve a handle; checks that it is alive, of the expected kind, and lives
 // on the device of `on` (CPU tensors need a host workspace, CUDA tensors a
