@@ -1,8 +1,9 @@
-"""Exact references in plain PyTorch, and the collective paths engines run today.
+"""Exact references in plain PyTorch.
 
 Everything here runs on any device and is deliberately simple: it is the
-specification the kernels are tested against (DESIGN.md section 2), and the
-collective functions are both the fallback and the benchmark baseline.
+specification the kernels are tested against (DESIGN.md section 2). The
+collective paths engines run today (the fallback and the benchmark baseline)
+are in :mod:`torch_sdcp.collective`.
 
 - Token ownership: ``token_owner``, ``token_local_index``, ``token_global_index``.
 - Query: ``query_rope_quant_ref`` (bit-identical to ``torch.ops.sdcp.query_rope_quant``)
@@ -11,8 +12,6 @@ collective functions are both the fallback and the benchmark baseline.
   included) and ``topk_merge_ref``.
 - Output/LSE: ``lse_combine_ref`` (fp32), ``lse_combine_ref64`` (fp64) and
   ``output_lse_shard``.
-- Collectives through torch.distributed: ``query_all_gather``,
-  ``topk_all_gather_merge``, ``lse_all_gather_reduce_scatter``.
 
 The reference functions must run eagerly: a compiler is free to fuse a product
 and a sum into one FMA, which would break the bit-exactness they promise.
@@ -24,7 +23,6 @@ import math
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp._checks import (check, check_dim, check_dtype, check_float_payload, check_int,
@@ -41,9 +39,6 @@ __all__ = [
     "lse_combine_ref",
     "lse_combine_ref64",
     "output_lse_shard",
-    "query_all_gather",
-    "topk_all_gather_merge",
-    "lse_all_gather_reduce_scatter",
 ]
 
 IntOrTensor = Union[int, Tensor]
@@ -338,133 +333,3 @@ def output_lse_shard(out: Tensor, lse: Optional[Tensor], rank: int, world_size: 
         check(lse.shape == out.shape[:2], "lse", f"shape {list(out.shape[:2])}", f"shape {list(lse.shape)}")
         return out[:, sl], lse[:, sl]
     return out[:, sl], None
-
-
-# ---------------------------------------------------------------------------
-# Collective paths through torch.distributed (gloo on CPU, NCCL on GPU).
-# ---------------------------------------------------------------------------
-
-# torch >= 2.12 names the tensor collectives *_single and deprecates the old
-# names; older releases (the GPU machine runs 2.11) only have the old ones.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _unsupported_on_gloo(error: Exception, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether ``error`` is gloo refusing a collective it does not implement."""
-    return "gloo" in str(dist.get_backend(group)) and "support" in str(error).lower()
-
-
-def _all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: bool = False) -> Tensor:
-    """``[N, *x.shape]`` rank-major stack of every rank's ``x``."""
-    n = dist.get_world_size(group)
-    x = x.contiguous()  # x.dim() >= 1 for every caller
-    out = x.new_empty((n,) + tuple(x.shape))
-    if not use_list:
-        try:
-            # The concatenation form [N*x0, ...]: gloo rejects the stacked
-            # form [N, x0, ...] (NCCL takes both).
-            _all_gather_tensor(out.view((n * x.size(0),) + tuple(x.shape[1:])), x, group=group)
-            return out
-        except (RuntimeError, NotImplementedError) as e:
-            # Older gloo builds lack the single-tensor form. That failure is
-            # raised before any communication, identically on every rank;
-            # anything else (a timeout, a peer gone) is not retried.
-            if not _unsupported_on_gloo(e, group):
-                raise
-    dist.all_gather(list(out.unbind(0)), x, group=group)
-    return out
-
-
-def _reduce_scatter_dim0(x: Tensor, group: Optional[dist.ProcessGroup], use_all_reduce: bool = False) -> Tensor:
-    """Sum of every rank's ``x`` (in ``x.dtype``), keeping this rank's
-    ``1/N`` slice of dim 0."""
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    x = x.contiguous()
-    part = x.size(0) // n
-    if not use_all_reduce:
-        out = x.new_empty((part,) + tuple(x.shape[1:]))
-        try:
-            _reduce_scatter_tensor(out, x, group=group)
-            return out
-        except (RuntimeError, NotImplementedError) as e:
-            if not _unsupported_on_gloo(e, group):  # see _all_gather_stack
-                raise
-    x = x.clone()
-    dist.all_reduce(x, group=group)
-    return x[rank * part:(rank + 1) * part]
-
-
-def query_all_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                     q_scale: Optional[Tensor] = None, neox: bool = False,
-                     out_dtype: torch.dtype = torch.bfloat16,
-                     group: Optional[dist.ProcessGroup] = None) -> Tensor:
-    """Collective query path: the local producer kernel, then all_gather on heads.
-    Returns ``[T, N*H_loc, Dn + R]`` in ``out_dtype``."""
-    _check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype, allow_fp32=False)
-    local = torch.ops.sdcp.query_rope_quant(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype)
-    rows, hl, width = local.shape
-    # Gather raw bytes: gloo has no float8 (and not every build has bf16).
-    stacked = _all_gather_stack(local.view(torch.uint8), group)  # [N, T, H_loc, W*eb]
-    n = stacked.size(0)
-    gathered = stacked.permute(1, 0, 2, 3).reshape(rows, n * hl, -1)
-    return gathered.view(out_dtype)
-
-
-def topk_all_gather_merge(scores: Tensor, ids: Tensor, k: int,
-                          group: Optional[dist.ProcessGroup] = None) -> Tensor:
-    """Collective top-K path: all_gather of the ``(score, id)`` pairs, then
-    ``torch.ops.sdcp.topk_select`` over the ``N*C`` gathered candidates.
-    Returns ``[T, k]`` int32 global ids."""
-    _check_topk_inputs(scores, ids, k)
-    rows, c = scores.shape
-    # One packed tensor, one collective: [T, C, 2] int32 of (score bits, id).
-    packed = torch.stack([scores.contiguous().view(torch.int32), ids], dim=-1)
-    stacked = _all_gather_stack(packed, group)  # [N, T, C, 2]
-    n = stacked.size(0)
-    merged = stacked.permute(1, 0, 2, 3).reshape(rows, n * c, 2)
-    all_scores = merged[..., 0].contiguous().view(torch.float32)
-    all_ids = merged[..., 1].contiguous()
-    return torch.ops.sdcp.topk_select(all_scores, all_ids, k)
-
-
-def lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool = False,
-                                  return_lse: bool = False, group: Optional[dist.ProcessGroup] = None,
-                                  ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    """Collective Output/LSE path (vLLM's ``cp_lse_ag_out_rs``): all_gather the
-    LSE, rescale this rank's partial output by its weight, reduce_scatter on heads.
-
-    Returns ``[T, H/N, D]`` in ``partial_out.dtype`` for this rank's heads, and
-    with ``return_lse`` also their global LSE ``[T, H/N]`` fp32. The sum runs
-    in the communication dtype, so it is close to, never bitwise equal to,
-    ``lse_combine_ref``.
-    """
-    return _lse_all_gather_reduce_scatter(partial_out, partial_lse, base2, return_lse, group)
-
-
-def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool, return_lse: bool,
-                                   group: Optional[dist.ProcessGroup], use_all_reduce: bool = False,
-                                   ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
-    check_dim(partial_out, "partial_out", 3)
-    check_dim(partial_lse, "partial_lse", 2)
-    check_float_payload(partial_out, "partial_out")
-    check_dtype(partial_lse, "partial_lse", torch.float32)
-    check_size(partial_lse, "partial_lse", 0, partial_out.size(0))
-    check_size(partial_lse, "partial_lse", 1, partial_out.size(1))
-    check_same_device(partial_lse, "partial_lse", partial_out, "partial_out")
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    heads = partial_out.size(1)
-    check(heads % n == 0, "partial_out", f"heads divisible by the world size {n}", heads)
-    lses = _all_gather_stack(partial_lse, group)  # [N, T, H] fp32
-    w, big_l = _lse_weights(lses, base2)
-    wr = w[rank].unsqueeze(-1)
-    # where, not a product: a zero-weight payload (possibly NaN) must add 0.
-    scaled = torch.where(wr != 0, partial_out.float() * wr, 0.0).to(partial_out.dtype)
-    # reduce_scatter splits dim 0: make heads leading, then transpose back.
-    shard = _reduce_scatter_dim0(scaled.transpose(0, 1), group, use_all_reduce)  # [H/N, T, D]
-    out = shard.transpose(0, 1).contiguous()
-    if not return_lse:
-        return out
-    hl = heads // n
-    return out, big_l[:, rank * hl:(rank + 1) * hl].contiguous()

@@ -5,7 +5,7 @@ never allocate, map or exchange anything.
 Fallback policy (explicit, logged once per workspace and reason): a call with
 more rows than ``max_rows``, or a workspace whose group cannot use peer memory
 (created with ``fallback=True``), runs the collective path of
-:mod:`torch_sdcp.reference` instead. Nothing falls back as error recovery.
+:mod:`torch_sdcp.collective` instead. Nothing falls back as error recovery.
 
 One stream at a time: the signalling protocol assumes that a workspace's calls
 are ordered (docs/PROTOCOL.md). A call from a second stream while the first
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp import _registry, ops, reference
+from torch_sdcp import _registry, collective, ops
 from torch_sdcp.peer import PeerArena
 
 logger = logging.getLogger("torch_sdcp")
@@ -233,7 +233,7 @@ class OutputLSEWorkspace(PeerWorkspace):
         if self._rows_fit(partial_out.shape[0]):
             out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base)
         else:
-            out, lse = reference.lse_all_gather_reduce_scatter(
+            out, lse = collective.lse_all_gather_reduce_scatter(
                 partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
         return (out, lse) if return_lse else out
 
@@ -243,7 +243,7 @@ class OutputLSEWorkspace(PeerWorkspace):
         if self._rows_fit(partial_out.shape[0]):
             ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base)
         else:
-            o, lse = reference.lse_all_gather_reduce_scatter(
+            o, lse = collective.lse_all_gather_reduce_scatter(
                 partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
             out.copy_(o)
             out_lse.copy_(lse)
@@ -280,7 +280,7 @@ class TopKWorkspace(PeerWorkspace):
         top-k ids [T, k] int32 in selection order, identical on every rank."""
         if self._rows_fit(scores.shape[0]):
             return ops.topk_merge(scores, ids, self.handle, self.k)
-        return reference.topk_all_gather_merge(scores, ids, self.k, group=self.group)
+        return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
 
 
 class QueryWorkspace(PeerWorkspace):
@@ -358,8 +358,8 @@ class QueryWorkspace(PeerWorkspace):
         if self._rows_fit(ql_nope.shape[0]):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype)
-        return reference.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
-                                          neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
+        return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
+                                           neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
 
     def gather_view(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                     q_scale: Optional[Tensor] = None) -> Tensor:

@@ -24,7 +24,7 @@ is inside capture or tracing. ``teardown()`` closes every cached workspace
 
 Rows are dimension 0 of every input (decode tokens). A call with more rows than
 the workspace's ``max_rows`` runs the collective path of
-:mod:`torch_sdcp.reference` and logs it once per workspace and row count
+:mod:`torch_sdcp.collective` and logs it once per workspace and row count
 (logger ``torch_sdcp``), the policy of :mod:`torch_sdcp.workspace`.
 
 ``group`` is a ``torch.distributed`` process group, ``None`` (the default
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp import ops, reference
+from torch_sdcp import collective, ops
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -351,7 +351,7 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
             logger.warning("torch_sdcp all_gather adapter, rank %d: %d rows exceed max_rows=%d; this call takes "
                            "the collective path", dist.get_rank(pg), rows, entry.max_rows)
         # Raw bytes: gloo has no float8 (and not every build has bf16).
-        stacked = reference._all_gather_stack(x.view(torch.uint8), pg).view(x.dtype)
+        stacked = collective._all_gather_stack(x.view(torch.uint8), pg).view(x.dtype)
     n = stacked.shape[0]
     shape = list(x.shape)
     shape[d] *= n
