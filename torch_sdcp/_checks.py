@@ -41,14 +41,14 @@ def check_int(value: object, arg: str, minimum: Optional[int] = None, *, expecte
     return value
 
 
-def check_positive_int(value: object, arg: str, *, one_message: bool = False) -> int:
-    """``value`` is an int >= 1. The messages name the argument (``expected
-    world_size to be an int``, ``expected world_size >= 1``); with
-    ``one_message`` both failures read ``expected a positive int, got <repr>``."""
-    if one_message:
-        check(is_int(value) and value >= 1, arg, "a positive int", repr(value))
-        return value
-    return check_int(value, arg, 1, expected=f"{arg} to be an int", bound=arg)
+def check_positive_int(value: object, arg: str, *, named: bool = False) -> int:
+    """``value`` is an int >= 1: ``expected a positive int, got <repr>``. With
+    ``named`` the messages name the argument and tell the two failures apart
+    (``expected world_size to be an int``, ``expected world_size >= 1``)."""
+    if named:
+        return check_int(value, arg, 1, expected=f"{arg} to be an int", bound=arg)
+    check(is_int(value) and value >= 1, arg, "a positive int", repr(value))
+    return value
 
 
 def check_bool(value: object, arg: str) -> bool:

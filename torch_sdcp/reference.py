@@ -64,24 +64,24 @@ def _check_index(value: IntOrTensor, arg: str) -> None:
 
 def token_owner(g: IntOrTensor, world_size: int, interleave: int = 1) -> IntOrTensor:
     """Rank that owns global token ``g``: ``(g // I) % N``."""
-    n = check_positive_int(world_size, "world_size")
-    i = check_positive_int(interleave, "interleave")
+    n = check_positive_int(world_size, "world_size", named=True)
+    i = check_positive_int(interleave, "interleave", named=True)
     _check_index(g, "g")
     return (g // i) % n
 
 
 def token_local_index(g: IntOrTensor, world_size: int, interleave: int = 1) -> IntOrTensor:
     """Index of global token ``g`` in its owner's shard: ``(g // (I*N))*I + g % I``."""
-    n = check_positive_int(world_size, "world_size")
-    i = check_positive_int(interleave, "interleave")
+    n = check_positive_int(world_size, "world_size", named=True)
+    i = check_positive_int(interleave, "interleave", named=True)
     _check_index(g, "g")
     return (g // (i * n)) * i + g % i
 
 
 def token_global_index(j: IntOrTensor, rank: IntOrTensor, world_size: int, interleave: int = 1) -> IntOrTensor:
     """Global token of local index ``j`` on ``rank``: ``(j // I)*N*I + rank*I + j % I``."""
-    n = check_positive_int(world_size, "world_size")
-    i = check_positive_int(interleave, "interleave")
+    n = check_positive_int(world_size, "world_size", named=True)
+    i = check_positive_int(interleave, "interleave", named=True)
     _check_index(j, "j")
     _check_index(rank, "rank")
     if not isinstance(rank, Tensor):
@@ -321,7 +321,7 @@ def output_lse_shard(out: Tensor, lse: Optional[Tensor], rank: int, world_size: 
                      ) -> Tuple[Tensor, Optional[Tensor]]:
     """Rank ``rank``'s heads ``[rank*H/N, (rank+1)*H/N)`` of a combined
     ``out [T, H, D]`` and ``lse [T, H]`` (``lse`` may be None)."""
-    n = check_positive_int(world_size, "world_size")
+    n = check_positive_int(world_size, "world_size", named=True)
     check(isinstance(rank, int) and 0 <= rank < n, "rank", f"an int in [0, {n})", rank)
     check_dim(out, "out", 3)
     heads = out.size(1)

@@ -25,18 +25,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import _registry, collective, ops
+from torch_sdcp._checks import check, check_positive_int
 from torch_sdcp.peer import PeerArena
 
 logger = logging.getLogger("torch_sdcp")
 
 KIND_EXCHANGE, KIND_OUTPUT_LSE, KIND_TOPK, KIND_QUERY = 0, 1, 2, 3
 DEFAULT_TIMEOUT_S = float(os.environ.get("SDCP_TIMEOUT_S", "5"))
-
-
-def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"torch_sdcp: argument '{name}': expected a positive int, got {value!r}")
-    return value
 
 
 class PeerWorkspace:
@@ -57,8 +52,7 @@ class PeerWorkspace:
                  allow_shared_device: bool = False, fallback: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("torch_sdcp: workspaces are created collectively: initialise torch.distributed first")
-        if not timeout_s > 0:
-            raise ValueError(f"torch_sdcp: argument 'timeout_s': expected > 0, got {timeout_s!r}")
+        check(timeout_s > 0, "timeout_s", "> 0", repr(timeout_s))
         self.group = group
         self._init_kwargs = dict(backend=backend, device=device, timeout_s=timeout_s,
                                  allow_shared_device=allow_shared_device, fallback=fallback)
@@ -138,7 +132,7 @@ class PeerWorkspace:
 
     def _resize(self, bound_name: str, bound: int) -> None:
         """Re-create the workspace with a new first parameter (collective)."""
-        _positive(bound_name, bound)
+        check_positive_int(bound, bound_name)
         if self._captured:
             raise RuntimeError(
                 f"torch_sdcp: argument '{bound_name}': cannot resize {type(self).__name__} on rank {self.rank} "
@@ -180,7 +174,7 @@ class ExchangeWorkspace(PeerWorkspace):
     kind = KIND_EXCHANGE
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_bytes: int, **kwargs):
-        super().__init__(group, [_positive("max_bytes", max_bytes)], **kwargs)
+        super().__init__(group, [check_positive_int(max_bytes, "max_bytes")], **kwargs)
 
     def all_gather(self, x: Tensor) -> Tensor:
         """[N, *x.shape] with every rank's x, rank-major."""
@@ -204,17 +198,16 @@ class OutputLSEWorkspace(PeerWorkspace):
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, total_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, **kwargs):
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"torch_sdcp: argument 'dtype': expected bfloat16, float16 or float32, got {dtype}")
+        check(dtype in (torch.bfloat16, torch.float16, torch.float32), "dtype", "bfloat16, float16 or float32",
+              dtype)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        if _positive("total_heads", total_heads) % world:
-            raise ValueError(f"torch_sdcp: argument 'total_heads': expected a multiple of the world size {world}, "
-                             f"got {total_heads}")
+        check(check_positive_int(total_heads, "total_heads") % world == 0, "total_heads",
+              f"a multiple of the world size {world}", total_heads)
         self.dtype = dtype
         self.max_rows, self.total_heads, self.head_dim = max_rows, total_heads, head_dim
         elem = torch.empty((), dtype=dtype).element_size()
-        super().__init__(group, [_positive("max_rows", max_rows), total_heads, _positive("head_dim", head_dim),
-                                 elem], **kwargs)
+        super().__init__(group, [check_positive_int(max_rows, "max_rows"), total_heads,
+                                 check_positive_int(head_dim, "head_dim"), elem], **kwargs)
 
     @property
     def local_heads(self) -> int:
@@ -263,11 +256,12 @@ class TopKWorkspace(PeerWorkspace):
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, k: int,
                  candidates_per_rank: Optional[int] = None, **kwargs):
-        self.k = _positive("k", k)
-        self.candidates_per_rank = _positive("candidates_per_rank",
-                                             k if candidates_per_rank is None else candidates_per_rank)
+        self.k = check_positive_int(k, "k")
+        self.candidates_per_rank = check_positive_int(k if candidates_per_rank is None else candidates_per_rank,
+                                                      "candidates_per_rank")
         self.max_rows = max_rows
-        super().__init__(group, [_positive("max_rows", max_rows), self.candidates_per_rank, self.k], **kwargs)
+        super().__init__(group, [check_positive_int(max_rows, "max_rows"), self.candidates_per_rank, self.k],
+                         **kwargs)
 
     def resize(self, max_rows: int) -> None:
         """Re-create the workspace for a new row bound (collective; refused
@@ -303,17 +297,15 @@ class QueryWorkspace(PeerWorkspace):
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, local_heads: int, nope_dim: int = 512,
                  rope_dim: int = 64, dtype: torch.dtype = torch.float8_e4m3fn, rope_style: str = "interleaved",
                  **kwargs):
-        if dtype not in ops.QUERY_DTYPES:
-            raise ValueError(f"torch_sdcp: argument 'dtype': expected one of {ops.QUERY_DTYPES}, got {dtype}")
+        check(dtype in ops.QUERY_DTYPES, "dtype", f"one of {ops.QUERY_DTYPES}", dtype)
         ops.rope_is_neox(rope_style)
-        if _positive("rope_dim", rope_dim) % 2:
-            raise ValueError(f"torch_sdcp: argument 'rope_dim': expected an even value, got {rope_dim}")
+        check(check_positive_int(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
         self.dtype, self.rope_style = dtype, rope_style
         self.max_rows, self.local_heads = max_rows, local_heads
-        self.nope_dim, self.rope_dim = _positive("nope_dim", nope_dim), rope_dim
+        self.nope_dim, self.rope_dim = check_positive_int(nope_dim, "nope_dim"), rope_dim
         elem = torch.empty((), dtype=dtype).element_size()
-        super().__init__(group, [_positive("max_rows", max_rows), _positive("local_heads", local_heads),
-                                 nope_dim + rope_dim, elem], **kwargs)
+        super().__init__(group, [check_positive_int(max_rows, "max_rows"),
+                                 check_positive_int(local_heads, "local_heads"), nope_dim + rope_dim, elem], **kwargs)
         self._open_view: Optional[Tensor] = None
         self._inbox_view: Optional[Tensor] = None
 
