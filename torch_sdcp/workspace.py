@@ -16,9 +16,10 @@ was captured in a CUDA graph cannot be resized: the graph keeps its addresses.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,42 @@ from torch_sdcp.peer import PeerArena
 
 logger = logging.getLogger("torch_sdcp")
 
-KIND_EXCHANGE, KIND_OUTPUT_LSE, KIND_TOPK, KIND_QUERY = 0, 1, 2, 3
 DEFAULT_TIMEOUT_S = float(os.environ.get("SDCP_TIMEOUT_S", "5"))
+
+
+class WorkspaceKind(enum.IntEnum):
+    """The workspace families; the values are those of the C++ side
+    (``WorkspaceKind`` in csrc/sdcp.h)."""
+
+    EXCHANGE = 0
+    OUTPUT_LSE = 1
+    TOPK = 2
+    QUERY = 3
+
+
+class WorkspaceLayout(NamedTuple):
+    """One rank's region as the C++ side lays it out (csrc/sdcp.h), identical
+    on every rank: control (an epoch and the flags of each of ``blocks`` flag
+    blocks) in ``[0, control_bytes)``, then ``slots`` data slots of
+    ``slot_bytes`` from ``data_offset``; ``region_bytes`` includes the tail pad,
+    before granularity rounding. ``part_offsets`` are the family's values inside
+    one slot; each workspace class names them in ``PARTS``."""
+
+    blocks: int
+    control_bytes: int
+    data_offset: int
+    slots: int
+    slot_bytes: int
+    region_bytes: int
+    part_offsets: Tuple[int, ...]
+
+
+def workspace_layout(kind: WorkspaceKind, params: Sequence[int], world_size: int) -> WorkspaceLayout:
+    """``torch.ops.sdcp.workspace_layout``, whose flat list follows the field
+    order of ``WorkspaceLayout``, with its values named."""
+    values = torch.ops.sdcp.workspace_layout(int(kind), list(params), world_size)
+    fixed = len(WorkspaceLayout._fields) - 1
+    return WorkspaceLayout(*values[:fixed], tuple(values[fixed:]))
 
 
 class PeerWorkspace:
@@ -45,7 +80,11 @@ class PeerWorkspace:
     the gate is collective).
     """
 
-    kind: int = -1
+    kind: WorkspaceKind
+    #: What ``params`` hold, in order (the C++ parameters of ``kind``).
+    PARAMS: Tuple[str, ...] = ()
+    #: What ``layout.part_offsets`` hold, in order.
+    PARTS: Tuple[str, ...] = ()
 
     def __init__(self, group: Optional[dist.ProcessGroup], params: list[int], *, backend: str = "auto",
                  device: Optional[torch.device] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -65,9 +104,8 @@ class PeerWorkspace:
         self.handle: Optional[int] = None
         self.arena: Optional[PeerArena] = None
         self._logged: set[str] = set()
-        self.nbytes_per_rank = torch.ops.sdcp.workspace_nbytes(self.kind, self.params, self.world_size)
-        (self.flag_blocks, _, self.data_offset, self.slots, self.slot_bytes, _,
-         *self.part_offsets) = torch.ops.sdcp.workspace_layout(self.kind, self.params, self.world_size)
+        self.layout = workspace_layout(self.kind, self.params, self.world_size)
+        self.nbytes_per_rank = self.layout.region_bytes
         try:
             self.arena = PeerArena(group, self.nbytes_per_rank, backend=backend, device=device,
                                    allow_shared_device=allow_shared_device, timeout_s=max(self.timeout_s, 30.0))
@@ -80,10 +118,30 @@ class PeerWorkspace:
             return
         self.device = self.arena.device
         self.handle = _registry.new_handle()
-        torch.ops.sdcp.workspace_register(self.handle, self.kind, self.params, self.arena.base_address,
+        torch.ops.sdcp.workspace_register(self.handle, int(self.kind), self.params, self.arena.base_address,
                                           self.arena.stride, self.rank, self.world_size, self.device,
                                           int(self.timeout_s * 1e9))
         _registry.add(self.handle, self)
+
+    def _param_index(self, name: str) -> int:
+        if name not in self.PARAMS:
+            raise AttributeError(f"torch_sdcp: {type(self).__name__} has no parameter '{name}' "
+                                 f"(its parameters: {', '.join(self.PARAMS)})")
+        return self.PARAMS.index(name)
+
+    def param(self, name: str) -> int:
+        """The creation parameter ``name`` (one of ``PARAMS``)."""
+        return self.params[self._param_index(name)]
+
+    def part(self, name: str) -> int:
+        """The layout value ``name`` (one of ``PARTS``)."""
+        return self.layout.part_offsets[self.PARTS.index(name)]
+
+    @property
+    def max_rows(self) -> int:
+        """Rows bound of the peer path (every family but the exchange, which is
+        bounded in bytes)."""
+        return self.param("max_rows")
 
     @property
     def peer(self) -> bool:
@@ -104,8 +162,8 @@ class PeerWorkspace:
         """True when this call takes the peer path (and may use the workspace)."""
         if not self.peer:
             return False
-        if rows > self.params[0]:
-            self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.params[0]}; "
+        if rows > self.max_rows:
+            self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.max_rows}; "
                              "this call takes the collective path")
             return False
         self._check_stream()
@@ -130,17 +188,25 @@ class PeerWorkspace:
                 "wait for the other (stream.wait_stream)")
         self._stream = stream
 
-    def _resize(self, bound_name: str, bound: int) -> None:
-        """Re-create the workspace with a new first parameter (collective)."""
-        check_positive_int(bound, bound_name)
+    def resize(self, max_rows: int) -> None:
+        """Re-create the workspace for a new row bound (collective; refused
+        once the workspace was captured in a CUDA graph, and where
+        ``_check_resizable`` refuses)."""
+        index = self._param_index("max_rows")
+        self._check_resizable()
+        check_positive_int(max_rows, "max_rows")
         if self._captured:
             raise RuntimeError(
-                f"torch_sdcp: argument '{bound_name}': cannot resize {type(self).__name__} on rank {self.rank} "
-                f"to {bound}: it was captured in a CUDA graph, which keeps its addresses and epochs; create a new "
-                "workspace and capture again")
-        params = [bound] + self.params[1:]
+                f"torch_sdcp: argument 'max_rows': cannot resize {type(self).__name__} on rank {self.rank} "
+                f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses and epochs; create a "
+                "new workspace and capture again")
+        params = list(self.params)
+        params[index] = max_rows
         self.close()
         PeerWorkspace.__init__(self, self.group, params, **self._init_kwargs)
+
+    def _check_resizable(self) -> None:
+        """A family's own precondition of ``resize``: raise to refuse."""
 
     def close(self) -> None:
         """Synchronise, barrier, unregister, unmap and free. Idempotent; local
@@ -171,7 +237,9 @@ class ExchangeWorkspace(PeerWorkspace):
     """A generic peer all-gather of up to ``max_bytes`` per rank: the
     signalling primitive the boundaries are built from."""
 
-    kind = KIND_EXCHANGE
+    kind = WorkspaceKind.EXCHANGE
+    PARAMS = ("max_bytes",)
+    PARTS = ("inbox", "source_stride")  # inbox [src][bytes]; bytes between two sources' parts
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_bytes: int, **kwargs):
         super().__init__(group, [check_positive_int(max_bytes, "max_bytes")], **kwargs)
@@ -194,7 +262,9 @@ class OutputLSEWorkspace(PeerWorkspace):
     (head_dim x element size + 4) bytes, granularity-rounded.
     """
 
-    kind = KIND_OUTPUT_LSE
+    kind = WorkspaceKind.OUTPUT_LSE
+    PARAMS = ("max_rows", "total_heads", "head_dim", "elem_bytes")
+    PARTS = ("out_inbox", "lse_inbox")  # out [src][row][h_loc][d]; lse [src][row][h_loc] fp32
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, total_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, **kwargs):
@@ -204,7 +274,7 @@ class OutputLSEWorkspace(PeerWorkspace):
         check(check_positive_int(total_heads, "total_heads") % world == 0, "total_heads",
               f"a multiple of the world size {world}", total_heads)
         self.dtype = dtype
-        self.max_rows, self.total_heads, self.head_dim = max_rows, total_heads, head_dim
+        self.total_heads, self.head_dim = total_heads, head_dim
         elem = torch.empty((), dtype=dtype).element_size()
         super().__init__(group, [check_positive_int(max_rows, "max_rows"), total_heads,
                                  check_positive_int(head_dim, "head_dim"), elem], **kwargs)
@@ -212,12 +282,6 @@ class OutputLSEWorkspace(PeerWorkspace):
     @property
     def local_heads(self) -> int:
         return self.total_heads // self.world_size
-
-    def resize(self, max_rows: int) -> None:
-        """Re-create the workspace for a new row bound (collective; refused
-        once the workspace was captured in a CUDA graph)."""
-        self._resize("max_rows", max_rows)
-        self.max_rows = max_rows
 
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
                 return_lse: bool = False):
@@ -252,22 +316,17 @@ class TopKWorkspace(PeerWorkspace):
     granularity-rounded.
     """
 
-    kind = KIND_TOPK
+    kind = WorkspaceKind.TOPK
+    PARAMS = ("max_rows", "candidates_per_rank", "k")
+    PARTS = ("keys", "keys_per_row")  # an owner's sorted keys [row][min(C, k)]; min(C, k)
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, k: int,
                  candidates_per_rank: Optional[int] = None, **kwargs):
         self.k = check_positive_int(k, "k")
         self.candidates_per_rank = check_positive_int(k if candidates_per_rank is None else candidates_per_rank,
                                                       "candidates_per_rank")
-        self.max_rows = max_rows
         super().__init__(group, [check_positive_int(max_rows, "max_rows"), self.candidates_per_rank, self.k],
                          **kwargs)
-
-    def resize(self, max_rows: int) -> None:
-        """Re-create the workspace for a new row bound (collective; refused
-        once the workspace was captured in a CUDA graph)."""
-        self._resize("max_rows", max_rows)
-        self.max_rows = max_rows
 
     def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
         """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
@@ -292,7 +351,9 @@ class QueryWorkspace(PeerWorkspace):
     (nope + rope) x element size, granularity-rounded.
     """
 
-    kind = KIND_QUERY
+    kind = WorkspaceKind.QUERY
+    PARAMS = ("max_rows", "local_heads", "head_dim", "elem_bytes")
+    PARTS = ("inbox",)  # [row][src*H_loc + h][nope + rope]
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, local_heads: int, nope_dim: int = 512,
                  rope_dim: int = 64, dtype: torch.dtype = torch.float8_e4m3fn, rope_style: str = "interleaved",
@@ -301,7 +362,7 @@ class QueryWorkspace(PeerWorkspace):
         ops.rope_is_neox(rope_style)
         check(check_positive_int(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
         self.dtype, self.rope_style = dtype, rope_style
-        self.max_rows, self.local_heads = max_rows, local_heads
+        self.local_heads = local_heads
         self.nope_dim, self.rope_dim = check_positive_int(nope_dim, "nope_dim"), rope_dim
         elem = torch.empty((), dtype=dtype).element_size()
         super().__init__(group, [check_positive_int(max_rows, "max_rows"),
@@ -318,17 +379,13 @@ class QueryWorkspace(PeerWorkspace):
         width = self.nope_dim + self.rope_dim
         elem = torch.empty((), dtype=self.dtype).element_size()
         raw = self.arena.local_view(torch.uint8, (self.max_rows, self.world_size * self.local_heads, width * elem),
-                                    self.data_offset + self.part_offsets[0])
+                                    self.layout.data_offset + self.part("inbox"))
         return raw.view(self.dtype)
 
-    def resize(self, max_rows: int) -> None:
-        """Re-create the workspace for a new row bound (collective; refused
-        once the workspace was captured in a CUDA graph or a view is open)."""
+    def _check_resizable(self) -> None:
         if self._open_view is not None:
             raise RuntimeError("torch_sdcp: QueryWorkspace.resize: a view from gather_view() is still open; "
                                "release() it first")
-        self._resize("max_rows", max_rows)
-        self.max_rows = max_rows
 
     def close(self) -> None:
         """As PeerWorkspace.close; an open view becomes invalid."""
