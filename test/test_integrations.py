@@ -122,8 +122,8 @@ def _adapters_worker(rank, world):
         want = reference.query_gathered_layout(
             [reference.query_rope_quant_ref(*x, out_dtype=torch.bfloat16) for x in inputs])
         assert torch.equal(_as_bytes(got), _as_bytes(want)), f"query_gather bf16 t={t}"
-        collective = collective.query_all_gather(*mine, group=group)
-        assert torch.equal(_as_bytes(got), _as_bytes(collective)), f"query_gather vs collective t={t}"
+        via_collective = collective.query_all_gather(*mine, group=group)
+        assert torch.equal(_as_bytes(got), _as_bytes(via_collective)), f"query_gather vs collective t={t}"
 
         scale = torch.tensor([0.05])
         got8 = sdcp.query_gather(*mine, scale, group=_Coordinator(group), out_dtype=torch.float8_e4m3fn,
