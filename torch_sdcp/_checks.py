@@ -96,9 +96,3 @@ def check_size(t: Tensor, arg: str, d: int, want: int) -> None:
 
 def check_same_device(t: Tensor, arg: str, ref: Tensor, ref_arg: str) -> None:
     check(t.device == ref.device, arg, f"the device of '{ref_arg}' ({ref.device})", f"device {t.device}")
-
-
-def check_float_payload(t: Tensor, arg: str) -> None:
-    """A float32, float16 or bfloat16 tensor (the partial outputs)."""
-    check(t.is_floating_point() and t.element_size() >= 2, arg, "a float32, float16 or bfloat16 tensor",
-          f"dtype {t.dtype}")

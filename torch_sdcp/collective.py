@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import reference
-from torch_sdcp._checks import check, check_dim, check_dtype, check_float_payload, check_same_device, check_size
+from torch_sdcp._checks import check
 
 __all__ = [
     "query_all_gather",
@@ -129,13 +129,7 @@ def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, bas
                                    group: Optional[dist.ProcessGroup], use_all_reduce: bool = False,
                                    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
-    check_dim(partial_out, "partial_out", 3)
-    check_dim(partial_lse, "partial_lse", 2)
-    check_float_payload(partial_out, "partial_out")
-    check_dtype(partial_lse, "partial_lse", torch.float32)
-    check_size(partial_lse, "partial_lse", 0, partial_out.size(0))
-    check_size(partial_lse, "partial_lse", 1, partial_out.size(1))
-    check_same_device(partial_lse, "partial_lse", partial_out, "partial_out")
+    reference._check_partials(partial_out, partial_lse, 2, torch.float32)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     heads = partial_out.size(1)
     check(heads % n == 0, "partial_out", f"heads divisible by the world size {n}", heads)

@@ -25,8 +25,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from torch_sdcp._checks import (check, check_dim, check_dtype, check_float_payload, check_int,
-                                check_positive_int, check_same_device, check_size, check_tensor)
+from torch_sdcp._checks import (check, check_dim, check_dtype, check_int, check_positive_int, check_same_device,
+                                check_size, check_tensor)
 
 __all__ = [
     "token_owner",
@@ -288,14 +288,21 @@ def _weighted_sum(partial_out: Tensor, w: Tensor) -> Tensor:
     return acc
 
 
-def _check_lse_stack(partial_out: Tensor, partial_lse: Tensor) -> None:
-    check_dim(partial_out, "partial_out", 4)
-    check_dim(partial_lse, "partial_lse", 3)
-    check_float_payload(partial_out, "partial_out")
-    check_dtype(partial_lse, "partial_lse", torch.float32, torch.float64)
-    for d in range(3):
+def _check_partials(partial_out: Tensor, partial_lse: Tensor, lse_dim: int, *lse_dtypes: torch.dtype) -> None:
+    """Partial outputs ``[..., T, H, D]`` and their LSEs ``[..., T, H]`` of
+    ``lse_dim`` dimensions (``[N, T, H]`` stacked, ``[T, H]`` for one rank)."""
+    check_dim(partial_out, "partial_out", lse_dim + 1)
+    check_dim(partial_lse, "partial_lse", lse_dim)
+    check(partial_out.is_floating_point() and partial_out.element_size() >= 2, "partial_out",
+          "a float32, float16 or bfloat16 tensor", f"dtype {partial_out.dtype}")
+    check_dtype(partial_lse, "partial_lse", *lse_dtypes)
+    for d in range(lse_dim):
         check_size(partial_lse, "partial_lse", d, partial_out.size(d))
     check_same_device(partial_lse, "partial_lse", partial_out, "partial_out")
+
+
+def _check_lse_stack(partial_out: Tensor, partial_lse: Tensor) -> None:
+    _check_partials(partial_out, partial_lse, 3, torch.float32, torch.float64)
     check(partial_out.size(0) >= 1, "partial_out", "at least one shard in dimension 0", partial_out.size(0))
 
 
