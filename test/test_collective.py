@@ -1,4 +1,4 @@
-"""The collective paths of torch_sdcp.reference under a real multi-process gloo
+"""The collective paths of torch_sdcp.collective under a real multi-process gloo
 group, against the references computed on the full (global) data.
 
 One spawn per world size runs every check: each worker builds the same seeded
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
+from torch_sdcp import collective
 from torch_sdcp import reference as ref
 
 NOPE, ROPE = 512, 64
@@ -60,7 +61,8 @@ def check_query(rank, n):
             cache = make_cache(2048, ROPE, cache_dtype)
             q_scale = None if scale is None else torch.tensor([scale])
             heads = slice(rank * hl, (rank + 1) * hl)  # this rank's TP head shard (strided views)
-            got = ref.query_all_gather(ql_nope[:, heads], q_pe[:, heads], positions, cache, q_scale, neox, out_dtype)
+            got = collective.query_all_gather(ql_nope[:, heads], q_pe[:, heads], positions, cache, q_scale, neox,
+                                              out_dtype)
             want = ref.query_rope_quant_ref(ql_nope, q_pe, positions, cache, q_scale, neox, out_dtype)
             parts = [ref.query_rope_quant_ref(ql_nope[:, r * hl:(r + 1) * hl], q_pe[:, r * hl:(r + 1) * hl],
                                               positions, cache, q_scale, neox, out_dtype) for r in range(n)]
@@ -88,7 +90,7 @@ def check_topk(rank, n):
         assert (ref.token_owner(ids[ids >= 0], n, interleave) == r).all()
     shards[-1][1][1] = -1  # one row with an empty shard on the last rank
     for k in (1, 16, 64, n * c + 5):
-        got = ref.topk_all_gather_merge(shards[rank][0], shards[rank][1], k)
+        got = collective.topk_all_gather_merge(shards[rank][0], shards[rank][1], k)
         want = ref.topk_merge_ref(shards, k)
         assert got.dtype == torch.int32 and got.shape == (rows, k)
         assert torch.equal(got, want), (k, got, want)
@@ -120,8 +122,8 @@ def check_lse(rank, n):
         (torch.float32, True, True),
     ]:
         po, pl = lse_inputs(n, rows, heads, dim, dtype, gen)
-        out, lse = ref._lse_all_gather_reduce_scatter(po[rank], pl[rank], base2, True, None,
-                                                      use_all_reduce=use_all_reduce)
+        out, lse = collective._lse_all_gather_reduce_scatter(po[rank], pl[rank], base2, True, None,
+                                                             use_all_reduce=use_all_reduce)
         assert out.dtype == dtype and out.shape == (rows, hl, dim), (out.dtype, out.shape)
         assert lse.dtype == torch.float32 and lse.shape == (rows, hl)
         want_out, want_lse = ref.output_lse_shard(*ref.lse_combine_ref64(po, pl, base2), rank, n)
@@ -141,29 +143,30 @@ def check_lse(rank, n):
         bound = (n + 1) * ulp * mag + 1e-5 * mag + 1e-30
         assert (err <= bound).all(), (dtype, base2, float((err - bound).max()))
         # Without return_lse: the output alone, the same values.
-        only = ref.lse_all_gather_reduce_scatter(po[rank], pl[rank], base2)
+        only = collective.lse_all_gather_reduce_scatter(po[rank], pl[rank], base2)
         assert isinstance(only, torch.Tensor) and torch.equal(only, out)
 
 
 def check_validation(rank, n):
     # Bad inputs fail on every rank before any communication.
     with pytest.raises(ValueError, match=r"argument 'partial_out': expected heads divisible by the world size"):
-        ref.lse_all_gather_reduce_scatter(torch.zeros(2, n * 4 + 1, 8), torch.zeros(2, n * 4 + 1))
+        collective.lse_all_gather_reduce_scatter(torch.zeros(2, n * 4 + 1, 8), torch.zeros(2, n * 4 + 1))
     with pytest.raises(ValueError, match=r"argument 'partial_lse': expected dtype torch.float32"):
-        ref.lse_all_gather_reduce_scatter(torch.zeros(2, n, 8), torch.zeros(2, n, dtype=torch.float64))
+        collective.lse_all_gather_reduce_scatter(torch.zeros(2, n, 8), torch.zeros(2, n, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"torch_sdcp: argument 'k': expected k >= 1, got 0"):
-        ref.topk_all_gather_merge(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.int32), 0)
+        collective.topk_all_gather_merge(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match=r"argument 'out_dtype'"):
-        ref.query_all_gather(torch.zeros(1, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 2, dtype=torch.bfloat16),
-                             torch.zeros(1, dtype=torch.long), torch.zeros(1, 2), out_dtype=torch.float32)
+        collective.query_all_gather(torch.zeros(1, 1, 8, dtype=torch.bfloat16),
+                                    torch.zeros(1, 1, 2, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long),
+                                    torch.zeros(1, 2), out_dtype=torch.float32)
 
 
 def check_gather_fallback(rank, n):
     # The list all_gather (fallback for gloo builds without the single-tensor
     # form) stacks exactly like the single-tensor collective.
     x = torch.arange(6, dtype=torch.int32).reshape(2, 3) + 100 * rank
-    a = ref._all_gather_stack(x, None)
-    b = ref._all_gather_stack(x, None, use_list=True)
+    a = collective._all_gather_stack(x, None)
+    b = collective._all_gather_stack(x, None, use_list=True)
     assert torch.equal(a, b) and torch.equal(a, torch.stack([x - 100 * rank + 100 * r for r in range(n)]))
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torch_sdcp import integrations as sdcp
-from torch_sdcp import reference
+from torch_sdcp import collective, reference
 
 from _dist import run_workers
 from conftest import requires_gpus
@@ -122,8 +122,8 @@ def _adapters_worker(rank, world):
         want = reference.query_gathered_layout(
             [reference.query_rope_quant_ref(*x, out_dtype=torch.bfloat16) for x in inputs])
         assert torch.equal(_as_bytes(got), _as_bytes(want)), f"query_gather bf16 t={t}"
-        collective = reference.query_all_gather(*mine, group=group)
-        assert torch.equal(_as_bytes(got), _as_bytes(collective)), f"query_gather vs collective t={t}"
+        via_collective = collective.query_all_gather(*mine, group=group)
+        assert torch.equal(_as_bytes(got), _as_bytes(via_collective)), f"query_gather vs collective t={t}"
 
         scale = torch.tensor([0.05])
         got8 = sdcp.query_gather(*mine, scale, group=_Coordinator(group), out_dtype=torch.float8_e4m3fn,
@@ -159,8 +159,8 @@ def _adapters_worker(rank, world):
             _check_output(rank, world, got, got_lse, out, lse, base2=not base_e)
             only = sdcp.cp_lse_ag_out_rs(out[rank], lse[rank], _Coordinator(group), None, False, base_e)
             assert isinstance(only, torch.Tensor) and torch.equal(only, got)
-            col_out, col_lse = reference.lse_all_gather_reduce_scatter(out[rank], lse[rank], base2=not base_e,
-                                                                       return_lse=True, group=group)
+            col_out, col_lse = collective.lse_all_gather_reduce_scatter(out[rank], lse[rank], base2=not base_e,
+                                                                        return_lse=True, group=group)
             torch.testing.assert_close(got.float(), col_out.float(), rtol=2e-2, atol=2e-2)
             torch.testing.assert_close(got_lse, col_lse, rtol=1e-5, atol=1e-5)
         # Non-contiguous inputs are accepted (copied).
@@ -173,7 +173,7 @@ def _adapters_worker(rank, world):
         shards = _candidates(world, t, 16, seed=200 + t)
         got = sdcp.topk_merge(*shards[rank], group, 16)
         assert torch.equal(got, reference.topk_merge_ref(shards, 16)), f"topk_merge t={t}"
-        assert torch.equal(got, reference.topk_all_gather_merge(*shards[rank], 16, group=group))
+        assert torch.equal(got, collective.topk_all_gather_merge(*shards[rank], 16, group=group))
         checks.append(("topk", t))
 
     # --- the fallback is logged, once per workspace and row count ------------------------------

@@ -71,6 +71,9 @@ def _argument_worker(rank, world):
     with pytest.raises(ValueError, match="'timeout_s'"):
         torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=0)
     ws = torch_sdcp.ExchangeWorkspace(None, 64, backend="host")
+    assert ws.param("max_bytes") == 64 and ws.part("source_stride") == 256 and ws.layout.slots == 2
+    with pytest.raises(AttributeError, match="no parameter 'max_rows'"):
+        ws.resize(8)  # bounded in bytes, not in rows
     handle = ws.handle
     assert handle in torch.ops.sdcp.workspace_handles()
     ws.close()
@@ -83,6 +86,33 @@ def _argument_worker(rank, world):
 
 def test_workspace_argument_errors_and_teardown():
     assert run_workers(_argument_worker, 2, timeout=120) == [True, True]
+
+
+def test_layout_names_the_cpp_layout():
+    import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
+    from torch_sdcp.workspace import (ExchangeWorkspace, OutputLSEWorkspace, QueryWorkspace, TopKWorkspace,
+                                      WorkspaceKind, workspace_layout)
+
+    assert {k.name: int(k) for k in WorkspaceKind} == {"EXCHANGE": 0, "OUTPUT_LSE": 1, "TOPK": 2, "QUERY": 3}
+    world = 2
+    params = {ExchangeWorkspace: [100], OutputLSEWorkspace: [8, 8, 128, 2], TopKWorkspace: [8, 32, 16],
+              QueryWorkspace: [8, 4, 576, 1]}
+    layouts = {}
+    for cls, p in params.items():
+        assert len(p) == len(cls.PARAMS)  # the C++ side checks the count per kind
+        layout = layouts[cls] = workspace_layout(cls.kind, p, world)
+        assert layout.region_bytes == torch.ops.sdcp.workspace_nbytes(int(cls.kind), p, world)
+        assert layout.data_offset == layout.control_bytes and len(layout.part_offsets) == 4
+
+    def part(cls, name):
+        return layouts[cls].part_offsets[cls.PARTS.index(name)]
+
+    assert part(ExchangeWorkspace, "source_stride") == 256 and layouts[ExchangeWorkspace].slot_bytes == world * 256
+    out_bytes = world * 8 * 4 * 128 * 2  # [src][row][h_loc][d] bf16
+    assert (part(OutputLSEWorkspace, "out_inbox"), part(OutputLSEWorkspace, "lse_inbox")) == (0, out_bytes)
+    assert layouts[OutputLSEWorkspace].slots == 2
+    assert part(TopKWorkspace, "keys_per_row") == 16 and layouts[TopKWorkspace].slots == 1
+    assert part(QueryWorkspace, "inbox") == 0 and layouts[QueryWorkspace].slot_bytes == 8 * world * 4 * 576
 
 
 def _resize_worker(rank, world):

@@ -7,8 +7,11 @@ Workspaces (created collectively, before CUDA-graph capture):
     QueryWorkspace(group, max_rows, local_heads).gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
     ExchangeWorkspace(group, max_bytes).all_gather(x)
 Peer memory: PeerArena. Operators: torch.ops.sdcp.* (typed wrappers in torch_sdcp.ops).
-Exact references and the collective paths: torch_sdcp.reference.
+Exact references: torch_sdcp.reference. The collective paths (the fallback and
+the baseline): torch_sdcp.collective.
 """
+
+import importlib
 
 import torch
 
@@ -24,23 +27,20 @@ _LAZY = {
     "PeerWorkspace": "torch_sdcp.workspace", "QueryWorkspace": "torch_sdcp.workspace",
     "TopKWorkspace": "torch_sdcp.workspace",
 }
+_LAZY_MODULES = ("collective", "reference")
 
 
 def __getattr__(name):
-    # Peer memory pulls in cuda-python; import it on first use.
+    # Peer memory pulls in cuda-bindings; import it on first use.
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name == "reference":
-        import importlib
-
-        return importlib.import_module("torch_sdcp.reference")
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"torch_sdcp.{name}")
     raise AttributeError(f"module 'torch_sdcp' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ExchangeWorkspace", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace", "TopKWorkspace",
-    "ops", "reference",
+    "collective", "ops", "reference",
 ]

@@ -8,6 +8,8 @@ import itertools
 import threading
 from typing import Any
 
+from torch_sdcp._checks import arg_error
+
 _lock = threading.Lock()
 _handles = itertools.count(1)
 _live: dict[int, Any] = {}
@@ -32,9 +34,7 @@ def get(handle: int) -> Any:
     with _lock:
         ws = _live.get(handle)
     if ws is None:
-        raise ValueError(
-            f"torch_sdcp: argument 'workspace': expected a live workspace handle, got {handle} "
-            "(never created, or already closed)")
+        raise arg_error("workspace", "a live workspace handle", f"{handle} (never created, or already closed)")
     return ws
 
 

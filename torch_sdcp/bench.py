@@ -138,7 +138,7 @@ def bench_signal(ctx, rows_list, out: list) -> None:
 
 def bench_output_lse(ctx, rows_list, out: list) -> None:
     import torch_sdcp
-    from torch_sdcp import reference
+    from torch_sdcp import collective
 
     h, d, dev = ctx.heads, ctx.head_dim, ctx.device
     ws = torch_sdcp.OutputLSEWorkspace(None, max(rows_list), h, d, backend=ctx.backend, device=dev)
@@ -155,7 +155,7 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
         po = torch.randn(t, h, d, generator=g).to(torch.bfloat16).to(dev)
         pl = (torch.randn(t, h, generator=g) * 3).to(dev)
         row = {"rows": t}
-        row["collective"] = guarded(ctx.timer, lambda: lambda: reference.lse_all_gather_reduce_scatter(
+        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.lse_all_gather_reduce_scatter(
             po, pl, return_lse=True))
 
         def symm():
@@ -173,7 +173,7 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
 
 def bench_topk(ctx, rows_list, out: list) -> None:
     import torch_sdcp
-    from torch_sdcp import ops, reference
+    from torch_sdcp import collective, ops
 
     k, dev, n, r = ctx.k, ctx.device, ctx.world, ctx.rank
     ws = torch_sdcp.TopKWorkspace(None, max(rows_list), k, candidates_per_rank=k, backend=ctx.backend, device=dev)
@@ -182,7 +182,7 @@ def bench_topk(ctx, rows_list, out: list) -> None:
         scores = torch.randn(t, k, generator=g).to(dev)
         ids = (torch.randperm(t * k, generator=g).view(t, k) * n + r).to(torch.int32).to(dev)
         row = {"rows": t}
-        row["collective"] = guarded(ctx.timer, lambda: lambda: reference.topk_all_gather_merge(scores, ids, k))
+        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.topk_all_gather_merge(scores, ids, k))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.merge(scores, ids))
         # The selection kernel alone: over the gathered N*C candidates (the
         # collective path's share), and over C (an owner's sort).
@@ -205,7 +205,7 @@ def rope_cache(max_pos: int, rope: int) -> torch.Tensor:
 
 def bench_query(ctx, rows_list, out: list) -> None:
     import torch_sdcp
-    from torch_sdcp import reference
+    from torch_sdcp import collective
 
     hl, dev, dtype = ctx.heads // ctx.world, ctx.device, ctx.query_dtype
     ws = torch_sdcp.QueryWorkspace(None, max(rows_list), hl, nope_dim=ctx.head_dim, rope_dim=ctx.rope_dim,
@@ -218,7 +218,7 @@ def bench_query(ctx, rows_list, out: list) -> None:
         pe = torch.randn(t, hl, ctx.rope_dim, generator=g).to(torch.bfloat16).to(dev)
         pos = torch.randint(0, 4096, (t,), generator=g).to(dev)
         row = {"rows": t}
-        row["collective"] = guarded(ctx.timer, lambda: lambda: reference.query_all_gather(
+        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.query_all_gather(
             nope, pe, pos, cache, scale, out_dtype=dtype))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.gather(nope, pe, pos, cache, scale))
 
@@ -288,7 +288,7 @@ class DecodeStep:
         return out, lse
 
     def selected_mask(self, layer: int, mode: str) -> torch.Tensor:
-        from torch_sdcp import reference
+        from torch_sdcp import collective
 
         idx = torch.einsum("thc,tjc->tj", self.pe[layer].float(), self.kv[layer][..., -self.ctx.rope_dim:].float())
         top = torch.topk(idx, self.k, dim=-1)  # this rank's local candidates
@@ -296,14 +296,14 @@ class DecodeStep:
         if mode == "sdcp":
             chosen = self.topk_ws.merge(top.values.contiguous(), cand_ids.contiguous())
         else:
-            chosen = reference.topk_all_gather_merge(top.values.contiguous(), cand_ids.contiguous(), self.k)
+            chosen = collective.topk_all_gather_merge(top.values.contiguous(), cand_ids.contiguous(), self.k)
         mask = torch.zeros(self.gid.shape, dtype=torch.bool, device=self.gid.device)
         mine = (chosen >= 0) & (chosen % self.ctx.world == self.ctx.rank)
         local = torch.where(mine, chosen // self.ctx.world, 0).long()
         return mask.scatter(1, local, mine)
 
     def step(self, mode: str, compute_only: bool = False) -> list:
-        from torch_sdcp import reference
+        from torch_sdcp import collective
 
         outs = []
         for layer in range(self.layers):
@@ -312,7 +312,7 @@ class DecodeStep:
             elif mode == "sdcp":
                 q = self.query_ws.gather_view(self.nope[layer], self.pe[layer], self.pos, self.cache)
             else:
-                q = reference.query_all_gather(self.nope[layer], self.pe[layer], self.pos, self.cache)
+                q = collective.query_all_gather(self.nope[layer], self.pe[layer], self.pos, self.cache)
             mask = self.selected_mask(layer, mode) if self.sparse and not compute_only else None
             o, lse = self.attention(q, self.kv[layer], mask)
             if mode == "sdcp" and not compute_only:
@@ -322,7 +322,7 @@ class DecodeStep:
             elif mode == "sdcp":
                 outs.append(self.olse_ws.combine(o, lse))
             else:
-                outs.append(reference.lse_all_gather_reduce_scatter(o, lse))
+                outs.append(collective.lse_all_gather_reduce_scatter(o, lse))
         return outs
 
 

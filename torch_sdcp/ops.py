@@ -9,21 +9,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torch_sdcp._checks import check_choice
+
 ROPE_STYLES = ("interleaved", "neox")
 LSE_BASES = ("e", "2")
 QUERY_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
 def rope_is_neox(rope_style: str) -> bool:
-    if rope_style not in ROPE_STYLES:
-        raise ValueError(f"torch_sdcp: argument 'rope_style': expected one of {ROPE_STYLES}, got {rope_style!r}")
-    return rope_style == "neox"
+    return check_choice(rope_style, "rope_style", ROPE_STYLES) == "neox"
 
 
 def lse_is_base2(lse_base: str) -> bool:
-    if lse_base not in LSE_BASES:
-        raise ValueError(f"torch_sdcp: argument 'lse_base': expected one of {LSE_BASES}, got {lse_base!r}")
-    return lse_base == "2"
+    return check_choice(lse_base, "lse_base", LSE_BASES) == "2"
 
 
 def query_rope_quant(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,

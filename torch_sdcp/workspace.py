@@ -5,7 +5,7 @@ never allocate, map or exchange anything.
 Fallback policy (explicit, logged once per workspace and reason): a call with
 more rows than ``max_rows``, or a workspace whose group cannot use peer memory
 (created with ``fallback=True``), runs the collective path of
-:mod:`torch_sdcp.reference` instead. Nothing falls back as error recovery.
+:mod:`torch_sdcp.collective` instead. Nothing falls back as error recovery.
 
 One stream at a time: the signalling protocol assumes that a workspace's calls
 are ordered (docs/PROTOCOL.md). A call from a second stream while the first
@@ -16,27 +16,57 @@ was captured in a CUDA graph cannot be resized: the graph keeps its addresses.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp import _registry, ops, reference
+from torch_sdcp import _registry, collective, ops
+from torch_sdcp._checks import check, check_positive_int
 from torch_sdcp.peer import PeerArena
 
 logger = logging.getLogger("torch_sdcp")
 
-KIND_EXCHANGE, KIND_OUTPUT_LSE, KIND_TOPK, KIND_QUERY = 0, 1, 2, 3
 DEFAULT_TIMEOUT_S = float(os.environ.get("SDCP_TIMEOUT_S", "5"))
 
 
-def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"torch_sdcp: argument '{name}': expected a positive int, got {value!r}")
-    return value
+class WorkspaceKind(enum.IntEnum):
+    """The workspace families; the values are those of the C++ side
+    (``WorkspaceKind`` in csrc/sdcp.h)."""
+
+    EXCHANGE = 0
+    OUTPUT_LSE = 1
+    TOPK = 2
+    QUERY = 3
+
+
+class WorkspaceLayout(NamedTuple):
+    """One rank's region as the C++ side lays it out (csrc/sdcp.h), identical
+    on every rank: control (an epoch and the flags of each of ``blocks`` flag
+    blocks) in ``[0, control_bytes)``, then ``slots`` data slots of
+    ``slot_bytes`` from ``data_offset``; ``region_bytes`` includes the tail pad,
+    before granularity rounding. ``part_offsets`` are the family's values inside
+    one slot; each workspace class names them in ``PARTS``."""
+
+    blocks: int
+    control_bytes: int
+    data_offset: int
+    slots: int
+    slot_bytes: int
+    region_bytes: int
+    part_offsets: Tuple[int, ...]
+
+
+def workspace_layout(kind: WorkspaceKind, params: Sequence[int], world_size: int) -> WorkspaceLayout:
+    """``torch.ops.sdcp.workspace_layout``, whose flat list follows the field
+    order of ``WorkspaceLayout``, with its values named."""
+    values = torch.ops.sdcp.workspace_layout(int(kind), list(params), world_size)
+    fixed = len(WorkspaceLayout._fields) - 1
+    return WorkspaceLayout(*values[:fixed], tuple(values[fixed:]))
 
 
 class PeerWorkspace:
@@ -50,15 +80,18 @@ class PeerWorkspace:
     the gate is collective).
     """
 
-    kind: int = -1
+    kind: WorkspaceKind
+    #: What ``params`` hold, in order (the C++ parameters of ``kind``).
+    PARAMS: Tuple[str, ...] = ()
+    #: What ``layout.part_offsets`` hold, in order.
+    PARTS: Tuple[str, ...] = ()
 
     def __init__(self, group: Optional[dist.ProcessGroup], params: list[int], *, backend: str = "auto",
                  device: Optional[torch.device] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  allow_shared_device: bool = False, fallback: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("torch_sdcp: workspaces are created collectively: initialise torch.distributed first")
-        if not timeout_s > 0:
-            raise ValueError(f"torch_sdcp: argument 'timeout_s': expected > 0, got {timeout_s!r}")
+        check(timeout_s > 0, "timeout_s", "> 0", repr(timeout_s))
         self.group = group
         self._init_kwargs = dict(backend=backend, device=device, timeout_s=timeout_s,
                                  allow_shared_device=allow_shared_device, fallback=fallback)
@@ -71,9 +104,8 @@ class PeerWorkspace:
         self.handle: Optional[int] = None
         self.arena: Optional[PeerArena] = None
         self._logged: set[str] = set()
-        self.nbytes_per_rank = torch.ops.sdcp.workspace_nbytes(self.kind, self.params, self.world_size)
-        (self.flag_blocks, _, self.data_offset, self.slots, self.slot_bytes, _,
-         *self.part_offsets) = torch.ops.sdcp.workspace_layout(self.kind, self.params, self.world_size)
+        self.layout = workspace_layout(self.kind, self.params, self.world_size)
+        self.nbytes_per_rank = self.layout.region_bytes
         try:
             self.arena = PeerArena(group, self.nbytes_per_rank, backend=backend, device=device,
                                    allow_shared_device=allow_shared_device, timeout_s=max(self.timeout_s, 30.0))
@@ -86,10 +118,30 @@ class PeerWorkspace:
             return
         self.device = self.arena.device
         self.handle = _registry.new_handle()
-        torch.ops.sdcp.workspace_register(self.handle, self.kind, self.params, self.arena.base_address,
+        torch.ops.sdcp.workspace_register(self.handle, int(self.kind), self.params, self.arena.base_address,
                                           self.arena.stride, self.rank, self.world_size, self.device,
                                           int(self.timeout_s * 1e9))
         _registry.add(self.handle, self)
+
+    def _param_index(self, name: str) -> int:
+        if name not in self.PARAMS:
+            raise AttributeError(f"torch_sdcp: {type(self).__name__} has no parameter '{name}' "
+                                 f"(its parameters: {', '.join(self.PARAMS)})")
+        return self.PARAMS.index(name)
+
+    def param(self, name: str) -> int:
+        """The creation parameter ``name`` (one of ``PARAMS``)."""
+        return self.params[self._param_index(name)]
+
+    def part(self, name: str) -> int:
+        """The layout value ``name`` (one of ``PARTS``)."""
+        return self.layout.part_offsets[self.PARTS.index(name)]
+
+    @property
+    def max_rows(self) -> int:
+        """Rows bound of the peer path (every family but the exchange, which is
+        bounded in bytes)."""
+        return self.param("max_rows")
 
     @property
     def peer(self) -> bool:
@@ -110,8 +162,8 @@ class PeerWorkspace:
         """True when this call takes the peer path (and may use the workspace)."""
         if not self.peer:
             return False
-        if rows > self.params[0]:
-            self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.params[0]}; "
+        if rows > self.max_rows:
+            self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.max_rows}; "
                              "this call takes the collective path")
             return False
         self._check_stream()
@@ -136,17 +188,25 @@ class PeerWorkspace:
                 "wait for the other (stream.wait_stream)")
         self._stream = stream
 
-    def _resize(self, bound_name: str, bound: int) -> None:
-        """Re-create the workspace with a new first parameter (collective)."""
-        _positive(bound_name, bound)
+    def resize(self, max_rows: int) -> None:
+        """Re-create the workspace for a new row bound (collective; refused
+        once the workspace was captured in a CUDA graph, and where
+        ``_check_resizable`` refuses)."""
+        index = self._param_index("max_rows")
+        self._check_resizable()
+        check_positive_int(max_rows, "max_rows")
         if self._captured:
             raise RuntimeError(
-                f"torch_sdcp: argument '{bound_name}': cannot resize {type(self).__name__} on rank {self.rank} "
-                f"to {bound}: it was captured in a CUDA graph, which keeps its addresses and epochs; create a new "
-                "workspace and capture again")
-        params = [bound] + self.params[1:]
+                f"torch_sdcp: argument 'max_rows': cannot resize {type(self).__name__} on rank {self.rank} "
+                f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses and epochs; create a "
+                "new workspace and capture again")
+        params = list(self.params)
+        params[index] = max_rows
         self.close()
         PeerWorkspace.__init__(self, self.group, params, **self._init_kwargs)
+
+    def _check_resizable(self) -> None:
+        """A family's own precondition of ``resize``: raise to refuse."""
 
     def close(self) -> None:
         """Synchronise, barrier, unregister, unmap and free. Idempotent; local
@@ -177,10 +237,12 @@ class ExchangeWorkspace(PeerWorkspace):
     """A generic peer all-gather of up to ``max_bytes`` per rank: the
     signalling primitive the boundaries are built from."""
 
-    kind = KIND_EXCHANGE
+    kind = WorkspaceKind.EXCHANGE
+    PARAMS = ("max_bytes",)
+    PARTS = ("inbox", "source_stride")  # inbox [src][bytes]; bytes between two sources' parts
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_bytes: int, **kwargs):
-        super().__init__(group, [_positive("max_bytes", max_bytes)], **kwargs)
+        super().__init__(group, [check_positive_int(max_bytes, "max_bytes")], **kwargs)
 
     def all_gather(self, x: Tensor) -> Tensor:
         """[N, *x.shape] with every rank's x, rank-major."""
@@ -200,31 +262,26 @@ class OutputLSEWorkspace(PeerWorkspace):
     (head_dim x element size + 4) bytes, granularity-rounded.
     """
 
-    kind = KIND_OUTPUT_LSE
+    kind = WorkspaceKind.OUTPUT_LSE
+    PARAMS = ("max_rows", "total_heads", "head_dim", "elem_bytes")
+    PARTS = ("out_inbox", "lse_inbox")  # out [src][row][h_loc][d]; lse [src][row][h_loc] fp32
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, total_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, **kwargs):
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"torch_sdcp: argument 'dtype': expected bfloat16, float16 or float32, got {dtype}")
+        check(dtype in (torch.bfloat16, torch.float16, torch.float32), "dtype", "bfloat16, float16 or float32",
+              dtype)
         world = dist.get_world_size(group) if dist.is_initialized() else 1
-        if _positive("total_heads", total_heads) % world:
-            raise ValueError(f"torch_sdcp: argument 'total_heads': expected a multiple of the world size {world}, "
-                             f"got {total_heads}")
+        check(check_positive_int(total_heads, "total_heads") % world == 0, "total_heads",
+              f"a multiple of the world size {world}", total_heads)
         self.dtype = dtype
-        self.max_rows, self.total_heads, self.head_dim = max_rows, total_heads, head_dim
+        self.total_heads, self.head_dim = total_heads, head_dim
         elem = torch.empty((), dtype=dtype).element_size()
-        super().__init__(group, [_positive("max_rows", max_rows), total_heads, _positive("head_dim", head_dim),
-                                 elem], **kwargs)
+        super().__init__(group, [check_positive_int(max_rows, "max_rows"), total_heads,
+                                 check_positive_int(head_dim, "head_dim"), elem], **kwargs)
 
     @property
     def local_heads(self) -> int:
         return self.total_heads // self.world_size
-
-    def resize(self, max_rows: int) -> None:
-        """Re-create the workspace for a new row bound (collective; refused
-        once the workspace was captured in a CUDA graph)."""
-        self._resize("max_rows", max_rows)
-        self.max_rows = max_rows
 
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
                 return_lse: bool = False):
@@ -233,7 +290,7 @@ class OutputLSEWorkspace(PeerWorkspace):
         if self._rows_fit(partial_out.shape[0]):
             out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base)
         else:
-            out, lse = reference.lse_all_gather_reduce_scatter(
+            out, lse = collective.lse_all_gather_reduce_scatter(
                 partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
         return (out, lse) if return_lse else out
 
@@ -243,7 +300,7 @@ class OutputLSEWorkspace(PeerWorkspace):
         if self._rows_fit(partial_out.shape[0]):
             ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base)
         else:
-            o, lse = reference.lse_all_gather_reduce_scatter(
+            o, lse = collective.lse_all_gather_reduce_scatter(
                 partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
             out.copy_(o)
             out_lse.copy_(lse)
@@ -259,28 +316,24 @@ class TopKWorkspace(PeerWorkspace):
     granularity-rounded.
     """
 
-    kind = KIND_TOPK
+    kind = WorkspaceKind.TOPK
+    PARAMS = ("max_rows", "candidates_per_rank", "k")
+    PARTS = ("keys", "keys_per_row")  # an owner's sorted keys [row][min(C, k)]; min(C, k)
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, k: int,
                  candidates_per_rank: Optional[int] = None, **kwargs):
-        self.k = _positive("k", k)
-        self.candidates_per_rank = _positive("candidates_per_rank",
-                                             k if candidates_per_rank is None else candidates_per_rank)
-        self.max_rows = max_rows
-        super().__init__(group, [_positive("max_rows", max_rows), self.candidates_per_rank, self.k], **kwargs)
-
-    def resize(self, max_rows: int) -> None:
-        """Re-create the workspace for a new row bound (collective; refused
-        once the workspace was captured in a CUDA graph)."""
-        self._resize("max_rows", max_rows)
-        self.max_rows = max_rows
+        self.k = check_positive_int(k, "k")
+        self.candidates_per_rank = check_positive_int(k if candidates_per_rank is None else candidates_per_rank,
+                                                      "candidates_per_rank")
+        super().__init__(group, [check_positive_int(max_rows, "max_rows"), self.candidates_per_rank, self.k],
+                         **kwargs)
 
     def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
         """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
         top-k ids [T, k] int32 in selection order, identical on every rank."""
         if self._rows_fit(scores.shape[0]):
             return ops.topk_merge(scores, ids, self.handle, self.k)
-        return reference.topk_all_gather_merge(scores, ids, self.k, group=self.group)
+        return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
 
 
 class QueryWorkspace(PeerWorkspace):
@@ -298,22 +351,22 @@ class QueryWorkspace(PeerWorkspace):
     (nope + rope) x element size, granularity-rounded.
     """
 
-    kind = KIND_QUERY
+    kind = WorkspaceKind.QUERY
+    PARAMS = ("max_rows", "local_heads", "head_dim", "elem_bytes")
+    PARTS = ("inbox",)  # [row][src*H_loc + h][nope + rope]
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, local_heads: int, nope_dim: int = 512,
                  rope_dim: int = 64, dtype: torch.dtype = torch.float8_e4m3fn, rope_style: str = "interleaved",
                  **kwargs):
-        if dtype not in ops.QUERY_DTYPES:
-            raise ValueError(f"torch_sdcp: argument 'dtype': expected one of {ops.QUERY_DTYPES}, got {dtype}")
+        check(dtype in ops.QUERY_DTYPES, "dtype", f"one of {ops.QUERY_DTYPES}", dtype)
         ops.rope_is_neox(rope_style)
-        if _positive("rope_dim", rope_dim) % 2:
-            raise ValueError(f"torch_sdcp: argument 'rope_dim': expected an even value, got {rope_dim}")
+        check(check_positive_int(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
         self.dtype, self.rope_style = dtype, rope_style
-        self.max_rows, self.local_heads = max_rows, local_heads
-        self.nope_dim, self.rope_dim = _positive("nope_dim", nope_dim), rope_dim
+        self.local_heads = local_heads
+        self.nope_dim, self.rope_dim = check_positive_int(nope_dim, "nope_dim"), rope_dim
         elem = torch.empty((), dtype=dtype).element_size()
-        super().__init__(group, [_positive("max_rows", max_rows), _positive("local_heads", local_heads),
-                                 nope_dim + rope_dim, elem], **kwargs)
+        super().__init__(group, [check_positive_int(max_rows, "max_rows"),
+                                 check_positive_int(local_heads, "local_heads"), nope_dim + rope_dim, elem], **kwargs)
         self._open_view: Optional[Tensor] = None
         self._inbox_view: Optional[Tensor] = None
 
@@ -326,17 +379,13 @@ class QueryWorkspace(PeerWorkspace):
         width = self.nope_dim + self.rope_dim
         elem = torch.empty((), dtype=self.dtype).element_size()
         raw = self.arena.local_view(torch.uint8, (self.max_rows, self.world_size * self.local_heads, width * elem),
-                                    self.data_offset + self.part_offsets[0])
+                                    self.layout.data_offset + self.part("inbox"))
         return raw.view(self.dtype)
 
-    def resize(self, max_rows: int) -> None:
-        """Re-create the workspace for a new row bound (collective; refused
-        once the workspace was captured in a CUDA graph or a view is open)."""
+    def _check_resizable(self) -> None:
         if self._open_view is not None:
             raise RuntimeError("torch_sdcp: QueryWorkspace.resize: a view from gather_view() is still open; "
                                "release() it first")
-        self._resize("max_rows", max_rows)
-        self.max_rows = max_rows
 
     def close(self) -> None:
         """As PeerWorkspace.close; an open view becomes invalid."""
@@ -358,8 +407,8 @@ class QueryWorkspace(PeerWorkspace):
         if self._rows_fit(ql_nope.shape[0]):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype)
-        return reference.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
-                                          neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
+        return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
+                                           neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
 
     def gather_view(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                     q_scale: Optional[Tensor] = None) -> Tensor:

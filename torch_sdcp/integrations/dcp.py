@@ -24,7 +24,7 @@ is inside capture or tracing. ``teardown()`` closes every cached workspace
 
 Rows are dimension 0 of every input (decode tokens). A call with more rows than
 the workspace's ``max_rows`` runs the collective path of
-:mod:`torch_sdcp.reference` and logs it once per workspace and row count
+:mod:`torch_sdcp.collective` and logs it once per workspace and row count
 (logger ``torch_sdcp``), the policy of :mod:`torch_sdcp.workspace`.
 
 ``group`` is a ``torch.distributed`` process group, ``None`` (the default
@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp import ops, reference
+from torch_sdcp import collective, ops
+from torch_sdcp._checks import arg_error, check_bool, check_dim, check_dtype, check_int, check_tensor
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -90,46 +91,8 @@ _lock = threading.Lock()
 
 
 # ---------------------------------------------------------------------------
-# Argument checks (project style: name the argument, the expected and the
-# actual value).
+# Arguments.
 # ---------------------------------------------------------------------------
-
-
-def _error(arg: str, expected: str, actual: object) -> ValueError:
-    return ValueError(f"torch_sdcp: argument '{arg}': expected {expected}, got {actual}")
-
-
-def _check_tensor(t: object, arg: str, ndim: Union[int, Tuple[int, ...], None] = None) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise _error(arg, "a Tensor", type(t).__name__)
-    if ndim is not None:
-        dims = (ndim,) if isinstance(ndim, int) else ndim
-        if t.dim() not in dims:
-            want = " or ".join(f"{d}-D" for d in dims)
-            raise _error(arg, f"a {want} tensor", f"shape {list(t.shape)}")
-    return t
-
-
-def _check_int(value: object, arg: str, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _error(arg, "an int", type(value).__name__)
-    if value < minimum:
-        raise _error(arg, f"an int >= {minimum}", value)
-    return value
-
-
-def _check_bool(value: object, arg: str) -> bool:
-    if not isinstance(value, bool):
-        raise _error(arg, "a bool", repr(value))
-    return value
-
-
-def _check_dtype(value: object, arg: str, allowed: Optional[Sequence[torch.dtype]] = None) -> torch.dtype:
-    if not isinstance(value, torch.dtype):
-        raise _error(arg, "a torch.dtype", repr(value))
-    if allowed is not None and value not in allowed:
-        raise _error(arg, " or ".join(str(d) for d in allowed), value)
-    return value
 
 
 def _process_group(group: GroupLike, arg: str) -> dist.ProcessGroup:
@@ -143,8 +106,8 @@ def _process_group(group: GroupLike, arg: str) -> dist.ProcessGroup:
     device_group = getattr(group, "device_group", None)
     if isinstance(device_group, dist.ProcessGroup):
         return device_group
-    raise _error(arg, "a torch.distributed ProcessGroup, None, or an object with a 'device_group' "
-                 "ProcessGroup (a vLLM GroupCoordinator)", type(group).__name__)
+    raise arg_error(arg, "a torch.distributed ProcessGroup, None, or an object with a 'device_group' "
+                    "ProcessGroup (a vLLM GroupCoordinator)", type(group).__name__)
 
 
 def _normalise_device(device: Union[torch.device, str, None]) -> torch.device:
@@ -155,11 +118,11 @@ def _normalise_device(device: Union[torch.device, str, None]) -> torch.device:
     try:
         device = torch.device(device)
     except (TypeError, RuntimeError) as e:
-        raise _error("device", "a torch.device, a device string or None", repr(device)) from e
+        raise arg_error("device", "a torch.device, a device string or None", repr(device)) from e
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
-        raise _error("device", "a cpu or cuda device", device)
+        raise arg_error("device", "a cpu or cuda device", device)
     return device
 
 
@@ -217,8 +180,8 @@ def _prepare(key: tuple, group: dist.ProcessGroup, max_rows: int, factory, calle
     entry = _lookup(key)
     if entry is not None:
         if entry.bound != max_rows:
-            raise _error("max_rows", f"{entry.bound} (the bound of the prepared "
-                         f"{_describe(key, dist.get_world_size(group))})", max_rows)
+            raise arg_error("max_rows", f"{entry.bound} (the bound of the prepared "
+                            f"{_describe(key, dist.get_world_size(group))})", max_rows)
         return entry.workspace
     return _create(key, group, max_rows, factory, caller).workspace
 
@@ -301,11 +264,11 @@ def prepare_all_gather(group: GroupLike, *, max_rows: int, row_shape: Sequence[i
     without CUDA (the host backend). ``options``: ``timeout_s``,
     ``allow_shared_device``, ``fallback`` (see ``PeerWorkspace``)."""
     pg = _process_group(group, "group")
-    _check_int(max_rows, "max_rows")
+    check_int(max_rows, "max_rows", 1)
     if not isinstance(row_shape, (tuple, list, torch.Size)):
-        raise _error("row_shape", "a sequence of ints", type(row_shape).__name__)
-    row_shape = tuple(_check_int(s, "row_shape") for s in row_shape)
-    _check_dtype(dtype, "dtype")
+        raise arg_error("row_shape", "a sequence of ints", type(row_shape).__name__)
+    row_shape = tuple(check_int(s, "row_shape", 1) for s in row_shape)
+    check_dtype(dtype, "dtype")
     _check_options(options)
     device = _normalise_device(device)
     key = _all_gather_key(pg, row_shape, dtype, device)
@@ -323,16 +286,16 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
     (a non-contiguous input is copied first). Rows ``T = input_.shape[0]``
     above the prepared ``max_rows`` take the collective path (logged).
     """
-    x = _check_tensor(input_, "input_")
+    x = check_tensor(input_, "input_")
     if x.dim() == 0:
-        raise _error("input_", "a tensor with at least one dimension", "a 0-D tensor")
+        raise arg_error("input_", "a tensor with at least one dimension", "a 0-D tensor")
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
-        raise _error("dim", f"an int in [{-x.dim()}, {x.dim()})", repr(dim))
+        raise arg_error("dim", f"an int in [{-x.dim()}, {x.dim()})", repr(dim))
     pg = _process_group(group, "group")
     d = dim % x.dim()
     row_shape = tuple(x.shape[1:])
     if math.prod(row_shape) == 0:
-        raise _error("input_", "non-empty rows", f"shape {list(x.shape)}")
+        raise arg_error("input_", "non-empty rows", f"shape {list(x.shape)}")
     device = x.device
     key = _all_gather_key(pg, row_shape, x.dtype, device)
     entry = _resolve(key, pg, "all_gather",
@@ -351,7 +314,7 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
             logger.warning("torch_sdcp all_gather adapter, rank %d: %d rows exceed max_rows=%d; this call takes "
                            "the collective path", dist.get_rank(pg), rows, entry.max_rows)
         # Raw bytes: gloo has no float8 (and not every build has bf16).
-        stacked = reference._all_gather_stack(x.view(torch.uint8), pg).view(x.dtype)
+        stacked = collective._all_gather_stack(x.view(torch.uint8), pg).view(x.dtype)
     n = stacked.shape[0]
     shape = list(x.shape)
     shape[d] *= n
@@ -388,11 +351,11 @@ def prepare_query_gather(group: GroupLike, *, max_rows: int, local_heads: int, n
     return the one already prepared. ``device`` and ``options`` as in
     ``prepare_all_gather``."""
     pg = _process_group(group, "group")
-    _check_int(max_rows, "max_rows")
-    _check_int(local_heads, "local_heads")
-    _check_int(nope_dim, "nope_dim")
-    _check_int(rope_dim, "rope_dim")
-    _check_dtype(out_dtype, "out_dtype", ops.QUERY_DTYPES)
+    check_int(max_rows, "max_rows", 1)
+    check_int(local_heads, "local_heads", 1)
+    check_int(nope_dim, "nope_dim", 1)
+    check_int(rope_dim, "rope_dim", 1)
+    check_dtype(out_dtype, "out_dtype", *ops.QUERY_DTYPES)
     ops.rope_is_neox(rope_style)
     _check_options(options)
     device = _normalise_device(device)
@@ -415,9 +378,9 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
     ``QueryWorkspace.gather``; rows above the prepared ``max_rows`` take the
     collective path (logged).
     """
-    _check_tensor(ql_nope, "ql_nope", 3)
-    _check_tensor(q_pe, "q_pe", 3)
-    _check_dtype(out_dtype, "out_dtype", ops.QUERY_DTYPES)
+    check_dim(ql_nope, "ql_nope", 3)
+    check_dim(q_pe, "q_pe", 3)
+    check_dtype(out_dtype, "out_dtype", *ops.QUERY_DTYPES)
     ops.rope_is_neox(rope_style)
     pg = _process_group(group, "group")
     local_heads, nope_dim, rope_dim = ql_nope.shape[1], ql_nope.shape[2], q_pe.shape[2]
@@ -460,13 +423,13 @@ def prepare_output_lse(group: GroupLike, *, max_rows: int, total_heads: int, hea
     ``T <= max_rows``, or return the one already prepared. ``device`` and
     ``options`` as in ``prepare_all_gather``."""
     pg = _process_group(group, "group")
-    _check_int(max_rows, "max_rows")
-    _check_int(total_heads, "total_heads")
-    _check_int(head_dim, "head_dim")
-    _check_dtype(dtype, "dtype", _OUTPUT_DTYPES)
+    check_int(max_rows, "max_rows", 1)
+    check_int(total_heads, "total_heads", 1)
+    check_int(head_dim, "head_dim", 1)
+    check_dtype(dtype, "dtype", *_OUTPUT_DTYPES)
     world = dist.get_world_size(pg)
     if total_heads % world:
-        raise _error("total_heads", f"a multiple of the world size {world}", total_heads)
+        raise arg_error("total_heads", f"a multiple of the world size {world}", total_heads)
     _check_options(options)
     device = _normalise_device(device)
     key = _output_lse_key(pg, total_heads, head_dim, dtype, device)
@@ -489,20 +452,20 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: GroupLi
     Non-contiguous inputs are copied first. Rows above the prepared
     ``max_rows`` take the collective path (logged).
     """
-    _check_tensor(cp_attn_out, "cp_attn_out", 3)
-    _check_tensor(cp_attn_lse, "cp_attn_lse", 2)
+    check_dim(cp_attn_out, "cp_attn_out", 3)
+    check_dim(cp_attn_lse, "cp_attn_lse", 2)
     if tuple(cp_attn_lse.shape) != tuple(cp_attn_out.shape[:2]):
-        raise _error("cp_attn_lse", f"shape {list(cp_attn_out.shape[:2])} (the first two dimensions of "
-                     "'cp_attn_out')", f"shape {list(cp_attn_lse.shape)}")
-    _check_dtype(cp_attn_out.dtype, "cp_attn_out", _OUTPUT_DTYPES)
-    _check_bool(return_lse, "return_lse")
-    _check_bool(is_lse_base_on_e, "is_lse_base_on_e")
+        raise arg_error("cp_attn_lse", f"shape {list(cp_attn_out.shape[:2])} (the first two dimensions of "
+                        "'cp_attn_out')", f"shape {list(cp_attn_lse.shape)}")
+    check_dtype(cp_attn_out.dtype, "cp_attn_out", *_OUTPUT_DTYPES)
+    check_bool(return_lse, "return_lse")
+    check_bool(is_lse_base_on_e, "is_lse_base_on_e")
     pg = _process_group(cp_group, "cp_group")
     _, total_heads, head_dim = cp_attn_out.shape
     world = dist.get_world_size(pg)
     if total_heads % world:
-        raise _error("cp_attn_out", f"heads (dimension 1) divisible by the world size {world}",
-                     f"shape {list(cp_attn_out.shape)}")
+        raise arg_error("cp_attn_out", f"heads (dimension 1) divisible by the world size {world}",
+                        f"shape {list(cp_attn_out.shape)}")
     dtype, device = cp_attn_out.dtype, cp_attn_out.device
     key = _output_lse_key(pg, total_heads, head_dim, dtype, device)
     entry = _resolve(key, pg, "cp_lse_ag_out_rs",
@@ -539,9 +502,9 @@ def prepare_topk(group: GroupLike, *, max_rows: int, k: int, candidates_per_rank
     ``T <= max_rows``, selecting ``k``; or return the one already prepared.
     ``device`` and ``options`` as in ``prepare_all_gather``."""
     pg = _process_group(group, "group")
-    _check_int(max_rows, "max_rows")
-    _check_int(k, "k")
-    candidates = k if candidates_per_rank is None else _check_int(candidates_per_rank, "candidates_per_rank")
+    check_int(max_rows, "max_rows", 1)
+    check_int(k, "k", 1)
+    candidates = k if candidates_per_rank is None else check_int(candidates_per_rank, "candidates_per_rank", 1)
     _check_options(options)
     device = _normalise_device(device)
     key = _topk_key(pg, k, candidates, device)
@@ -556,13 +519,13 @@ def topk_merge(scores: Tensor, ids: Tensor, group: GroupLike, k: int) -> Tensor:
     candidate pairs followed by a top-k. Workspace: ``TopKWorkspace.merge``;
     rows above the prepared ``max_rows`` take the collective path (logged).
     """
-    _check_tensor(scores, "scores", 2)
-    _check_tensor(ids, "ids", 2)
-    _check_int(k, "k")
+    check_dim(scores, "scores", 2)
+    check_dim(ids, "ids", 2)
+    check_int(k, "k", 1)
     pg = _process_group(group, "group")
     candidates = scores.shape[1]
     if candidates < 1:
-        raise _error("scores", "at least one candidate per row", f"shape {list(scores.shape)}")
+        raise arg_error("scores", "at least one candidate per row", f"shape {list(scores.shape)}")
     device = scores.device
     key = _topk_key(pg, k, candidates, device)
     entry = _resolve(key, pg, "topk_merge",
@@ -598,15 +561,15 @@ def prepare_mla_dcp(group: GroupLike, *, max_rows: int, num_heads: int, kv_lora_
     ``max_rows``). ``num_heads`` is the total over the group (the TP heads the
     group covers). Read the geometry from the model config."""
     pg = _process_group(group, "group")
-    _check_int(max_rows, "max_rows")
-    _check_int(num_heads, "num_heads")
+    check_int(max_rows, "max_rows", 1)
+    check_int(num_heads, "num_heads", 1)
     if index_topk is not None:
-        _check_int(index_topk, "index_topk")
+        check_int(index_topk, "index_topk", 1)
     if topk_max_rows is not None:
-        _check_int(topk_max_rows, "topk_max_rows")
+        check_int(topk_max_rows, "topk_max_rows", 1)
     world = dist.get_world_size(pg)
     if num_heads % world:
-        raise _error("num_heads", f"a multiple of the world size {world}", num_heads)
+        raise arg_error("num_heads", f"a multiple of the world size {world}", num_heads)
     query = prepare_query_gather(pg, max_rows=max_rows, local_heads=num_heads // world, nope_dim=kv_lora_rank,
                                  rope_dim=qk_rope_head_dim, out_dtype=query_dtype, rope_style=rope_style,
                                  device=device, **options)

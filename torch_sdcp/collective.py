@@ -1,0 +1,147 @@
+"""The collective paths engines run today, through torch.distributed (gloo on
+CPU, NCCL on GPU): the fallback of every workspace (more rows than its bound,
+or a group without peer memory) and the benchmark baseline.
+
+- Query: ``query_all_gather`` (the local producer kernel, then all_gather on heads).
+- Top-K: ``topk_all_gather_merge`` (all_gather of the candidate pairs, then a top-k).
+- Output/LSE: ``lse_all_gather_reduce_scatter`` (vLLM's ``cp_lse_ag_out_rs``).
+
+Every rank of ``group`` calls them in the same order. Their inputs are checked
+as the references in :mod:`torch_sdcp.reference` check theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp import reference
+from torch_sdcp._checks import check
+
+__all__ = [
+    "query_all_gather",
+    "topk_all_gather_merge",
+    "lse_all_gather_reduce_scatter",
+]
+
+# torch >= 2.12 names the tensor collectives *_single and deprecates the old
+# names; older releases (the GPU machine runs 2.11) only have the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _unsupported_on_gloo(error: Exception, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``error`` is gloo refusing a collective it does not implement."""
+    return "gloo" in str(dist.get_backend(group)) and "support" in str(error).lower()
+
+
+def _all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: bool = False) -> Tensor:
+    """``[N, *x.shape]`` rank-major stack of every rank's ``x``."""
+    n = dist.get_world_size(group)
+    x = x.contiguous()  # x.dim() >= 1 for every caller
+    out = x.new_empty((n,) + tuple(x.shape))
+    if not use_list:
+        try:
+            # The concatenation form [N*x0, ...]: gloo rejects the stacked
+            # form [N, x0, ...] (NCCL takes both).
+            _all_gather_tensor(out.view((n * x.size(0),) + tuple(x.shape[1:])), x, group=group)
+            return out
+        except (RuntimeError, NotImplementedError) as e:
+            # Older gloo builds lack the single-tensor form. That failure is
+            # raised before any communication, identically on every rank;
+            # anything else (a timeout, a peer gone) is not retried.
+            if not _unsupported_on_gloo(e, group):
+                raise
+    dist.all_gather(list(out.unbind(0)), x, group=group)
+    return out
+
+
+def _reduce_scatter_dim0(x: Tensor, group: Optional[dist.ProcessGroup], use_all_reduce: bool = False) -> Tensor:
+    """Sum of every rank's ``x`` (in ``x.dtype``), keeping this rank's
+    ``1/N`` slice of dim 0."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    part = x.size(0) // n
+    if not use_all_reduce:
+        out = x.new_empty((part,) + tuple(x.shape[1:]))
+        try:
+            _reduce_scatter_tensor(out, x, group=group)
+            return out
+        except (RuntimeError, NotImplementedError) as e:
+            if not _unsupported_on_gloo(e, group):  # see _all_gather_stack
+                raise
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x[rank * part:(rank + 1) * part]
+
+
+def query_all_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                     q_scale: Optional[Tensor] = None, neox: bool = False,
+                     out_dtype: torch.dtype = torch.bfloat16,
+                     group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Collective query path: the local producer kernel, then all_gather on heads.
+    Returns ``[T, N*H_loc, Dn + R]`` in ``out_dtype``."""
+    reference._check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype, allow_fp32=False)
+    local = torch.ops.sdcp.query_rope_quant(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype)
+    rows, hl, width = local.shape
+    # Gather raw bytes: gloo has no float8 (and not every build has bf16).
+    stacked = _all_gather_stack(local.view(torch.uint8), group)  # [N, T, H_loc, W*eb]
+    n = stacked.size(0)
+    gathered = stacked.permute(1, 0, 2, 3).reshape(rows, n * hl, -1)
+    return gathered.view(out_dtype)
+
+
+def topk_all_gather_merge(scores: Tensor, ids: Tensor, k: int,
+                          group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Collective top-K path: all_gather of the ``(score, id)`` pairs, then
+    ``torch.ops.sdcp.topk_select`` over the ``N*C`` gathered candidates.
+    Returns ``[T, k]`` int32 global ids."""
+    reference._check_topk_inputs(scores, ids, k)
+    rows, c = scores.shape
+    # One packed tensor, one collective: [T, C, 2] int32 of (score bits, id).
+    packed = torch.stack([scores.contiguous().view(torch.int32), ids], dim=-1)
+    stacked = _all_gather_stack(packed, group)  # [N, T, C, 2]
+    n = stacked.size(0)
+    merged = stacked.permute(1, 0, 2, 3).reshape(rows, n * c, 2)
+    all_scores = merged[..., 0].contiguous().view(torch.float32)
+    all_ids = merged[..., 1].contiguous()
+    return torch.ops.sdcp.topk_select(all_scores, all_ids, k)
+
+
+def lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool = False,
+                                  return_lse: bool = False, group: Optional[dist.ProcessGroup] = None,
+                                  ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Collective Output/LSE path (vLLM's ``cp_lse_ag_out_rs``): all_gather the
+    LSE, rescale this rank's partial output by its weight, reduce_scatter on heads.
+
+    Returns ``[T, H/N, D]`` in ``partial_out.dtype`` for this rank's heads, and
+    with ``return_lse`` also their global LSE ``[T, H/N]`` fp32. The sum runs
+    in the communication dtype, so it is close to, never bitwise equal to,
+    ``lse_combine_ref``.
+    """
+    return _lse_all_gather_reduce_scatter(partial_out, partial_lse, base2, return_lse, group)
+
+
+def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool, return_lse: bool,
+                                   group: Optional[dist.ProcessGroup], use_all_reduce: bool = False,
+                                   ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
+    reference._check_partials(partial_out, partial_lse, 2, torch.float32)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    heads = partial_out.size(1)
+    check(heads % n == 0, "partial_out", f"heads divisible by the world size {n}", heads)
+    lses = _all_gather_stack(partial_lse, group)  # [N, T, H] fp32
+    w, big_l = reference._lse_weights(lses, base2)
+    wr = w[rank].unsqueeze(-1)
+    # where, not a product: a zero-weight payload (possibly NaN) must add 0.
+    scaled = torch.where(wr != 0, partial_out.float() * wr, 0.0).to(partial_out.dtype)
+    # reduce_scatter splits dim 0: make heads leading, then transpose back.
+    shard = _reduce_scatter_dim0(scaled.transpose(0, 1), group, use_all_reduce)  # [H/N, T, D]
+    out = shard.transpose(0, 1).contiguous()
+    if not return_lse:
+        return out
+    hl = heads // n
+    return out, big_l[:, rank * hl:(rank + 1) * hl].contiguous()
