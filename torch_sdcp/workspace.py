@@ -85,6 +85,8 @@ class PeerWorkspace:
     PARAMS: Tuple[str, ...] = ()
     #: What ``layout.part_offsets`` hold, in order.
     PARTS: Tuple[str, ...] = ()
+    #: Data-as-flag buffers that start filled with the sentinel word.
+    SENTINEL_FILLED = False
 
     def __init__(self, group: Optional[dist.ProcessGroup], params: list[int], *, backend: str = "auto",
                  device: Optional[torch.device] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -122,6 +124,18 @@ class PeerWorkspace:
                                           self.arena.stride, self.rank, self.world_size, self.device,
                                           int(self.timeout_s * 1e9))
         _registry.add(self.handle, self)
+        if self.SENTINEL_FILLED:
+            self._fill_sentinel()
+
+    def _fill_sentinel(self) -> None:
+        """Data-as-flag buffers start as the sentinel (every byte 0xFF): each
+        rank fills its own, then the group barriers before any peer may store
+        into them (docs/PROTOCOL.md)."""
+        size = self.layout.slots * self.layout.slot_bytes
+        self.arena.local_view(torch.uint8, (size,), self.layout.data_offset).fill_(0xFF)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.arena.barrier()
 
     def _param_index(self, name: str) -> int:
         if name not in self.PARAMS:
@@ -239,7 +253,8 @@ class ExchangeWorkspace(PeerWorkspace):
 
     kind = WorkspaceKind.EXCHANGE
     PARAMS = ("max_bytes",)
-    PARTS = ("inbox", "source_stride")  # inbox [src][bytes]; bytes between two sources' parts
+    # inbox [peer][word] of tagged 64-bit words (4 payload bytes each); bytes between two peers' entries
+    PARTS = ("inbox", "source_stride")
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_bytes: int, **kwargs):
         super().__init__(group, [check_positive_int(max_bytes, "max_bytes")], **kwargs)
@@ -258,13 +273,19 @@ class OutputLSEWorkspace(PeerWorkspace):
     and LSE straight into that owner's inbox; the owner waits for every
     producer, corrects with the LSEs in fp32 and rounds once.
 
-    Physical memory per rank: control + 2 slots x N x max_rows x H/N x
-    (head_dim x element size + 4) bytes, granularity-rounded.
+    Data-as-flag (docs/PROTOCOL.md): each producer stores every peer's head
+    shard straight into that peer's buffer; this rank's own shard is read in
+    place from ``partial_out``.
+
+    Physical memory per rank: 4 KiB control + 2 buffers x (N - 1) x max_rows x
+    H/N x (head_dim x element size + 4) bytes + 64 KiB tail, granularity-rounded.
     """
 
     kind = WorkspaceKind.OUTPUT_LSE
     PARAMS = ("max_rows", "total_heads", "head_dim", "elem_bytes")
-    PARTS = ("out_inbox", "lse_inbox")  # out [src][row][h_loc][d]; lse [src][row][h_loc] fp32
+    # One entry per peer: out [peer][row][h_loc][d]; lse [peer][row][h_loc] fp32
+    PARTS = ("out_inbox", "lse_inbox")
+    SENTINEL_FILLED = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, total_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, **kwargs):

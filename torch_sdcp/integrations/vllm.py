@@ -596,7 +596,7 @@ def _local_candidates(logits: Tensor, topk_indices: Tensor, dcp_rank: int, dcp_w
 
 def _collective_merge(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
                       row_starts=None) -> None:
-    from torch_sdcp import reference
+    from torch_sdcp import collective, reference
 
     if _state.dcp_group is None:
         raise RuntimeError("torch_sdcp: merge_dcp_topk_global has no DCP group: install() the plugin in vLLM, or "
@@ -604,7 +604,7 @@ def _collective_merge(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_siz
     group = _state.dcp_group()
     scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
     pg = getattr(group, "device_group", group)
-    topk_indices.copy_(reference.topk_all_gather_merge(scores, ids, topk_tokens, group=pg))
+    topk_indices.copy_(collective.topk_all_gather_merge(scores, ids, topk_tokens, group=pg))
 
 
 def merge_dcp_topk_global(logits: Tensor, topk_indices: Tensor, topk_tokens: int, dcp_rank: int,
