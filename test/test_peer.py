@@ -480,8 +480,9 @@ import socket, struct, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.settimeout(10)
 s.connect(sys.argv[1])
-s.sendall(struct.pack("<4sI", b"SDCP", 1))  # claims to be rank 1
 try:
+    # claims to be rank 1; the server may refuse (close) before the hello is sent
+    s.sendall(struct.pack("<4sI", b"SDCP", 1))
     msg, fds, flags, _ = socket.recv_fds(s, 64, 4)
 except OSError as e:
     msg, fds = b"", []
