@@ -103,7 +103,7 @@ __device__ __forceinline__ uint4 canonical_payload(uint4 v) {
 
 // Reports a wait that ran out of time and traps (the stream fails with an
 // error the host sees).
-__device__ __noinline__ void lamport_timeout(const LamportWorkspace& ws, int src, uint64_t call) {
+static __device__ __noinline__ void lamport_timeout(const LamportWorkspace& ws, int src, uint64_t call) {
   printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d's data (workspace %lld, buffer %d, "
          "call %llu); the peer stopped participating or calls differ between ranks\n",
          ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, src, (long long)ws.handle, (int)(call % kLamportBuffers),

@@ -130,3 +130,37 @@ def _graph_worker(rank, world, replays):
 @requires_gpus(GPU_WORLD)
 def test_cuda_graph_replay_advances_epochs():
     assert run_workers(_graph_worker, GPU_WORLD, args=(1000,), timeout=300) == [1000] * GPU_WORLD
+
+
+def _tagged_bytes_worker(rank, world, backend):
+    """Arbitrary bytes arrive bit-exact: all-ones words, odd byte counts and
+    unaligned views (the exchange reserves no value)."""
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    g = torch.Generator().manual_seed(7)
+    with torch_sdcp.ExchangeWorkspace(None, 1024, backend=backend, device=device, timeout_s=30) as ws:
+        for i, nbytes in enumerate((1, 3, 4, 13, 64, 1000, 1024)):
+            data = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(world)]
+            for r in range(world):
+                data[r][: (nbytes // 2)] = 0xFF  # all-ones words, the sentinel of other paths
+            got = ws.all_gather(data[rank].to(device))
+            assert torch.equal(got.cpu(), torch.stack(data)), f"rank {rank}: {nbytes} bytes differ"
+            full = torch.full((nbytes // 4 + 1,), -1, dtype=torch.int32, device=device)
+            assert torch.equal(ws.all_gather(full).cpu(), torch.full((world, nbytes // 4 + 1), -1, dtype=torch.int32))
+            odd = torch.arange(2 * nbytes + 1, dtype=torch.uint8, device=device)[1:].view(-1)[:nbytes]  # unaligned
+            want = torch.stack([odd.cpu()] * world)
+            assert torch.equal(ws.all_gather(odd.contiguous()).cpu(), want)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_tagged_words_are_bit_exact(world):
+    assert run_workers(_tagged_bytes_worker, world, args=("host",), timeout=120) == [True] * world
+
+
+@requires_gpus(GPU_WORLD)
+def test_cuda_tagged_words_are_bit_exact():
+    assert run_workers(_tagged_bytes_worker, GPU_WORLD, args=("cuda",), timeout=120) == [True] * GPU_WORLD

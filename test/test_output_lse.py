@@ -129,6 +129,42 @@ def _peer_combine_worker(rank, world, backend, cases, max_rows):
     return done
 
 
+def _sentinel_worker(rank, world, backend):
+    """The data-as-flag sentinel (all-ones words) as real input: payload words
+    of a weighted shard become NaN exactly where the reference has NaN; under
+    zero weight they contribute exactly 0; an all-ones LSE (a NaN) is an
+    empty shard; the results stay identical call after call."""
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    t, h, d = 9, 4 * world, 128
+    with torch_sdcp.OutputLSEWorkspace(None, 16, h, d, backend=backend, device=device) as ws:
+        for call in range(6):
+            out, lse = make_partials(world, t, h, d, seed=call)
+            words = out.view(torch.int32)  # bf16 pairs
+            words[world - 1, 1, :, : d // 4] = -1          # weighted: NaN where the reference has NaN
+            lse[0, 2, :] = -float("inf")
+            words[0, 2, :, :] = -1                         # zero weight: no leak
+            lse.view(torch.int32)[min(1, world - 1), 3, :] = -1  # an all-ones LSE is a NaN: empty shard
+            words[min(1, world - 1), 3, :, :] = -1
+            got, got_lse = ws.combine(out[rank].to(device), lse[rank].to(device), return_lse=True)
+            ref_out, ref_lse = reference.lse_combine_ref64(out, lse)
+            ref_out, ref_lse = reference.output_lse_shard(ref_out, ref_lse, rank, world)
+            got = got.cpu().double()
+            assert torch.equal(torch.isnan(got), torch.isnan(ref_out)), f"call {call}: NaN pattern differs"
+            assert torch.isnan(got[1]).any()  # row 1 carries weighted all-ones words
+            torch.testing.assert_close(got_lse.cpu().double(), ref_lse, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, ref_out, rtol=2e-2, atol=2e-2, equal_nan=True)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_peer_combine_host_sentinel_inputs(world):
+    assert run_workers(_sentinel_worker, world, args=("host",), timeout=120) == [True] * world
+
+
 HOST_CASES = [(1, 32, 128, False, True), (17, 32, 256, True, True), (8, 64, 512, False, False),
               (32, 64, 128, True, False), (96, 32, 128, False, True), (128, 64, 128, True, True)]
 
@@ -172,6 +208,11 @@ from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 GPU_CASES = [(t, h, d, b, n) for t in (1, 8, 17, 32, 64, 96, 128) for h in (32, 64, 128) for d in (128, 256, 512)
              for b, n in ((t % 2 == 0, t % 3 == 0),)]
+
+
+@requires_gpus(GPU_WORLD)
+def test_peer_combine_cuda_sentinel_inputs():
+    assert run_workers(_sentinel_worker, GPU_WORLD, args=("cuda",), timeout=120) == [True] * GPU_WORLD
 
 
 @requires_gpus(GPU_WORLD)
