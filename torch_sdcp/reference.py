@@ -12,7 +12,9 @@ collective functions are both the fallback and the benchmark baseline.
 - Output/LSE: ``lse_combine_ref`` (fp32), ``lse_combine_ref64`` (fp64) and
   ``output_lse_shard``.
 - Collectives through torch.distributed: ``query_all_gather``,
-  ``topk_all_gather_merge``, ``lse_all_gather_reduce_scatter``.
+  ``topk_all_gather_merge``, ``lse_all_gather_reduce_scatter`` (the exact
+  reference in eager ops) and ``lse_all_gather_correct_reduce_scatter`` (the
+  fused path engines run: the fallback and the baseline).
 
 The reference functions must run eagerly: a compiler is free to fuse a product
 and a sum into one FMA, which would break the bit-exactness they promise.
@@ -41,6 +43,7 @@ __all__ = [
     "query_all_gather",
     "topk_all_gather_merge",
     "lse_all_gather_reduce_scatter",
+    "lse_all_gather_correct_reduce_scatter",
 ]
 
 IntOrTensor = Union[int, Tensor]
@@ -515,3 +518,65 @@ def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, bas
         return out
     hl = heads // n
     return out, big_l[:, rank * hl:(rank + 1) * hl].contiguous()
+
+
+def lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool = False,
+                                          return_lse: bool = False, group: Optional[dist.ProcessGroup] = None,
+                                          *, out: Optional[Tensor] = None, out_lse: Optional[Tensor] = None,
+                                          ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Collective Output/LSE path as engines run it: all_gather of the LSE
+    ``[T, H]`` into ``[N, T, H]``, ONE fused correction kernel
+    (``torch.ops.sdcp.lse_correct``: the global LSE and this rank's weighted
+    partial, written head-major ``[H, T, D]``), then reduce_scatter (sum) on
+    heads, dim 0, with no transpose copy.
+
+    Returns this rank's heads ``[T, H/N, D]`` as a view of the head-major
+    ``[H/N, T, D]`` reduce_scatter output (or ``out``, a caller-owned
+    ``[T, H/N, D]`` it is copied into), and with ``return_lse`` their global
+    LSE ``[T, H/N]`` fp32 (a column slice of ``[T, H]``, or ``out_lse``).
+    Same semantics and the same sanitising as ``lse_all_gather_reduce_scatter``;
+    the sum runs in the communication dtype (close to, not bitwise equal to,
+    ``lse_combine_ref``). On gloo without reduce_scatter it falls back to
+    all_reduce + slice.
+    """
+    return _lse_all_gather_correct_reduce_scatter(partial_out, partial_lse, base2, return_lse, group, out, out_lse)
+
+
+def _lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool, return_lse: bool,
+                                           group: Optional[dist.ProcessGroup], out: Optional[Tensor] = None,
+                                           out_lse: Optional[Tensor] = None, use_all_reduce: bool = False,
+                                           ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
+    _check_dim(partial_out, "partial_out", 3)
+    _check_dim(partial_lse, "partial_lse", 2)
+    _check(partial_out.is_floating_point() and partial_out.element_size() >= 2, "partial_out",
+           "a float32, float16 or bfloat16 tensor", f"dtype {partial_out.dtype}")
+    _check_dtype(partial_lse, "partial_lse", torch.float32)
+    _check_size(partial_lse, "partial_lse", 0, partial_out.size(0))
+    _check_size(partial_lse, "partial_lse", 1, partial_out.size(1))
+    _check_same_device(partial_lse, "partial_lse", partial_out, "partial_out")
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows, heads, dim = partial_out.shape
+    _check(heads % n == 0, "partial_out", f"heads divisible by the world size {n}", heads)
+    hl = heads // n
+    if out is not None:
+        _check_tensor(out, "out")
+        _check(tuple(out.shape) == (rows, hl, dim), "out", f"shape {[rows, hl, dim]}", f"shape {list(out.shape)}")
+        _check_dtype(out, "out", partial_out.dtype)
+    if out_lse is not None:
+        _check_tensor(out_lse, "out_lse")
+        _check(tuple(out_lse.shape) == (rows, hl), "out_lse", f"shape {[rows, hl]}", f"shape {list(out_lse.shape)}")
+        _check_dtype(out_lse, "out_lse", torch.float32)
+    lses = _all_gather_stack(partial_lse, group)  # [N, T, H] fp32
+    scaled, big_l = torch.ops.sdcp.lse_correct(partial_out.contiguous(), lses, rank, base2)  # [H, T, D], [T, H]
+    shard = _reduce_scatter_dim0(scaled, group, use_all_reduce).transpose(0, 1)  # [T, H/N, D] view
+    if out is not None:
+        out.copy_(shard)
+        shard = out
+    if not return_lse:
+        return shard
+    lse = big_l[:, rank * hl:(rank + 1) * hl]
+    if out_lse is not None:
+        out_lse.copy_(lse)
+        lse = out_lse
+    return shard, lse
