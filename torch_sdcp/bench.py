@@ -146,7 +146,7 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
     def competitor():
         if dev.type != "cuda":
             raise RuntimeError("needs CUDA symmetric memory")
-        from torch_sdcp._symm_mem_competitor import SymmMemOutputLSE
+        from torch_sdcp.competitors import SymmMemOutputLSE
         return SymmMemOutputLSE(None, max(rows_list), h, d, torch.bfloat16, dev)
 
     comp = None
