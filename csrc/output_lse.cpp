@@ -56,6 +56,21 @@ void check_stacked_partials(const at::Tensor& partial_out, const at::Tensor& par
   SDCP_CHECK_ARG(n >= 1 && n <= max_shards, "partial_out", "1.." << max_shards << " shards in dim 0", n);
 }
 
+void check_lse_correct_inputs(const at::Tensor& partial_out, const at::Tensor& gathered_lse, int64_t rank) {
+  check_dim(partial_out, "partial_out", 3);
+  check_dim(gathered_lse, "gathered_lse", 3);
+  check_float_dtype(partial_out, "partial_out");
+  check_dtype(gathered_lse, "gathered_lse", at::kFloat);
+  check_contiguous(partial_out, "partial_out");
+  check_contiguous(gathered_lse, "gathered_lse");
+  check_size(gathered_lse, "gathered_lse", 1, partial_out.size(0));
+  check_size(gathered_lse, "gathered_lse", 2, partial_out.size(1));
+  check_same_device(gathered_lse, "gathered_lse", partial_out, "partial_out");
+  const int64_t n = gathered_lse.size(0);
+  SDCP_CHECK_ARG(n >= 1, "gathered_lse", "at least one shard in dimension 0", n);
+  SDCP_CHECK_ARG(rank >= 0 && rank < n, "rank", "a rank in [0, " << n << ")", rank);
+}
+
 CombineCall prepare_combine_out(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
                                 const at::Tensor& out, const at::Tensor& out_lse) {
   check_partial_inputs(partial_out, partial_lse);

@@ -26,6 +26,9 @@ void check_partial_inputs(const at::Tensor& partial_out, const at::Tensor& parti
 // Stacked partials of lse_combine: partial_out [N, T, H, D], partial_lse [N, T, H].
 void check_stacked_partials(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t max_shards);
 
+// lse_correct: partial_out [T, H, D], gathered_lse [N, T, H] fp32, 0 <= rank < N.
+void check_lse_correct_inputs(const at::Tensor& partial_out, const at::Tensor& gathered_lse, int64_t rank);
+
 // One output_lse_combine_out call, checked against its workspace.
 struct CombineCall {
   std::shared_ptr<const Workspace> ws;
@@ -47,6 +50,17 @@ std::tuple<at::Tensor, at::Tensor> lse_combine_op(const at::Tensor& partial_out,
   auto out = at::empty({partial_out.size(1), partial_out.size(2), partial_out.size(3)}, partial_out.options());
   auto lse = at::empty({partial_out.size(1), partial_out.size(2)}, partial_lse.options());
   if (out.numel() > 0) StackedLaunch(partial_out, partial_lse, base2, out, lse);
+  return {out, lse};
+}
+
+// CorrectLaunch(partial_out, gathered_lse, rank, base2, out [H, T, D], lse [T, H]) (lse_correct)
+template <auto CorrectLaunch>
+std::tuple<at::Tensor, at::Tensor> lse_correct_op(const at::Tensor& partial_out, const at::Tensor& gathered_lse,
+                                                  int64_t rank, bool base2) {
+  check_lse_correct_inputs(partial_out, gathered_lse, rank);
+  auto out = at::empty({partial_out.size(1), partial_out.size(0), partial_out.size(2)}, partial_out.options());
+  auto lse = at::empty({partial_out.size(0), partial_out.size(1)}, gathered_lse.options());
+  if (partial_out.numel() > 0) CorrectLaunch(partial_out, gathered_lse, rank, base2, out, lse);
   return {out, lse};
 }
 

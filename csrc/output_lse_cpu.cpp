@@ -107,7 +107,70 @@ void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const 
 
 }  // namespace
 
+// ---------------------------------------------------------------------------
+// lse_correct: the local kernel of the collective Output/LSE path (LSE
+// all_gather -> this kernel -> reduce_scatter on heads). Per (t, h) it forms
+// the global LSE from the gathered shard LSEs and scales this rank's partial
+// output by its weight, writing head-major [H, T, D] so that reduce_scatter on
+// dim 0 splits heads with no transpose copy.
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// Weight of shard `rank` and the global LSE of one (t, h), with the arithmetic
+// of lse_weights (semantics.h) in the same order, without a per-shard array.
+template <typename LseAt>
+inline float lse_weight_of(int64_t n, LseAt lse, int64_t rank, bool base2, float* L_out) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = lse_sanitize(lse(i));
+    m = l > m ? l : m;
+  }
+  if (m == -INFINITY) m = 0.0f;
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = lse_sanitize(lse(i));
+    sum += base2 ? exp2f(l - m) : expf(l - m);
+  }
+  if (sum == 0.0f) {
+    *L_out = -INFINITY;
+    return 0.0f;
+  }
+  const float L = m + (base2 ? log2f(sum) : logf(sum));
+  *L_out = L;
+  const float l = lse_sanitize(lse(rank));
+  return base2 ? exp2f(l - L) : expf(l - L);
+}
+
+void lse_correct_cpu(const at::Tensor& partial_out, const at::Tensor& gathered_lse, int64_t rank, bool base2,
+                     at::Tensor& out, at::Tensor& lse) {
+  const int64_t n = gathered_lse.size(0), rows = partial_out.size(0), heads = partial_out.size(1);
+  const int64_t dim = partial_out.size(2), items = rows * heads;
+  const float* l = gathered_lse.data_ptr<float>();
+  float* lo = lse.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "lse_correct", [&] {
+    const scalar_t* o = partial_out.data_ptr<scalar_t>();
+    scalar_t* oo = out.data_ptr<scalar_t>();
+    at::parallel_for(0, items, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float w = lse_weight_of(n, [&](int64_t s) { return l[s * items + i]; }, rank, base2, lo + i);
+        const int64_t t = i / heads, h = i % heads;
+        scalar_t* dst = oo + (h * rows + t) * dim;
+        if (w == 0.0f) {  // exactly 0, and the payload (maybe NaN) is never read
+          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(0.0f);
+          continue;
+        }
+        const scalar_t* src = o + i * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<scalar_t>(w * static_cast<float>(src[d]));
+      }
+    });
+  });
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
+  m.impl("lse_correct", &lse_correct_op<lse_correct_cpu>);
   m.impl("lse_combine", &lse_combine_op<lse_combine_cpu, kMaxWorld>);
   m.impl("output_lse_combine_out", &output_lse_combine_out_op<combine_out_cpu>);
 }

@@ -221,7 +221,104 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
 
 }  // namespace
 
+// ---------------------------------------------------------------------------
+// lse_correct: the local kernel of the collective Output/LSE path (LSE
+// all_gather -> this kernel -> reduce_scatter on heads). One warp per (t, h):
+// every lane forms the global LSE from the N gathered LSEs (broadcast loads,
+// fp32), then the warp scales the D payload elements as 16-byte vectors, two
+// in flight per lane, rounding once, and stores them head-major [H, T, D] so
+// that reduce_scatter on dim 0 needs no transpose copy. A zero weight stores
+// exact zeros without reading the payload.
+// ---------------------------------------------------------------------------
+
+namespace {
+
+constexpr int kCorrectThreads = 256;
+constexpr int kCorrectWarps = kCorrectThreads / 32;
+
+// Weight of shard `rank` and the global LSE of one (t, h): the arithmetic of
+// lse_weights (semantics.h) in the same order, with no per-shard array (any N).
+__device__ __forceinline__ float correct_weight(const float* lse, int64_t stride, int64_t n, int64_t rank,
+                                                bool base2, float* L_out) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = lse_sanitize(lse[i * stride]);
+    m = l > m ? l : m;
+  }
+  if (m == -INFINITY) m = 0.0f;
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = lse_sanitize(lse[i * stride]);
+    sum += base2 ? exp2f(l - m) : expf(l - m);
+  }
+  if (sum == 0.0f) {
+    *L_out = -INFINITY;
+    return 0.0f;
+  }
+  const float L = m + (base2 ? log2f(sum) : logf(sum));
+  *L_out = L;
+  const float l = lse_sanitize(lse[rank * stride]);
+  return base2 ? exp2f(l - L) : expf(l - L);
+}
+
+template <typename scalar_t>
+__global__ void lse_correct_kernel(const scalar_t* __restrict__ po, const float* __restrict__ gl, int64_t n,
+                                   int64_t rank, int64_t rows, int64_t heads, int64_t dim, bool base2,
+                                   scalar_t* __restrict__ out, float* __restrict__ out_lse) {
+  using V = Vec<scalar_t>;
+  const int64_t items = rows * heads, nvec = dim / V::kElems;
+  const int lane = threadIdx.x & 31;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kCorrectWarps + threadIdx.x / 32; i < items;
+       i += static_cast<int64_t>(gridDim.x) * kCorrectWarps) {
+    float L;
+    const float w = correct_weight(gl + i, items, n, rank, base2, &L);
+    if (lane == 0) out_lse[i] = L;
+    const int64_t t = i / heads, h = i - t * heads;
+    uint4* dst = reinterpret_cast<uint4*>(out + (h * rows + t) * dim);
+    if (w == 0.0f) {  // exactly 0; the payload (maybe NaN) is never read
+      for (int64_t v = lane; v < nvec; v += 32) dst[v] = make_uint4(0u, 0u, 0u, 0u);
+      continue;
+    }
+    const uint4* src = reinterpret_cast<const uint4*>(po + i * dim);
+    for (int64_t v0 = lane; v0 < nvec; v0 += 64) {
+      const bool second = v0 + 32 < nvec;
+      V x0, x1;
+      x0.raw = src[v0];
+      if (second) x1.raw = src[v0 + 32];
+#pragma unroll
+      for (int e = 0; e < V::kElems; ++e) {
+        x0.set(e, w * x0.get(e));
+        if (second) x1.set(e, w * x1.get(e));
+      }
+      dst[v0] = x0.raw;
+      if (second) dst[v0 + 32] = x1.raw;
+    }
+  }
+}
+
+void lse_correct_cuda(const at::Tensor& partial_out, const at::Tensor& gathered_lse, int64_t rank, bool base2,
+                      at::Tensor& out, at::Tensor& lse) {
+  const int64_t n = gathered_lse.size(0), rows = partial_out.size(0), heads = partial_out.size(1);
+  const int64_t dim = partial_out.size(2), items = rows * heads;
+  SDCP_CHECK_ARG(dim % 8 == 0, "partial_out", "a last dimension of a multiple of 8 elements on CUDA",
+                 dim << " elements");
+  SDCP_CHECK_ARG(reinterpret_cast<uintptr_t>(partial_out.data_ptr()) % 16 == 0, "partial_out",
+                 "a 16-byte aligned data pointer", "address " << partial_out.data_ptr());
+  const c10::cuda::CUDAGuard guard(partial_out.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int grid = static_cast<int>(std::min<int64_t>((items + kCorrectWarps - 1) / kCorrectWarps, 4096));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "lse_correct", [&] {
+    lse_correct_kernel<scalar_t><<<grid, kCorrectThreads, 0, stream>>>(
+        partial_out.data_ptr<scalar_t>(), gathered_lse.data_ptr<float>(), n, rank, rows, heads, dim, base2,
+        out.data_ptr<scalar_t>(), lse.data_ptr<float>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
 TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
+  m.impl("lse_correct", &lse_correct_op<lse_correct_cuda>);
   m.impl("lse_combine", &lse_combine_op<lse_combine_cuda, kMaxDeviceWorld>);
   m.impl("output_lse_combine_out", &output_lse_combine_out_op<combine_out_cuda>);
 }

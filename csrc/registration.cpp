@@ -30,6 +30,9 @@ TORCH_LIBRARY(sdcp, m) {
   m.def("topk_select(Tensor scores, Tensor ids, int k) -> Tensor");
   // LSE-weighted combine of N stacked partial results [N, T, H, D] / [N, T, H].
   m.def("lse_combine(Tensor partial_out, Tensor partial_lse, bool base2) -> (Tensor, Tensor)");
+  // The collective path's correction: gathered LSEs [N, T, H] fp32 and this
+  // rank's partial [T, H, D] -> (w_rank * O head-major [H, T, D], global LSE [T, H]).
+  m.def("lse_correct(Tensor partial_out, Tensor gathered_lse, int rank, bool base2) -> (Tensor, Tensor)");
 
   // ---- Peer boundaries (workspace handle, device-side signals) ----------
   // Signalling primitive: store x into every rank's inbox, publish, wait for

@@ -32,6 +32,11 @@ def test_bench_runs_every_boundary_on_the_host_backend(tmp_path):
             assert r["sdcp"]["k8"] > 0 and r["collective"]["k8"] > 0, (name, r)
     olse = [r for r in data["results"]["output_lse"] if "rows" in r]
     assert all("needs CUDA" in r["symm_mem"]["error"] for r in olse)  # says so instead of failing
+    assert all("needs CUDA" in r["vllm_a2a"]["error"] for r in olse)
+    assert all(r["collective"]["k8"] > 0 for r in olse)  # the fused collective path
+    text = tables(data)
+    assert "are not performance" in text and "x |" not in text and "lower" not in text  # no ratio on the host
+    assert "legend" in text and "sdcp::lse_correct" in text and "PR #50484" in text
     decode = data["results"]["decode"][0]
     assert decode["agree"] and decode["sparse"] and decode["sdcp"]["k1"] > 0, decode
     assert (out / "latency.png").stat().st_size > 1000
@@ -43,3 +48,15 @@ def test_bench_rejects_unknown_boundaries(tmp_path):
     res = run_bench("--boundaries", "query,nope", "--out", str(tmp_path / "x"), timeout=120)
     assert res.returncode == 2 and "--boundaries" in res.stderr and "'nope'" in res.stderr
     assert not os.path.exists(tmp_path / "x")
+
+
+def test_tables_give_ratios_against_the_strongest_baseline():
+    meta = {"date": "d", "world_size": 2, "backend": "cuda", "device": "gpu", "torch": "t"}
+    row = {"rows": 8, "collective": {"k8": 30.0, "k1": 31.0}, "symm_mem": {"k8": 20.0, "k1": 21.0},
+           "vllm_a2a": {"k8": 16.0, "k1": 17.0}, "sdcp": {"k8": 8.0, "k1": 9.0}}
+    text = tables({"meta": meta, "results": {"output_lse": [row]}})
+    assert "vLLM a2a/torch_sdcp 2.00x" in text
+    assert "collective/torch_sdcp" not in text and "symm-mem/torch_sdcp" not in text
+    assert "output_lse / vLLM a2a:" in text and "not performance" not in text
+    row["vllm_a2a"] = {"error": "RuntimeError: x"}
+    assert "symm-mem/torch_sdcp 2.50x" in tables({"meta": meta, "results": {"output_lse": [row]}})

@@ -15,6 +15,7 @@ class TestSchemas(expecttest.TestCase):
     def test_every_schema(self):
         self.assertExpectedInline(all_schemas(), """\
 sdcp::lse_combine(Tensor partial_out, Tensor partial_lse, bool base2) -> (Tensor, Tensor)
+sdcp::lse_correct(Tensor partial_out, Tensor gathered_lse, int rank, bool base2) -> (Tensor, Tensor)
 sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2) -> (Tensor, Tensor)
 sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse) -> ()
 sdcp::peer_all_gather(Tensor x, int workspace) -> Tensor

@@ -1,6 +1,7 @@
 """Side by side: what each DCP boundary costs through the collective path, the
-symmetric-memory competitor (Output/LSE, CUDA only) and torch_sdcp, plus a
-synthetic MLA decode step.
+symmetric-memory competitors (Output/LSE, CUDA only) and torch_sdcp, plus a
+synthetic MLA decode step. Every table is printed with a legend that names
+each path's kernels and communication (LEGEND below).
 
     python -m torch_sdcp.bench [--world-size N] [--preset glm-5] [--rows 1,8,32]
                                [--boundaries query,topk,output_lse,decode] [--out DIR]
@@ -13,8 +14,9 @@ raw numbers (bench.json) and a plot (latency.png) into the output folder.
 Method (DESIGN.md section 6). CUDA: K calls captured back to back in one CUDA
 graph (k8: K = 8; k1: one call per graph), `--replays` replays per trial,
 `--trials` trials. Host: the same K calls timed on the wall clock. Per-call
-time = max over ranks of a trial, median over trials. Host numbers measure the
-protocol on shared memory, not the GPU paths.
+time = max over ranks of a trial, median over trials. Ratios are against the
+strongest (fastest) baseline of each row. Host numbers check the protocol on
+shared memory: they are not performance, and no ratio is printed for them.
 """
 
 from __future__ import annotations
@@ -38,9 +40,55 @@ PRESETS = {
     "deepseek-v3.2": dict(heads=128, head_dim=512, rope_dim=64, k=2048),
 }
 BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
-PATHS = ("collective", "symm_mem", "sdcp", "sdcp_view")
-PATH_NAMES = {"collective": "collective", "symm_mem": "symm-mem", "sdcp": "torch_sdcp",
-              "sdcp_view": "torch_sdcp view"}
+PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_view")
+OURS = ("sdcp", "sdcp_view")
+PATH_NAMES = {"collective": "collective", "collective_eager": "collective (eager ops)", "symm_mem": "symm-mem",
+              "vllm_a2a": "vLLM a2a", "sdcp": "torch_sdcp", "sdcp_view": "torch_sdcp view"}
+
+# What each path runs: kernels and communication (printed with the tables;
+# README.md says the same). The collective query and top-K paths already use
+# this library's fastest local kernels (query_rope_quant, topk_select).
+LEGEND = {
+    "signal": [
+        ("collective", "all_gather of 8 bytes per rank (NCCL; gloo on the host backend)"),
+        ("torch_sdcp", "ExchangeWorkspace.all_gather: sdcp::peer_all_gather, one kernel storing into every "
+                       "peer's inbox, publishing one flag per peer and waiting for every peer's flag"),
+    ],
+    "query": [
+        ("collective", "sdcp::query_rope_quant (this library's fused RoPE + concat + FP8/bf16 producer kernel), "
+                       "all_gather of the [T, H/N, 576] bytes (NCCL), one permute copy to [T, H, 576]"),
+        ("torch_sdcp", "sdcp::query_gather: the same producer math in one kernel that stores its head shard "
+                       "into every consumer's inbox (peer memory) and signals on the device; returns a fresh copy"),
+        ("torch_sdcp view", "sdcp::query_publish + query_release: as above, zero copy: the reader uses the "
+                            "inbox in place, then releases it"),
+    ],
+    "topk": [
+        ("collective", "pack (score, id) pairs, all_gather (NCCL), permute copies, sdcp::topk_select (this "
+                       "library's stable top-K kernel) over the N x C gathered candidates"),
+        ("torch_sdcp", "sdcp::topk_merge: each owner publishes its candidate shard in place; one kernel on every "
+                       "consumer selects over the local and peer shards"),
+    ],
+    "output_lse": [
+        ("collective", "all_gather of the LSE [T, H] fp32 (NCCL) -> sdcp::lse_correct (one fused kernel: global "
+                       "LSE and w_rank * O written head-major [H, T, D]) -> reduce_scatter_tensor (sum, NCCL) on "
+                       "heads; the structure of vLLM's cp_lse_ag_out_rs"),
+        ("collective (eager ops)", "(--eager-collective) the same two collectives with the correction as ~20 "
+                                   "eager torch ops and transpose copies (collective.lse_all_gather_reduce_scatter)"),
+        ("symm-mem", "torch symmetric memory: barrier, 2N copy kernels into the peers' inboxes, barrier, "
+                     "sdcp::lse_combine (fp32)"),
+        ("vLLM a2a", "vLLM's direct all-to-all (PR #50484) on torch symmetric memory: device epoch, one Triton "
+                     "dispatch kernel into every peer's slot epoch % 2, one barrier (signal round), one Triton "
+                     "combine kernel (fp32)"),
+        ("torch_sdcp", "sdcp::output_lse_combine: one kernel: stores every destination's head shard and LSE into "
+                       "its owner's inbox (peer memory), signals, waits, combines in fp32"),
+    ],
+    "decode": [
+        ("collective", "query: collective path above; attention; Output/LSE: the fused collective path "
+                       "(all_gather, sdcp::lse_correct, reduce_scatter); with --sparse, top-K: collective path"),
+        ("torch_sdcp", "query_publish/release (zero copy), attention, output_lse_combine; with --sparse, "
+                       "topk_merge"),
+    ],
+}
 
 
 # ---------------------------------------------------------------------------
@@ -143,31 +191,40 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
     h, d, dev = ctx.heads, ctx.head_dim, ctx.device
     ws = torch_sdcp.OutputLSEWorkspace(None, max(rows_list), h, d, backend=ctx.backend, device=dev)
 
-    def competitor():
+    def competitor(name):
         if dev.type != "cuda":
             raise RuntimeError("needs CUDA symmetric memory")
-        from torch_sdcp._symm_mem_competitor import SymmMemOutputLSE
-        return SymmMemOutputLSE(None, max(rows_list), h, d, torch.bfloat16, dev)
+        from torch_sdcp.competitors import SymmMemOutputLSE, VllmA2AOutputLSE
+        cls = {"symm_mem": SymmMemOutputLSE, "vllm_a2a": VllmA2AOutputLSE}[name]
+        return cls(None, max(rows_list), h, d, torch.bfloat16, dev)
 
-    comp = None
+    comps: dict = {}
     for t in rows_list:
         g = torch.Generator().manual_seed(t)
         po = torch.randn(t, h, d, generator=g).to(torch.bfloat16).to(dev)
         pl = (torch.randn(t, h, generator=g) * 3).to(dev)
         row = {"rows": t}
-        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.lse_all_gather_reduce_scatter(
+        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.lse_all_gather_correct_reduce_scatter(
             po, pl, return_lse=True))
+        if ctx.eager_collective:
+            row["collective_eager"] = guarded(ctx.timer, lambda: lambda: collective.lse_all_gather_reduce_scatter(
+                po, pl, return_lse=True))
 
-        def symm():
-            nonlocal comp
-            comp = comp or competitor()
-            return lambda: comp.combine(po, pl)
+        def comp_fn(name):
+            def make():
+                if name not in comps:
+                    comps[name] = competitor(name)
+                return lambda: comps[name].combine(po, pl)
+            return make
 
-        row["symm_mem"] = guarded(ctx.timer, symm)
+        for name in ("symm_mem", "vllm_a2a"):
+            row[name] = guarded(ctx.timer, comp_fn(name))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.combine(po, pl, return_lse=True))
         out.append(row)
         ctx.progress(f"output_lse rows={t}")
-    out.append({"workspace_bytes_per_rank": ws.physical_bytes})
+    sizes = {"workspace_bytes_per_rank": ws.physical_bytes}
+    sizes.update({f"{name}_bytes_per_rank": c.physical_bytes for name, c in comps.items()})
+    out.append(sizes)
     ws.close()
 
 
@@ -239,13 +296,28 @@ def bench_query(ctx, rows_list, out: list) -> None:
 
 class DecodeStep:
     """A synthetic MLA DCP attention block, `layers` times: query boundary ->
-    attention of every head over this rank's KV shard (absorbed MLA in plain
-    torch: scores = q . kv over 576 dims and out = P . kv[:512] as bf16
+    attention of every head over this rank's KV shard -> output/LSE boundary.
+    torch_sdcp reads the query in place (gather_view); the collective mode runs
+    the collective query path and the fused collective Output/LSE path. With
+    `sparse`, an indexer proposes each rank's local top-k candidates and the
+    top-K boundary selects the tokens attended to. `mode` is "collective" or
+    "sdcp": identical inputs, different crossings.
+
+    Attention (absorbed MLA: q and k 576 dims, v the first 512, one KV head
+    shared by every query head, LSE kept for the combine): the fastest of the
+    candidates in ATTENTION that runs here, timed at set-up (max over ranks) and
+    checked against the matmul form: "matmul" (q . kv and P . kv[:512] as bf16
     tensor-core matmuls with fp32 accumulation, softmax and logsumexp in fp32,
-    P rounded to bf16 for the second product as flash kernels do) ->
-    output/LSE boundary. torch_sdcp reads the query in place (gather_view). With `sparse`, an indexer proposes each rank's local
-    top-k candidates and the top-K boundary selects the tokens attended to.
-    `mode` is "collective" or "sdcp": identical inputs, different crossings."""
+    P rounded to bf16 as flash kernels do) or, on CUDA without a mask, "sdpa"
+    (PyTorch's memory-efficient SDPA kernel, which takes Ev != E and returns
+    the LSE; the query heads are the rows of one KV head). Flash SDPA needs
+    Ev == E and at most 256 dims, so it does not apply."""
+
+    ATTENTION = {
+        "matmul": "bf16 tensor-core matmuls (fp32 accumulation), fp32 softmax and logsumexp",
+        "sdpa": "torch SDPA memory-efficient kernel (aten._scaled_dot_product_efficient_attention, Ev != E, "
+                "with LSE)",
+    }
 
     def __init__(self, ctx, requests: int, context: int, layers: int, sparse: bool, seed: int = 0):
         import torch_sdcp
@@ -272,6 +344,42 @@ class DecodeStep:
         self.olse_ws = torch_sdcp.OutputLSEWorkspace(None, requests, h, d, backend=ctx.backend, device=dev)
         self.topk_ws = (torch_sdcp.TopKWorkspace(None, requests, self.k, candidates_per_rank=self.k,
                                                  backend=ctx.backend, device=dev) if sparse else None)
+        self.attention_name, self.attention_us = self.choose_attention()
+
+    def choose_attention(self) -> tuple:
+        """The fastest attention that runs here and agrees with the matmul form
+        (every rank makes the same choice: slowest rank's times)."""
+        candidates = {"matmul": self.attention_matmul}
+        if self.ctx.device.type == "cuda" and not self.sparse:
+            candidates["sdpa"] = self.attention_sdpa
+        if len(candidates) == 1:
+            return "matmul", {}
+        q = torch.cat([self.nope[0], self.pe[0]], -1).repeat(1, self.ctx.world, 1)
+        want_o, want_l = self.attention_matmul(q, self.kv[0], None)
+        times = {}
+        for name, fn in candidates.items():
+            try:
+                o, lse = fn(q, self.kv[0], None)
+                err = ((o.float() - want_o.float()).norm() / want_o.float().norm()).item()
+                if err > 2e-2 or not torch.allclose(lse, want_l, rtol=1e-3, atol=1e-3):
+                    raise RuntimeError(f"disagrees with the matmul form (rel. error {err:.1e})")
+                for _ in range(3):
+                    fn(q, self.kv[0], None)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(20):
+                    fn(q, self.kv[0], None)
+                end.record()
+                end.synchronize()
+                times[name] = start.elapsed_time(end) * 1e3 / 20
+            except Exception:  # noqa: BLE001  (a candidate that cannot run here is not chosen)
+                times[name] = None
+        every: list = [None] * self.ctx.world
+        dist.all_gather_object(every, times)
+        worst = {name: (None if any(t[name] is None for t in every) else max(t[name] for t in every))
+                 for name in times}
+        ran = {name: us for name, us in worst.items() if us is not None}
+        return (min(ran, key=ran.get) if ran else "matmul"), worst
 
     def close(self) -> None:
         for ws in (self.query_ws, self.olse_ws, self.topk_ws):
@@ -279,6 +387,18 @@ class DecodeStep:
                 ws.close()
 
     def attention(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
+        if self.attention_name == "sdpa" and mask is None:
+            return self.attention_sdpa(q, kv, mask)
+        return self.attention_matmul(q, kv, mask)
+
+    def attention_sdpa(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
+        d = self.ctx.head_dim
+        # One KV head for every query head: batch T, 1 head, H query rows.
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q.unsqueeze(1), kv.unsqueeze(1), kv[..., :d].unsqueeze(1), None, True, 0.0, False, scale=self.scale)[:2]
+        return out[:, 0].contiguous(), lse[:, 0, : q.shape[1]].contiguous()
+
+    def attention_matmul(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
         scores = torch.matmul(q, kv.transpose(1, 2)).float() * self.scale  # [T, H, L]
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
@@ -322,7 +442,7 @@ class DecodeStep:
             elif mode == "sdcp":
                 outs.append(self.olse_ws.combine(o, lse))
             else:
-                outs.append(collective.lse_all_gather_reduce_scatter(o, lse))
+                outs.append(collective.lse_all_gather_correct_reduce_scatter(o, lse))
         return outs
 
 
@@ -336,7 +456,8 @@ def bench_decode(ctx, out: list) -> None:
         errs: list = [None] * ctx.world
         dist.all_gather_object(errs, err)
         row = {"requests": ctx.requests, "context": ctx.context, "layers": ctx.layers, "sparse": ctx.sparse,
-               "max_rel_error": max(errs), "agree": max(errs) < 2e-2}
+               "max_rel_error": max(errs), "agree": max(errs) < 2e-2, "attention": demo.attention_name,
+               "attention_us": demo.attention_us}
         for mode in ("collective", "sdcp"):
             row[mode] = guarded(ctx.timer, lambda: lambda: demo.step(mode), ks=(1,))
         row["compute_only"] = guarded(ctx.timer, lambda: lambda: demo.step("sdcp", compute_only=True), ks=(1,))
@@ -358,6 +479,7 @@ class Context:
         self.head_dim, self.rope_dim, self.k = preset["head_dim"], preset["rope_dim"], args.k or preset["k"]
         self.query_dtype = torch.float8_e4m3fn if args.query_dtype == "fp8" else torch.bfloat16
         self.requests, self.context, self.layers, self.sparse = args.requests, args.context, args.layers, args.sparse
+        self.eager_collective = args.eager_collective
         self.timer = Timer(device, args.replays, args.trials)
         self.started = time.monotonic()
 
@@ -375,6 +497,12 @@ def choose_backend(requested: str, world: int) -> str:
 
 def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
     import torch_sdcp  # noqa: F401
+
+    # NVLink multicast stays off (DESIGN.md section 6), for NCCL and for
+    # torch symmetric memory alike.
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[key] = value
 
     backend = choose_backend(args.backend, world)
     if backend == "cuda":
@@ -420,11 +548,35 @@ def fmt_us(cell: dict, k: str) -> str:
     return f"{v:.1f}" if isinstance(v, (int, float)) else "n/a"
 
 
+def strongest_baseline(row: dict) -> Optional[tuple]:
+    """(name, k8 us) of the fastest baseline path of a row, or None."""
+    timed = [(row[p]["k8"], p) for p in PATHS
+             if p in row and p not in OURS and isinstance(row[p].get("k8"), (int, float))]
+    if not timed:
+        return None
+    us, p = min(timed)
+    return PATH_NAMES[p], us
+
+
+def legend(names) -> list:
+    lines = ["\nlegend (what each path runs)"]
+    for name in names:
+        for path, what in LEGEND.get(name, []):
+            lines.append(f"  {name} / {path}: {what}")
+    return lines
+
+
 def tables(data: dict) -> str:
     meta, lines = data["meta"], []
-    k8 = "8 calls per CUDA graph" if meta["backend"] == "cuda" else "8 calls back to back"
+    cuda = meta["backend"] == "cuda"
+    k8 = "8 calls per CUDA graph" if cuda else "8 calls back to back"
     lines.append(f"torch_sdcp bench, {meta['date']}: world size {meta['world_size']}, {meta['device']}, "
                  f"torch {meta['torch']}; us per call, k8 / k1 (k8: {k8}; k1: one call)")
+    if cuda:
+        lines.append("ratios: the strongest (fastest) baseline of the row over torch_sdcp, k8")
+    else:
+        lines.append("host backend: these figures check the protocol on shared memory; they are not "
+                     "performance, and no speed-up ratio is printed")
     for name, rows in data["results"].items():
         lines.append(f"\n{name}")
         for row in rows:
@@ -433,11 +585,11 @@ def tables(data: dict) -> str:
             elif "rows" in row:
                 paths = [p for p in PATHS if p in row]
                 cells = [f"{PATH_NAMES[p]} {fmt_us(row[p], 'k8')} / {fmt_us(row[p], 'k1')}" for p in paths]
-                ours = row["sdcp"].get("k8") if "error" not in row["sdcp"] else None
+                best = strongest_baseline(row) if cuda else None
                 for p in paths:
-                    theirs = row[p].get("k8") if "error" not in row[p] else None
-                    if p not in ("sdcp", "sdcp_view") and ours and theirs:
-                        cells.append(f"{PATH_NAMES[p]}/torch_sdcp {theirs / ours:.2f}x")
+                    ours = row[p].get("k8") if p in OURS and "error" not in row[p] else None
+                    if best and ours:
+                        cells.append(f"{best[0]}/{PATH_NAMES[p]} {best[1] / ours:.2f}x")
                 lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells))
                 if "kernels" in row:
                     lines.append("             kernel alone (k8): " + ", ".join(
@@ -450,12 +602,20 @@ def tables(data: dict) -> str:
                 lines.append(f"  {row['layers']} layers, {row['requests']} requests x {row['context']} tokens"
                              f"{', sparse' if row['sparse'] else ''}: outputs agree: {row['agree']} "
                              f"(max rel. error {row['max_rel_error']:.1e})")
+                att = row.get("attention")
+                if att:
+                    timed = ", ".join(f"{k} {'n/a' if v is None else f'{v:.1f} us'}"
+                                      for k, v in (row.get("attention_us") or {}).items())
+                    lines.append(f"  attention: {att}: {DecodeStep.ATTENTION.get(att, att)}"
+                                 + (f" (one layer, timed: {timed})" if timed else ""))
                 if c and s:
                     share = lambda t: max(0.0, (t - comp) / t) if comp else float("nan")  # noqa: E731
-                    lines.append(f"  step: collective {c:.1f} us ({share(c):.0%} crossing the group), "
-                                 f"torch_sdcp {s:.1f} us ({share(s):.0%}), {1 - s / c:.0%} lower")
+                    step = (f"  step: collective {c:.1f} us ({share(c):.0%} crossing the group), "
+                            f"torch_sdcp {s:.1f} us ({share(s):.0%})")
+                    lines.append(step + (f", {1 - s / c:.0%} lower" if cuda else ""))
             else:
                 lines.append(f"  {json.dumps(row)}")
+    lines += legend(data["results"].keys())
     return "\n".join(lines)
 
 
@@ -508,6 +668,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=None, help="decode demo: tokens per request (default 3072; 256 on host)")
     p.add_argument("--layers", type=int, default=None, help="decode demo: layers per step (default 8; 2 on host)")
     p.add_argument("--sparse", action="store_true", help="decode demo: add the top-K boundary")
+    p.add_argument("--eager-collective", action="store_true",
+                   help="Output/LSE: also time the collective path with the correction as eager torch ops")
     p.add_argument("--replays", type=int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
     p.add_argument("--trials", type=int, default=None, help="default 7 on CUDA, 3 on host")
     p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")

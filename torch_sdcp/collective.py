@@ -4,7 +4,9 @@ or a group without peer memory) and the benchmark baseline.
 
 - Query: ``query_all_gather`` (the local producer kernel, then all_gather on heads).
 - Top-K: ``topk_all_gather_merge`` (all_gather of the candidate pairs, then a top-k).
-- Output/LSE: ``lse_all_gather_reduce_scatter`` (vLLM's ``cp_lse_ag_out_rs``).
+- Output/LSE: ``lse_all_gather_correct_reduce_scatter`` (LSE all_gather, one fused
+  correction kernel, head reduce_scatter: what engines run; the fallback and the
+  baseline) and ``lse_all_gather_reduce_scatter`` (the same in eager ops).
 
 Every rank of ``group`` calls them in the same order. Their inputs are checked
 as the references in :mod:`torch_sdcp.reference` check theirs.
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import reference
-from torch_sdcp._checks import check
+from torch_sdcp._checks import check, check_dtype, check_tensor
 
 __all__ = [
     "query_all_gather",
@@ -145,3 +147,58 @@ def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, bas
         return out
     hl = heads // n
     return out, big_l[:, rank * hl:(rank + 1) * hl].contiguous()
+
+
+def lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool = False,
+                                          return_lse: bool = False, group: Optional[dist.ProcessGroup] = None,
+                                          *, out: Optional[Tensor] = None, out_lse: Optional[Tensor] = None,
+                                          ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Collective Output/LSE path as engines run it (the fallback and the
+    baseline): all_gather of the LSE ``[T, H]`` into ``[N, T, H]``, ONE fused
+    correction kernel (``torch.ops.sdcp.lse_correct``: the global LSE and this
+    rank's weighted partial, written head-major ``[H, T, D]``), then
+    reduce_scatter (sum) on heads, dim 0, with no transpose copy.
+
+    Returns this rank's heads ``[T, H/N, D]`` as a view of the head-major
+    ``[H/N, T, D]`` reduce_scatter output (or ``out``, a caller-owned
+    ``[T, H/N, D]`` it is copied into), and with ``return_lse`` their global
+    LSE ``[T, H/N]`` fp32 (a column slice of ``[T, H]``, or ``out_lse``).
+    Same semantics and sanitising as ``lse_all_gather_reduce_scatter``; the
+    sum runs in the communication dtype (close to, not bitwise equal to,
+    ``reference.lse_combine_ref``). On gloo without reduce_scatter it falls
+    back to all_reduce + slice.
+    """
+    return _lse_all_gather_correct_reduce_scatter(partial_out, partial_lse, base2, return_lse, group, out, out_lse)
+
+
+def _lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool, return_lse: bool,
+                                           group: Optional[dist.ProcessGroup], out: Optional[Tensor] = None,
+                                           out_lse: Optional[Tensor] = None, use_all_reduce: bool = False,
+                                           ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
+    reference._check_partials(partial_out, partial_lse, 2, torch.float32)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows, heads, dim = partial_out.shape
+    check(heads % n == 0, "partial_out", f"heads divisible by the world size {n}", heads)
+    hl = heads // n
+    if out is not None:
+        check_tensor(out, "out")
+        check(tuple(out.shape) == (rows, hl, dim), "out", f"shape {[rows, hl, dim]}", f"shape {list(out.shape)}")
+        check_dtype(out, "out", partial_out.dtype)
+    if out_lse is not None:
+        check_tensor(out_lse, "out_lse")
+        check(tuple(out_lse.shape) == (rows, hl), "out_lse", f"shape {[rows, hl]}", f"shape {list(out_lse.shape)}")
+        check_dtype(out_lse, "out_lse", torch.float32)
+    lses = _all_gather_stack(partial_lse, group)  # [N, T, H] fp32
+    scaled, big_l = torch.ops.sdcp.lse_correct(partial_out.contiguous(), lses, rank, base2)  # [H, T, D], [T, H]
+    shard = _reduce_scatter_dim0(scaled, group, use_all_reduce).transpose(0, 1)  # [T, H/N, D] view
+    if out is not None:
+        out.copy_(shard)
+        shard = out
+    if not return_lse:
+        return shard
+    lse = big_l[:, rank * hl:(rank + 1) * hl]
+    if out_lse is not None:
+        out_lse.copy_(lse)
+        lse = out_lse
+    return shard, lse

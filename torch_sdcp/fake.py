@@ -28,6 +28,12 @@ def _lse_combine(partial_out, partial_lse, base2):
     return partial_out.new_empty((t, h, d)), partial_lse.new_empty((t, h))
 
 
+@register_fake("sdcp::lse_correct")
+def _lse_correct(partial_out, gathered_lse, rank, base2):
+    t, h, d = partial_out.shape
+    return partial_out.new_empty((h, t, d)), gathered_lse.new_empty((t, h))
+
+
 @register_fake("sdcp::peer_all_gather")
 def _peer_all_gather(x, workspace):
     n = _registry.world_size(workspace)

@@ -46,6 +46,15 @@ def lse_combine(partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e"
     return torch.ops.sdcp.lse_combine(partial_out, partial_lse, lse_is_base2(lse_base))
 
 
+def lse_correct(partial_out: Tensor, gathered_lse: Tensor, rank: int, *,
+                lse_base: str = "e") -> tuple[Tensor, Tensor]:
+    """The collective path's correction. With every rank's LSE gathered into
+    gathered_lse [N, T, H] fp32, scale this rank's partial [T, H, D] by its
+    weight: returns (w_rank * partial head-major [H, T, D] in partial_out's
+    dtype, exact 0 where the weight is 0; global LSE [T, H] fp32)."""
+    return torch.ops.sdcp.lse_correct(partial_out, gathered_lse, rank, lse_is_base2(lse_base))
+
+
 def peer_all_gather(x: Tensor, workspace: int) -> Tensor:
     """[N, *x.shape]: every rank's x, through an exchange workspace."""
     return torch.ops.sdcp.peer_all_gather(x, workspace)

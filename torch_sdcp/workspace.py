@@ -310,8 +310,8 @@ class OutputLSEWorkspace(PeerWorkspace):
         shard -> this rank's heads [T, H/N, D] (and their LSE [T, H/N])."""
         if self._rows_fit(partial_out.shape[0]):
             out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base)
-        else:
-            out, lse = collective.lse_all_gather_reduce_scatter(
+        else:  # the fused collective path; its output is a [T, H/N, D] view of head-major storage
+            out, lse = collective.lse_all_gather_correct_reduce_scatter(
                 partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
         return (out, lse) if return_lse else out
 
@@ -321,10 +321,9 @@ class OutputLSEWorkspace(PeerWorkspace):
         if self._rows_fit(partial_out.shape[0]):
             ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base)
         else:
-            o, lse = collective.lse_all_gather_reduce_scatter(
-                partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group)
-            out.copy_(o)
-            out_lse.copy_(lse)
+            collective.lse_all_gather_correct_reduce_scatter(
+                partial_out, partial_lse, base2=ops.lse_is_base2(lse_base), return_lse=True, group=self.group,
+                out=out, out_lse=out_lse)
 
 
 class TopKWorkspace(PeerWorkspace):

@@ -423,13 +423,13 @@ def _collective_combine(cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_
                         query_start_loc):
     """The fallback when vLLM's own function is not known (the plugin used
     without vLLM): the same masking, then torch_sdcp's collective path."""
-    from torch_sdcp import reference
+    from torch_sdcp import collective
 
     out, lse = _squeeze_inputs(cp_attn_out, cp_attn_lse)
     lse = mask_empty_shards(lse.float(), seq_lens, query_start_loc)
     pg = getattr(cp_group, "device_group", cp_group)
-    return reference.lse_all_gather_reduce_scatter(out, lse, base2=not is_lse_base_on_e, return_lse=return_lse,
-                                                   group=pg)
+    return collective.lse_all_gather_correct_reduce_scatter(out, lse, base2=not is_lse_base_on_e,
+                                                            return_lse=return_lse, group=pg)
 
 
 def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any,
