@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_sdcp import reference
+from torch_sdcp import collective, reference
 
 from _dist import run_workers
 from conftest import requires_gpus
@@ -142,8 +142,8 @@ def build_fake_vllm(version="0.33.0"):
         ns.calls.append((name, getattr(ns.ubatch, "id", 0)))
         out = cp_attn_out.squeeze(1) if cp_attn_out.dim() == 4 else cp_attn_out
         lse = _mask_loop(cp_attn_lse.float(), seq_lens, query_start_loc)
-        return reference.lse_all_gather_reduce_scatter(out, lse, base2=not is_lse_base_on_e,
-                                                       return_lse=return_lse, group=cp_group.pg())
+        return collective.lse_all_gather_reduce_scatter(out, lse, base2=not is_lse_base_on_e,
+                                                        return_lse=return_lse, group=cp_group.pg())
 
     def cp_lse_ag_out_rs(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
                          seq_lens=None, query_start_loc=None):
