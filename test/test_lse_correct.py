@@ -93,7 +93,7 @@ def test_zero_weight_is_exactly_zero_and_weights_match(device, base2):
         assert (scaled[zero] == 0).all() and not torch.signbit(scaled[zero]).any()
         want = (w[r].unsqueeze(-1) * out[r].double())[~zero]
         torch.testing.assert_close(scaled[~zero].double(), want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got_l.double(), big_l, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_l.cpu().double(), big_l, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -107,8 +107,12 @@ def test_layout_names_the_cpp_layout():
     def part(cls, name):
         return layouts[cls].part_offsets[cls.PARTS.index(name)]
 
-    assert part(ExchangeWorkspace, "source_stride") == 256 and layouts[ExchangeWorkspace].slot_bytes == world * 256
-    out_bytes = world * 8 * 4 * 128 * 2  # [src][row][h_loc][d] bf16
+    # Data-as-flag buffers hold one entry per peer (world - 1): the exchange's
+    # 100 bytes are 25 tagged 64-bit words (200 bytes, aligned to 256).
+    assert part(ExchangeWorkspace, "source_stride") == 256
+    assert layouts[ExchangeWorkspace].slot_bytes == (world - 1) * 256 and layouts[ExchangeWorkspace].slots == 2
+    assert layouts[ExchangeWorkspace].control_bytes == 4096
+    out_bytes = (world - 1) * 8 * 4 * 128 * 2  # [peer][row][h_loc][d] bf16
     assert (part(OutputLSEWorkspace, "out_inbox"), part(OutputLSEWorkspace, "lse_inbox")) == (0, out_bytes)
     assert layouts[OutputLSEWorkspace].slots == 2
     assert part(TopKWorkspace, "keys_per_row") == 16 and layouts[TopKWorkspace].slots == 1

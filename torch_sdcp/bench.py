@@ -51,8 +51,8 @@ PATH_NAMES = {"collective": "collective", "collective_eager": "collective (eager
 LEGEND = {
     "signal": [
         ("collective", "all_gather of 8 bytes per rank (NCCL; gloo on the host backend)"),
-        ("torch_sdcp", "ExchangeWorkspace.all_gather: sdcp::peer_all_gather, one kernel storing into every "
-                       "peer's inbox, publishing one flag per peer and waiting for every peer's flag"),
+        ("torch_sdcp", "ExchangeWorkspace.all_gather: sdcp::peer_all_gather, one kernel storing tagged words "
+                       "into every peer's buffer and polling its own buffer (data-as-flag, no flag or fence)"),
     ],
     "query": [
         ("collective", "sdcp::query_rope_quant (this library's fused RoPE + concat + FP8/bf16 producer kernel), "
@@ -79,8 +79,9 @@ LEGEND = {
         ("vLLM a2a", "vLLM's direct all-to-all (PR #50484) on torch symmetric memory: device epoch, one Triton "
                      "dispatch kernel into every peer's slot epoch % 2, one barrier (signal round), one Triton "
                      "combine kernel (fp32)"),
-        ("torch_sdcp", "sdcp::output_lse_combine: one kernel: stores every destination's head shard and LSE into "
-                       "its owner's inbox (peer memory), signals, waits, combines in fp32"),
+        ("torch_sdcp", "sdcp::output_lse_combine: one kernel, data-as-flag: stores every peer's head shard and "
+                       "LSE into that peer's buffer (peer memory), polls its own buffer as the peers' shards land, "
+                       "reads its own shard in place, combines in fp32"),
     ],
     "decode": [
         ("collective", "query: collective path above; attention; Output/LSE: the fused collective path "
