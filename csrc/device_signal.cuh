@@ -1,4 +1,4 @@
-// Device-side signals (DESIGN.md section 4): epochs advanced by the kernels,
+// Device-side signals (docs/DESIGN.md section 4): epochs advanced by the kernels,
 // slot = epoch % 2 (or one acknowledged slot), publish = all writers' stores
 // -> __syncthreads() -> one st.release.sys per destination flag, wait =
 // ld.acquire.sys spin on a local flag bounded by %globaltimer ->

@@ -31,41 +31,37 @@ OutputLSEGeometry OutputLSEGeometry::of(const Workspace& ws) {
   return {p[0], p[1], p[2], p[3], p[1] / ws.world_size, ws.layout.part_offset[0], ws.layout.part_offset[1]};
 }
 
+namespace {
+
+// A payload `out` [*lead, H, D] (float, packed) and its LSE `lse` [*lead', H]
+// fp32 (packed) on one device, where lse's leading dims are out's after the
+// first `skip` of lse (lse_correct's gathered LSE has one more, the shard).
+void check_payload_and_lse(const at::Tensor& out, const at::Tensor& lse, const char* lse_name, int64_t out_dims,
+                           int64_t skip) {
+  check_dim(out, "partial_out", out_dims);
+  check_dim(lse, lse_name, out_dims - 1 + skip);
+  check_float_dtype(out, "partial_out");
+  check_dtype(lse, lse_name, at::kFloat);
+  check_contiguous(out, "partial_out");
+  check_contiguous(lse, lse_name);
+  for (int64_t d = 0; d < out_dims - 1; ++d) check_size(lse, lse_name, d + skip, out.size(d));
+  check_same_device(lse, lse_name, out, "partial_out");
+}
+
+}  // namespace
+
 void check_partial_inputs(const at::Tensor& partial_out, const at::Tensor& partial_lse) {
-  check_dim(partial_out, "partial_out", 3);
-  check_dim(partial_lse, "partial_lse", 2);
-  check_float_dtype(partial_out, "partial_out");
-  check_dtype(partial_lse, "partial_lse", at::kFloat);
-  check_contiguous(partial_out, "partial_out");
-  check_contiguous(partial_lse, "partial_lse");
-  check_size(partial_lse, "partial_lse", 0, partial_out.size(0));
-  check_size(partial_lse, "partial_lse", 1, partial_out.size(1));
-  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
+  check_payload_and_lse(partial_out, partial_lse, "partial_lse", 3, 0);
 }
 
 void check_stacked_partials(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t max_shards) {
-  check_dim(partial_out, "partial_out", 4);
-  check_dim(partial_lse, "partial_lse", 3);
-  check_float_dtype(partial_out, "partial_out");
-  check_dtype(partial_lse, "partial_lse", at::kFloat);
-  check_contiguous(partial_out, "partial_out");
-  check_contiguous(partial_lse, "partial_lse");
-  for (int d = 0; d < 3; ++d) check_size(partial_lse, "partial_lse", d, partial_out.size(d));
-  check_same_device(partial_lse, "partial_lse", partial_out, "partial_out");
+  check_payload_and_lse(partial_out, partial_lse, "partial_lse", 4, 0);
   const int64_t n = partial_out.size(0);
   SDCP_CHECK_ARG(n >= 1 && n <= max_shards, "partial_out", "1.." << max_shards << " shards in dim 0", n);
 }
 
 void check_lse_correct_inputs(const at::Tensor& partial_out, const at::Tensor& gathered_lse, int64_t rank) {
-  check_dim(partial_out, "partial_out", 3);
-  check_dim(gathered_lse, "gathered_lse", 3);
-  check_float_dtype(partial_out, "partial_out");
-  check_dtype(gathered_lse, "gathered_lse", at::kFloat);
-  check_contiguous(partial_out, "partial_out");
-  check_contiguous(gathered_lse, "gathered_lse");
-  check_size(gathered_lse, "gathered_lse", 1, partial_out.size(0));
-  check_size(gathered_lse, "gathered_lse", 2, partial_out.size(1));
-  check_same_device(gathered_lse, "gathered_lse", partial_out, "partial_out");
+  check_payload_and_lse(partial_out, gathered_lse, "gathered_lse", 3, 1);
   const int64_t n = gathered_lse.size(0);
   SDCP_CHECK_ARG(n >= 1, "gathered_lse", "at least one shard in dimension 0", n);
   SDCP_CHECK_ARG(rank >= 0 && rank < n, "rank", "a rank in [0, " << n << ")", rank);

@@ -2,7 +2,7 @@
 // bottom of each family's source file (CPU in .cpp, CUDA in .cu); fake
 // implementations live in torch_sdcp/fake.py.
 //
-// Rules (DESIGN.md section 5): torch never sees peer memory as an argument.
+// Rules (docs/DESIGN.md section 5): torch never sees peer memory as an argument.
 // Peer ops take the caller's tensors plus an integer workspace handle, resolve
 // it in C++, and return fresh tensors or write caller-owned outputs.
 

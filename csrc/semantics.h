@@ -1,4 +1,4 @@
-// The exact semantics shared by the CPU and CUDA kernels (DESIGN.md section 2),
+// The exact semantics shared by the CPU and CUDA kernels (docs/DESIGN.md section 2),
 // written once so that both backends select and weigh identically.
 #pragma once
 
@@ -112,7 +112,7 @@ SDCP_HD c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
 
 namespace sdcp {
 
-// LSE combine weights for one (row, head) over n shards (DESIGN.md section 2):
+// LSE combine weights for one (row, head) over n shards (docs/DESIGN.md section 2):
 // sanitise, m = max (0 when every shard is empty), L = m + log(sum exp(l - m)),
 // w = exp(l - L), all weights 0 and L = -inf when the sum is 0. `lse(i)`
 // returns shard i's raw LSE; `w` receives n weights. Returns L.

@@ -96,7 +96,7 @@ def test_cuda_publish_wait_many_epochs():
 
 @requires_gpus(2)
 def test_cuda_four_ranks_on_two_gpus():
-    # Two ranks per GPU time-slice (DESIGN.md section 6): correctness only, few epochs.
+    # Two ranks per GPU time-slice (docs/DESIGN.md section 6): correctness only, few epochs.
     assert run_workers(_epochs_worker, 4, args=(20, "cuda", True), timeout=300) == [20] * 4
 
 

@@ -11,7 +11,7 @@ when there is one GPU per rank and the CUDA kernels are built, the host
 (shared-memory) backend otherwise. Prints one table per boundary, writes the
 raw numbers (bench.json) and a plot (latency.png) into the output folder.
 
-Method (DESIGN.md section 6). CUDA: K calls captured back to back in one CUDA
+Method (docs/DESIGN.md section 6). CUDA: K calls captured back to back in one CUDA
 graph (k8: K = 8; k1: one call per graph), `--replays` replays per trial,
 `--trials` trials. Host: the same K calls timed on the wall clock. Per-call
 time = max over ranks of a trial, median over trials. Ratios are against the
@@ -499,7 +499,7 @@ def choose_backend(requested: str, world: int) -> str:
 def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
     import torch_sdcp  # noqa: F401
 
-    # NVLink multicast stays off (DESIGN.md section 6), for NCCL and for
+    # NVLink multicast stays off (docs/DESIGN.md section 6), for NCCL and for
     # torch symmetric memory alike.
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):

@@ -1,7 +1,7 @@
 """Exact references in plain PyTorch.
 
 Everything here runs on any device and is deliberately simple: it is the
-specification the kernels are tested against (DESIGN.md section 2). The
+specification the kernels are tested against (docs/DESIGN.md section 2). The
 collective paths engines run today (the fallback and the benchmark baseline)
 are in :mod:`torch_sdcp.collective`.
 
@@ -58,7 +58,7 @@ def _check_index(value: IntOrTensor, arg: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# Token ownership (DESIGN.md section 2): one helper, used everywhere.
+# Token ownership (docs/DESIGN.md section 2): one helper, used everywhere.
 # ---------------------------------------------------------------------------
 
 
@@ -259,7 +259,7 @@ def topk_merge_ref(shards: Sequence[Tuple[Tensor, Tensor]], k: int) -> Tensor:
 
 def _lse_weights(lse: Tensor, base2: bool) -> Tuple[Tensor, Tensor]:
     """Combine weights ``w [N, ...]`` and global LSE ``L [...]`` of stacked shard
-    LSEs ``lse [N, ...]``, computed in ``lse.dtype`` (DESIGN.md section 2)."""
+    LSEs ``lse [N, ...]``, computed in ``lse.dtype`` (docs/DESIGN.md section 2)."""
     exp = torch.exp2 if base2 else torch.exp
     log = torch.log2 if base2 else torch.log
     inf = math.inf

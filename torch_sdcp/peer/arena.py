@@ -54,7 +54,7 @@ class PeerArena:
         device: cuda: the local GPU (default torch.device("cuda", torch.cuda.current_device())).
             host: None or cpu.
         allow_shared_device: cuda: explicit opt-in for several ranks on one GPU (correct but slow;
-            DESIGN.md section 6).
+            docs/DESIGN.md section 6).
         timeout_s: bound on every blocking step of creation, barrier() and close().
 
     Attributes: rank, world_size, backend ("cuda" | "host"), device (local device of the views;
