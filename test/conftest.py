@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 
@@ -27,6 +28,25 @@ def requires_gpus(n: int):
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pytest.mark.skipif(count < n or not cuda_kernels_built(),
                               reason=f"needs {n} GPU(s) and the CUDA kernels (found {count} GPU(s))")
+
+
+def poisoned_partials(n: int, t: int, h: int, d: int, dtype: torch.dtype = torch.float32, *, seed: int = 0,
+                      gen: torch.Generator | None = None, lse_mean: float = 2.0):
+    """Global partials [N, T, H, D] / [N, T, H] with every kind of empty shard
+    (NaN, +inf and -inf LSE, each with a NaN payload that must never leak),
+    a (row, head) whose shards are all empty, and one all empty as NaN."""
+    g = gen if gen is not None else torch.Generator().manual_seed(seed)
+    out = torch.randn(n, t, h, d, generator=g)
+    lse = torch.randn(n, t, h, generator=g) * 3 + lse_mean
+    u = torch.rand(n, t, h, generator=g)
+    lse = torch.where(u < 0.1, math.nan, lse)
+    lse = torch.where((u >= 0.1) & (u < 0.2), math.inf, lse)
+    lse = torch.where((u >= 0.2) & (u < 0.3), -math.inf, lse)
+    lse[:, 0, 0] = -math.inf  # every shard empty
+    if h > 1:
+        lse[:, -1, 1] = math.nan  # every shard empty, as NaN
+    out = torch.where((u < 0.3)[..., None], math.nan, out)  # zero weight: never read
+    return out.to(dtype).contiguous(), lse.contiguous()
 
 
 def devices() -> list[str]:

@@ -13,6 +13,8 @@ from datetime import timedelta
 
 import pytest
 import torch
+
+from conftest import poisoned_partials
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -97,20 +99,6 @@ def check_topk(rank, n):
         assert same_on_every_rank(got)
 
 
-def lse_inputs(n, rows, heads, dim, dtype, gen):
-    """Global partials [N, T, H, D] / [N, T, H] with empty shards (NaN, +inf,
-    -inf LSE) whose payloads are NaN, and fully empty (row, head) pairs."""
-    out = torch.randn(n, rows, heads, dim, generator=gen)
-    lse = torch.randn(n, rows, heads, generator=gen) * 3 + 5
-    u = torch.rand(n, rows, heads, generator=gen)
-    lse = torch.where(u < 0.1, NAN, lse)
-    lse = torch.where((u >= 0.1) & (u < 0.2), INF, lse)
-    lse = torch.where((u >= 0.2) & (u < 0.3), -INF, lse)
-    lse[:, 0, 0] = -INF  # every shard empty
-    out = torch.where((u < 0.3)[..., None], NAN, out)  # never read: weight 0
-    return out.to(dtype).contiguous(), lse.contiguous()
-
-
 def check_lse(rank, n):
     gen = torch.Generator().manual_seed(7 + n)
     rows, hl, dim = 6, 4, 64
@@ -121,7 +109,7 @@ def check_lse(rank, n):
         (torch.float32, False, False),
         (torch.float32, True, True),
     ]:
-        po, pl = lse_inputs(n, rows, heads, dim, dtype, gen)
+        po, pl = poisoned_partials(n, rows, heads, dim, dtype, gen=gen, lse_mean=5.0)
         out, lse = collective._lse_all_gather_reduce_scatter(po[rank], pl[rank], base2, True, None,
                                                              use_all_reduce=use_all_reduce)
         assert out.dtype == dtype and out.shape == (rows, hl, dim), (out.dtype, out.shape)

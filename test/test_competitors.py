@@ -13,25 +13,14 @@ import math
 import pytest
 import torch
 
+from conftest import poisoned_partials
+
 import torch_sdcp  # noqa: F401
 from torch_sdcp import competitors, reference
 
 from _dist import run_workers
 
 INF, NAN = math.inf, math.nan
-
-
-def poisoned(n, t, h, d, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = torch.randn(n, t, h, d, generator=g)
-    lse = torch.randn(n, t, h, generator=g) * 3 + 1
-    u = torch.rand(n, t, h, generator=g)
-    lse = torch.where(u < 0.1, NAN, lse)
-    lse = torch.where((u >= 0.1) & (u < 0.2), INF, lse)
-    lse = torch.where((u >= 0.2) & (u < 0.3), -INF, lse)
-    lse[:, 0, 0] = -INF  # every shard empty
-    out = torch.where((u < 0.3)[..., None], NAN, out)  # zero weight: never read
-    return out.to(dtype).contiguous(), lse.contiguous()
 
 
 def test_module_imports_without_cuda():
@@ -42,7 +31,7 @@ def test_module_imports_without_cuda():
 @pytest.mark.parametrize("n,t,h,d,dtype", [(2, 1, 4, 64, torch.bfloat16), (3, 128, 3, 32, torch.float16),
                                            (4, 7, 2, 16, torch.float32)])
 def test_a2a_combine_math_matches_the_reference(base2, n, t, h, d, dtype):
-    out, lse = poisoned(n, t, h, d, dtype, seed=n + t)
+    out, lse = poisoned_partials(n, t, h, d, dtype, seed=n + t)
     got, got_lse = competitors.a2a_combine_math(out, lse, base2)
     want, want_lse = reference.lse_combine_ref64(out, lse, base2)
     assert got.dtype == dtype and got_lse.dtype == torch.float32
@@ -64,7 +53,7 @@ def _interpreted_kernels(rank, world, n, t, h, d, max_rows, calls):
     for call in range(calls):
         base2 = call % 2 == 1
         rows = t if call != 1 else 1  # fewer rows than max_rows, and a change of rows
-        out, lse = poisoned(n, rows, h, d, torch.bfloat16, seed=100 + call)
+        out, lse = poisoned_partials(n, rows, h, d, torch.bfloat16, seed=100 + call)
         for r in range(n):  # every producer stores before any owner combines (the signal round)
             epochs[r].add_(1)
             competitors.a2a_dispatch(out[r], lse[r], inbox[r], inbox_lse[r], out_offs[r], lse_offs[r],

@@ -19,26 +19,10 @@ import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
 from torch_sdcp import collective, ops, reference
 
 from _dist import run_workers
-from conftest import devices
+from conftest import devices, poisoned_partials
 
 INF, NAN = math.inf, math.nan
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-
-
-def poisoned(n, t, h, d, dtype, seed):
-    """Global partials [N, T, H, D] / [N, T, H] with every kind of empty shard."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.randn(n, t, h, d, generator=g)
-    lse = torch.randn(n, t, h, generator=g) * 3 + 2
-    u = torch.rand(n, t, h, generator=g)
-    lse = torch.where(u < 0.1, NAN, lse)
-    lse = torch.where((u >= 0.1) & (u < 0.2), INF, lse)
-    lse = torch.where((u >= 0.2) & (u < 0.3), -INF, lse)
-    lse[:, 0, 0] = -INF  # every shard empty
-    if h > 1:
-        lse[:, -1, 1] = NAN  # every shard empty, as NaN
-    out = torch.where((u < 0.3)[..., None], NAN, out)  # zero weight: never read
-    return out.to(dtype).contiguous(), lse.contiguous()
 
 
 def corrected_sum(out, lse, base2, device):
@@ -62,7 +46,7 @@ def corrected_sum(out, lse, base2, device):
 @pytest.mark.parametrize("base2", [False, True])
 @pytest.mark.parametrize("n,t,h,d", [(1, 1, 4, 64), (2, 1, 8, 512), (3, 128, 6, 64), (4, 128, 8, 128)])
 def test_corrected_shards_sum_to_the_exact_combine(device, dtype, base2, n, t, h, d):
-    out, lse = poisoned(n, t, h, d, dtype, seed=n * 1000 + t + d)
+    out, lse = poisoned_partials(n, t, h, d, dtype, seed=n * 1000 + t + d)
     total, lses = corrected_sum(out, lse, base2, device)
     want_out, want_lse = reference.lse_combine_ref64(out, lse, base2)
     # Every rank computes the same global LSE, bit for bit.
@@ -84,7 +68,7 @@ def test_corrected_shards_sum_to_the_exact_combine(device, dtype, base2, n, t, h
 @pytest.mark.parametrize("base2", [False, True])
 def test_zero_weight_is_exactly_zero_and_weights_match(device, base2):
     n, t, h, d = 3, 5, 4, 16
-    out, lse = poisoned(n, t, h, d, torch.float32, seed=3)
+    out, lse = poisoned_partials(n, t, h, d, torch.float32, seed=3)
     w, big_l = reference._lse_weights(lse.double(), base2)  # [N, T, H] fp64
     for r in range(n):
         scaled, got_l = ops.lse_correct(out[r].to(device), lse.to(device), r, lse_base="2" if base2 else "e")
@@ -98,7 +82,7 @@ def test_zero_weight_is_exactly_zero_and_weights_match(device, base2):
 
 @pytest.mark.parametrize("device", devices())
 def test_lse_correct_rejects_bad_input(device):
-    out, lse = poisoned(2, 4, 4, 64, torch.bfloat16, seed=1)
+    out, lse = poisoned_partials(2, 4, 4, 64, torch.bfloat16, seed=1)
     o, g = out[0].to(device), lse.to(device)
     with pytest.raises(ValueError, match="'rank'.*\\[0, 2\\)"):
         ops.lse_correct(o, g, 2)
@@ -123,7 +107,7 @@ def test_lse_correct_rejects_bad_input(device):
 def test_lse_correct_opcheck(device):
     for n, t, h, d, dtype in [(1, 1, 2, 8, torch.bfloat16), (2, 5, 4, 64, torch.float32),
                               (3, 2, 3, 16, torch.float16)]:
-        out, lse = poisoned(n, t, h, d, dtype, seed=n)
+        out, lse = poisoned_partials(n, t, h, d, dtype, seed=n)
         for rank in range(n):
             for base2 in (False, True):
                 torch.library.opcheck(torch.ops.sdcp.lse_correct.default,
@@ -133,7 +117,7 @@ def test_lse_correct_opcheck(device):
 def test_lse_correct_fake_matches_the_kernel():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    out, lse = poisoned(2, 3, 4, 8, torch.float16, seed=2)
+    out, lse = poisoned_partials(2, 3, 4, 8, torch.float16, seed=2)
     mine = out[1].contiguous()
     real = torch.ops.sdcp.lse_correct(mine, lse, 1, False)
     mode = FakeTensorMode()
@@ -145,7 +129,7 @@ def test_lse_correct_fake_matches_the_kernel():
 
 
 def test_lse_correct_compiles_fullgraph():
-    out, lse = poisoned(2, 4, 4, 32, torch.bfloat16, seed=4)
+    out, lse = poisoned_partials(2, 4, 4, 32, torch.bfloat16, seed=4)
 
     def f(o, g):
         scaled, big_l = ops.lse_correct(o, g, 1, lse_base="2")
@@ -172,7 +156,7 @@ def _path_worker(rank, world):
         (7, 32, torch.float32, False, True),
         (128, 32, torch.float16, True, False),
     ]:
-        po, pl = poisoned(world, rows, heads, dim, dtype, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        po, pl = poisoned_partials(world, rows, heads, dim, dtype, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
         got, got_lse = collective._lse_all_gather_correct_reduce_scatter(po[rank], pl[rank], base2, True, None,
                                                                         use_all_reduce=use_all_reduce)
         assert got.shape == (rows, hl, dim) and got.dtype == dtype
@@ -212,7 +196,7 @@ def test_fused_collective_path_gloo(world):
 
 def _workspace_fallback_worker(rank, world):
     with torch_sdcp.OutputLSEWorkspace(None, 4, 4 * world, 64, backend="host") as ws:
-        po, pl = poisoned(world, 6, 4 * world, 64, torch.bfloat16, seed=9)  # 6 rows > max_rows = 4
+        po, pl = poisoned_partials(world, 6, 4 * world, 64, torch.bfloat16, seed=9)  # 6 rows > max_rows = 4
         got, got_lse = ws.combine(po[rank], pl[rank], lse_base="2", return_lse=True)
         want, want_lse = collective.lse_all_gather_correct_reduce_scatter(po[rank], pl[rank], True, True)
         assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
