@@ -8,7 +8,6 @@ both slots are used."""
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import pytest
 import torch
@@ -19,9 +18,6 @@ import torch_sdcp  # noqa: F401
 from torch_sdcp import competitors, reference
 
 from _dist import run_workers
-
-INF, NAN = math.inf, math.nan
-
 
 def test_module_imports_without_cuda():
     assert competitors.SymmMemOutputLSE and competitors.VllmA2AOutputLSE
