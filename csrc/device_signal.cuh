@@ -39,6 +39,15 @@ struct DeviceWorkspace {
   __device__ __forceinline__ uint8_t* slot_data(int r, int slot) const {
     return region(r) + data_offset + slot * slot_bytes;
   }
+  // Data-as-flag workspaces (lamport.h): this rank's control, the buffer of a
+  // call in rank r's region, and where a destination keeps a source's entry.
+  __device__ __forceinline__ LamportControl* lamport_control() const {
+    return reinterpret_cast<LamportControl*>(region(rank));
+  }
+  __device__ __forceinline__ uint8_t* buffer(int r, uint64_t call) const {
+    return slot_data(r, static_cast<int>(call % kLamportBuffers));
+  }
+  __device__ __forceinline__ int peer_slot(int src, int dst) const { return (src - dst - 1 + world) % world; }
 };
 
 inline DeviceWorkspace device_workspace(const Workspace& ws) {

@@ -32,7 +32,7 @@ __device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t
 
 // Thread j stores word j of x, tagged with the call, into every peer's
 // buffer and its own output row, then polls word j of every peer's entry.
-__global__ void peer_all_gather_kernel(LamportWorkspace ws, const uint8_t* x, uint8_t* out, int64_t nbytes,
+__global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uint8_t* out, int64_t nbytes,
                                        int64_t source_bytes, bool aligned) {
   const uint64_t call = block_call_index(ws);
   const uint64_t tag = static_cast<uint64_t>(call_tag(call)) << 32;
@@ -65,7 +65,7 @@ void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
                        reinterpret_cast<uintptr_t>(dst) % 4 == 0;
   const int grid = lamport_grid((c.nbytes + 3) / 4, kThreads, x.get_device());
   peer_all_gather_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      lamport_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned);
+      device_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -12,55 +12,21 @@
 
 namespace sdcp {
 
-// A data-as-flag workspace as the kernels see it (passed by value).
-struct LamportWorkspace {
-  uint8_t* base;
-  int64_t stride;
-  int64_t data_offset;
-  int64_t buffer_bytes;
-  int64_t handle;
-  uint64_t timeout_ns;
-  int32_t rank;
-  int32_t world;
-
-  __device__ __forceinline__ uint8_t* region(int r) const { return base + r * stride; }
-  __device__ __forceinline__ LamportControl* control() const {
-    return reinterpret_cast<LamportControl*>(region(rank));
-  }
-  __device__ __forceinline__ uint8_t* buffer(int r, uint64_t call) const {
-    return region(r) + data_offset + static_cast<int64_t>(call % kLamportBuffers) * buffer_bytes;
-  }
-  __device__ __forceinline__ int peer_slot(int src, int dst) const { return (src - dst - 1 + world) % world; }
-};
-
-inline LamportWorkspace lamport_workspace(const Workspace& ws) {
-  LamportWorkspace d;
-  d.base = reinterpret_cast<uint8_t*>(ws.base);
-  d.stride = ws.stride;
-  d.data_offset = ws.layout.data_offset;
-  d.buffer_bytes = ws.layout.slot_bytes;
-  d.handle = ws.handle;
-  d.timeout_ns = static_cast<uint64_t>(ws.timeout_ns);
-  d.rank = static_cast<int32_t>(ws.rank);
-  d.world = static_cast<int32_t>(ws.world_size);
-  return d;
-}
-
 // The call this kernel runs (every thread of the block gets it).
-__device__ __forceinline__ uint64_t block_call_index(const LamportWorkspace& ws) {
+__device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) {
   __shared__ uint64_t call;
-  if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint64_t*>(&ws.control()->call_index);
+  if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint64_t*>(&ws.lamport_control()->call_index);
   __syncthreads();
   return call;
 }
 
 // The last block of the grid to finish advances the call index: every block
 // read it before it arrived, so none can see the next value.
-__device__ __forceinline__ void block_finish_call(const LamportWorkspace& ws, uint64_t call) {
+__device__ __forceinline__ void block_finish_call(const DeviceWorkspace& ws, uint64_t call) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    LamportControl* c = ws.control();
+    LamportControl* c = ws.lamport_control();
     if (atomicAdd(&c->arrived, 1u) == gridDim.x - 1) {
       c->arrived = 0;
       *reinterpret_cast<volatile uint64_t*>(&c->call_index) = call + 1;
@@ -103,7 +69,7 @@ __device__ __forceinline__ uint4 canonical_payload(uint4 v) {
 
 // Reports a wait that ran out of time and traps (the stream fails with an
 // error the host sees).
-static __device__ __noinline__ void lamport_timeout(const LamportWorkspace& ws, int src, uint64_t call) {
+static __device__ __noinline__ void lamport_timeout(const DeviceWorkspace& ws, int src, uint64_t call) {
   printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d's data (workspace %lld, buffer %d, "
          "call %llu); the peer stopped participating or calls differ between ranks\n",
          ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, src, (long long)ws.handle, (int)(call % kLamportBuffers),
@@ -112,7 +78,7 @@ static __device__ __noinline__ void lamport_timeout(const LamportWorkspace& ws, 
 }
 
 // Polls a 16-byte vector of a local buffer until no word is the sentinel.
-__device__ __forceinline__ uint4 poll_vector(const LamportWorkspace& ws, const uint4* p, int src, uint64_t call) {
+__device__ __forceinline__ uint4 poll_vector(const DeviceWorkspace& ws, const uint4* p, int src, uint64_t call) {
   uint4 v = ld_volatile_v4(p);
   if (!has_sentinel(v)) return v;
   const uint64_t start = globaltimer_ns();
@@ -123,7 +89,7 @@ __device__ __forceinline__ uint4 poll_vector(const LamportWorkspace& ws, const u
   return v;
 }
 
-__device__ __forceinline__ uint32_t poll_word(const LamportWorkspace& ws, const uint32_t* p, int src, uint64_t call) {
+__device__ __forceinline__ uint32_t poll_word(const DeviceWorkspace& ws, const uint32_t* p, int src, uint64_t call) {
   uint32_t v = ld_volatile_u32(p);
   if (v != kSentinel) return v;
   const uint64_t start = globaltimer_ns();
@@ -135,7 +101,7 @@ __device__ __forceinline__ uint32_t poll_word(const LamportWorkspace& ws, const 
 }
 
 // Polls a tagged 64-bit word until it carries `tag` in its high half.
-__device__ __forceinline__ uint32_t poll_tagged(const LamportWorkspace& ws, const uint64_t* p, uint32_t tag, int src,
+__device__ __forceinline__ uint32_t poll_tagged(const DeviceWorkspace& ws, const uint64_t* p, uint32_t tag, int src,
                                                 uint64_t call) {
   uint64_t v = ld_volatile_u64(p);
   if (static_cast<uint32_t>(v >> 32) == tag) return static_cast<uint32_t>(v);

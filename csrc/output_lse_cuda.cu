@@ -86,7 +86,7 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 // block waits only for the same block of its peers, which stores before it
 // waits, so the grid is sized to the items and need not be co-resident.
 template <typename scalar_t>
-__global__ void output_lse_kernel(LamportWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl,
+__global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl,
                                   int64_t rows, bool base2, scalar_t* out, float* out_lse) {
   using V = Vec<scalar_t>;
   const uint64_t call = block_call_index(ws);
@@ -213,7 +213,7 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
     output_lse_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-        lamport_workspace(ws), c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
+        device_workspace(ws), c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
         out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
