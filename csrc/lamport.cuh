@@ -21,16 +21,16 @@ __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) 
 }
 
 // The last block of the grid to finish advances the call index: every block
-// read it before it arrived, so none can see the next value.
+// read it (and used the value) before it arrived, so none can see the next
+// value. No fence: the next call is another kernel, and a fence here would
+// wait for this thread's stores into peer memory to be acknowledged.
 __device__ __forceinline__ void block_finish_call(const DeviceWorkspace& ws, uint64_t call) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     LamportControl* c = ws.lamport_control();
     if (atomicAdd(&c->arrived, 1u) == gridDim.x - 1) {
       c->arrived = 0;
       *reinterpret_cast<volatile uint64_t*>(&c->call_index) = call + 1;
-      __threadfence();
     }
   }
 }

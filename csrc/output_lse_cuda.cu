@@ -110,6 +110,9 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
   const int64_t pairs = (n - 1) * nvec;
   for (int64_t i = begin + warp; i < end; i += kWarps) {
     const int64_t t = i / hl, h = i % hl;
+    // The LSE first: the owner needs it before any payload vector.
+    if (lane < n && lane != me)
+      inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(pl[t * heads + lane * hl + h]));
     for (int64_t base = 0; base < pairs; base += 32 * kUnroll) {
       uint4 buf[kUnroll];
 #pragma unroll
@@ -125,13 +128,17 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
         if (x < pairs) inbox_out(d, me)[i * nvec + x % nvec] = canonical_payload(buf[u]);
       }
     }
-    if (lane < n && lane != me)
-      inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(pl[t * heads + lane * hl + h]));
   }
   // 2. Owner: for each own item, every shard's LSE (lane s polls peer s),
   //    then the payload vectors, each polled, re-filled and weighed.
   for (int64_t i = begin + warp; i < end; i += kWarps) {
     const int64_t t = i / hl, h = i % hl;
+    // This rank's own shard does not depend on the peers: load its first
+    // vectors while theirs land.
+    const uint4* own = reinterpret_cast<const uint4*>(po + (t * heads + me * hl + h) * dim);
+    uint4 own0 = make_uint4(0, 0, 0, 0), own1 = own0;
+    if (lane < nvec) own0 = own[lane];
+    if (lane + 32 < nvec) own1 = own[lane + 32];
     float mine = 0.0f;
     if (lane < n) {
       if (lane == me) {
@@ -149,7 +156,6 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
     float w[kMaxDeviceWorld];
     const float L = lse_weights(n, [&](int s) { return lse[s]; }, base2, w);
     if (lane == 0) out_lse[i] = L;
-    const uint4* own = reinterpret_cast<const uint4*>(po + (t * heads + me * hl + h) * dim);
     for (int64_t v = lane; v < nvec; v += 32) {
       float acc[V::kElems];
 #pragma unroll
@@ -157,7 +163,7 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
       for (int s = 0; s < n; ++s) {
         V x;
         if (s == me) {
-          x.raw = own[v];
+          x.raw = v == lane ? own0 : (v == lane + 32 ? own1 : own[v]);
         } else {
           uint4* p = inbox_out(me, s) + i * nvec + v;
           x.raw = poll_vector(ws, p, s, call);  // waited for even at weight 0: the buffer is re-filled here
