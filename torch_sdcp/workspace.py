@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import _registry, collective, ops
-from torch_sdcp._checks import arg_error, check, check_bool, check_positive_int, check_tensor
+from torch_sdcp._checks import arg_error, check, check_bool, check_positive_int
 from torch_sdcp.peer import PeerArena
 
 logger = logging.getLogger("torch_sdcp")
@@ -473,7 +473,8 @@ class ExchangeWorkspace(PeerWorkspace):
         """[N, *x.shape] with every rank's x, rank-major."""
         held = self._enter("all_gather")
         try:
-            check_tensor(x, "x")
+            if not isinstance(x, Tensor):
+                raise arg_error("x", "a Tensor", type(x).__name__)
             if not self.peer:
                 out = [torch.empty_like(x) for _ in range(self.world_size)]
                 dist.all_gather(out, x.contiguous(), group=self.group)
@@ -483,38 +484,56 @@ class ExchangeWorkspace(PeerWorkspace):
             self._leave(held)
 
 
+def _require_tensor(t: object, arg: str, dims: int, names: str) -> None:
+    """A Tensor of ``dims`` dimensions. The checks of a call build their
+    message only when they fail, so that torch.compile traces none of it."""
+    if not isinstance(t, Tensor):
+        raise arg_error(arg, "a Tensor", type(t).__name__)
+    if t.dim() != dims:
+        raise arg_error(arg, f"{dims} dimensions {names}", f"{t.dim()} (shape {list(t.shape)})")
+
+
 def _check_combine_inputs(ws: "OutputLSEWorkspace", partial_out: object, partial_lse: object) -> None:
     """The inputs of combine and combine_out, checked alike on the peer and the
     collective path (the C++ op checks the same, but cannot tell two dtypes of
     one element size apart)."""
-    for t, arg, dims in ((partial_out, "partial_out", 3), (partial_lse, "partial_lse", 2)):
-        check_tensor(t, arg)
-        check(t.dim() == dims, arg, f"{dims} dimensions [T, H{', D' if dims == 3 else ''}]",
-              f"{t.dim()} (shape {list(t.shape)})")
-    check(partial_out.dtype == ws.dtype, "partial_out", f"dtype {ws.dtype} (the dtype of this OutputLSEWorkspace)",
-          f"dtype {partial_out.dtype}")
-    check(partial_lse.dtype == torch.float32, "partial_lse", "dtype torch.float32", f"dtype {partial_lse.dtype}")
-    want = [partial_out.shape[0], ws.total_heads, ws.head_dim]
-    check(list(partial_out.shape) == want, "partial_out", f"shape [T, {ws.total_heads}, {ws.head_dim}] (T rows, "
-          "total_heads, head_dim of this OutputLSEWorkspace)", f"shape {list(partial_out.shape)}")
-    check(list(partial_lse.shape) == want[:2], "partial_lse", f"shape {want[:2]} (the first two dimensions of "
-          "'partial_out')", f"shape {list(partial_lse.shape)}")
-    check(partial_lse.device == partial_out.device, "partial_lse",
-          f"device {partial_out.device} (that of 'partial_out')", f"device {partial_lse.device}")
+    _require_tensor(partial_out, "partial_out", 3, "[T, H, D]")
+    _require_tensor(partial_lse, "partial_lse", 2, "[T, H]")
+    if partial_out.dtype != ws.dtype:
+        raise arg_error("partial_out", f"dtype {ws.dtype} (the dtype of this OutputLSEWorkspace)",
+                        f"dtype {partial_out.dtype}")
+    if partial_lse.dtype != torch.float32:
+        raise arg_error("partial_lse", "dtype torch.float32", f"dtype {partial_lse.dtype}")
+    # The wording of csrc (check_size), so that both paths read alike.
+    for d, want, what in ((1, ws.total_heads, "total_heads"), (2, ws.head_dim, "head_dim")):
+        if partial_out.shape[d] != want:
+            raise arg_error("partial_out", f"size {want} at dim {d} ({what} of this OutputLSEWorkspace)",
+                            f"{partial_out.shape[d]} (shape {list(partial_out.shape)})")
+    for d in (0, 1):
+        if partial_lse.shape[d] != partial_out.shape[d]:
+            raise arg_error("partial_lse", f"size {partial_out.shape[d]} at dim {d} (that of 'partial_out')",
+                            f"{partial_lse.shape[d]} (shape {list(partial_lse.shape)})")
+    if partial_lse.device != partial_out.device:
+        raise arg_error("partial_lse", f"device {partial_out.device} (that of 'partial_out')",
+                        f"device {partial_lse.device}")
 
 
 def _check_combine_outputs(ws: "OutputLSEWorkspace", partial_out: Tensor, out: object, out_lse: object) -> None:
     """combine_out's caller-owned outputs, checked alike on both paths (as
     csrc/output_lse.cpp checks them): exact shape, dtype, contiguous, device."""
     rows, hl, d = partial_out.shape[0], ws.local_heads, ws.head_dim
-    for t, arg, shape, dtype in ((out, "out", [rows, hl, d], partial_out.dtype),
-                                 (out_lse, "out_lse", [rows, hl], torch.float32)):
-        check_tensor(t, arg)
-        check(list(t.shape) == shape, arg, f"shape {shape}", f"shape {list(t.shape)}")
-        check(t.dtype == dtype, arg, f"dtype {dtype}", f"dtype {t.dtype}")
-        check(t.is_contiguous(), arg, "a contiguous tensor", f"strides {list(t.stride())} for shape {list(t.shape)}")
-        check(t.device == partial_out.device, arg, f"device {partial_out.device} (that of 'partial_out')",
-              f"device {t.device}")
+    for t, arg, shape, dtype in ((out, "out", (rows, hl, d), partial_out.dtype),
+                                 (out_lse, "out_lse", (rows, hl), torch.float32)):
+        if not isinstance(t, Tensor):
+            raise arg_error(arg, "a Tensor", type(t).__name__)
+        if tuple(t.shape) != shape:
+            raise arg_error(arg, f"shape {list(shape)}", f"shape {list(t.shape)}")
+        if t.dtype != dtype:
+            raise arg_error(arg, f"dtype {dtype}", f"dtype {t.dtype}")
+        if not t.is_contiguous():
+            raise arg_error(arg, "a contiguous tensor", f"strides {list(t.stride())} for shape {list(t.shape)}")
+        if t.device != partial_out.device:
+            raise arg_error(arg, f"device {partial_out.device} (that of 'partial_out')", f"device {t.device}")
 
 
 class OutputLSEWorkspace(PeerWorkspace):
@@ -619,9 +638,9 @@ class TopKWorkspace(PeerWorkspace):
         top-k ids [T, k] int32 in selection order, identical on every rank."""
         held = self._enter("merge")
         try:
-            check_tensor(scores, "scores")
-            check_tensor(ids, "ids")
-            check(scores.dim() == 2, "scores", "2 dimensions [T, C]", f"{scores.dim()} (shape {list(scores.shape)})")
+            _require_tensor(scores, "scores", 2, "[T, C]")
+            if not isinstance(ids, Tensor):
+                raise arg_error("ids", "a Tensor", type(ids).__name__)
             if self._rows_fit(scores.shape[0], "scores"):
                 return ops.topk_merge(scores, ids, self.handle, self.k)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
@@ -630,9 +649,9 @@ class TopKWorkspace(PeerWorkspace):
 
 
 def _check_query_inputs(ql_nope: object, q_pe: object) -> None:
-    check_tensor(ql_nope, "ql_nope")
-    check_tensor(q_pe, "q_pe")
-    check(ql_nope.dim() == 3, "ql_nope", "3 dimensions [T, H, nope]", f"{ql_nope.dim()} (shape {list(ql_nope.shape)})")
+    _require_tensor(ql_nope, "ql_nope", 3, "[T, H, nope]")
+    if not isinstance(q_pe, Tensor):
+        raise arg_error("q_pe", "a Tensor", type(q_pe).__name__)
 
 
 class QueryWorkspace(PeerWorkspace):
