@@ -161,11 +161,13 @@ def _calls_worker(rank, world):
         with pytest.raises(ValueError, match="argument 'partial_lse': expected dtype torch.float32, got dtype "
                                              "torch.float64"):
             ws.combine(po, pl.double())
-        with pytest.raises(ValueError, match=r"argument 'partial_out': expected shape \[T, 8, 64\].*got shape "
-                                             r"\[%d, 8, 32\]" % rows):
+        with pytest.raises(ValueError, match=r"argument 'partial_out': expected size 64 at dim 2 \(head_dim of this "
+                                             r"OutputLSEWorkspace\), got 32 \(shape \[%d, 8, 32\]\)" % rows):
             ws.combine(po[..., :32].contiguous(), pl)
-        with pytest.raises(ValueError, match=r"argument 'partial_lse': expected shape \[%d, 8\]" % rows):
+        with pytest.raises(ValueError, match=r"argument 'partial_lse': expected size 8 at dim 1 .*got 4"):
             ws.combine(po, pl[:, :4].contiguous())
+        with pytest.raises(ValueError, match=r"argument 'partial_out': expected 3 dimensions \[T, H, D\], got 2"):
+            ws.combine(po[0], pl)
         good_out, good_lse = torch.empty(rows, 4, 64, dtype=torch.bfloat16), torch.empty(rows, 4)
         bad_outputs = [
             (torch.empty(1, 4, 64, dtype=torch.bfloat16), good_lse,
