@@ -264,6 +264,9 @@ class PeerWorkspace:
             _registry.add(built.handle, self)
             self._finalizer = weakref.finalize(self, _release_dropped, type(self).__name__, self.rank,
                                                built.handle, built.arena)
+            # At interpreter exit the process's memory goes with it: nothing to
+            # release, and the CUDA context may already be going.
+            self._finalizer.atexit = False
 
     def _fill_sentinel(self, arena: PeerArena, layout: WorkspaceLayout) -> None:
         """Data-as-flag buffers start as the sentinel (every byte 0xFF): each
