@@ -43,7 +43,11 @@ def test_host_publish_wait_many_epochs(world, epochs):
 
 
 def _stall_worker(rank, world):
+    import torch.distributed as dist
+
     import torch_sdcp
+
+    dist.barrier()  # creation is bounded by timeout_s too: start it together
 
     with torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=1.0) as ws:
         x = torch.ones(4)
@@ -68,7 +72,11 @@ def test_host_timeout_reports_rank_peer_buffer_call():
 
 
 def _killed_worker(rank, world):
+    import torch.distributed as dist
+
     import torch_sdcp
+
+    dist.barrier()  # creation is bounded by timeout_s too: start it together
 
     ws = torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=1.5)
     x = torch.ones(4)

@@ -200,7 +200,11 @@ def _workspace_fallback_worker(rank, world):
         got, got_lse = ws.combine(po[rank], pl[rank], lse_base="2", return_lse=True)
         want, want_lse = collective.lse_all_gather_correct_reduce_scatter(po[rank], pl[rank], True, True)
         assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
-        o, ol = torch.empty_like(got), torch.empty_like(got_lse)
+        # combine_out checks its outputs as the peer path does: contiguous, so
+        # not empty_like() of the head-major view that the collective path returns.
+        with pytest.raises(ValueError, match="argument 'out': expected a contiguous tensor"):
+            ws.combine_out(po[rank], pl[rank], torch.empty_like(got), torch.empty_like(got_lse), lse_base="2")
+        o, ol = torch.empty(got.shape, dtype=got.dtype), torch.empty(got_lse.shape)
         ws.combine_out(po[rank], pl[rank], o, ol, lse_base="2")
         assert torch.equal(o, got) and torch.equal(ol, got_lse)
     return True

@@ -254,7 +254,11 @@ def test_view_late_reader_cuda():
 def _missing_release_worker(rank, world):
     import time
 
+    import torch.distributed as dist
+
     import torch_sdcp
+
+    dist.barrier()  # creation is bounded by timeout_s too: start it together
 
     h = 4
     with torch_sdcp.QueryWorkspace(None, 4, h, nope_dim=64, rope_dim=16, backend="host", timeout_s=1.0) as ws:

@@ -1,18 +1,23 @@
 """Process-local registry of live workspaces, by integer handle. The C++ side
 keeps the mapping; this side answers what fake implementations and wrappers
-need to know (world size) without touching device memory."""
+need to know (world size) without touching device memory.
+
+The registry holds its workspaces weakly: a workspace that is dropped without
+``close()`` is garbage-collected, and its finalizer (torch_sdcp.workspace)
+unregisters it and releases its memory locally."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Any
 
 from torch_sdcp._checks import arg_error
 
 _lock = threading.Lock()
 _handles = itertools.count(1)
-_live: dict[int, Any] = {}
+_live: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
 
 
 def new_handle() -> int:
@@ -28,6 +33,12 @@ def add(handle: int, workspace: Any) -> None:
 def remove(handle: int) -> None:
     with _lock:
         _live.pop(handle, None)
+
+
+def handles() -> list[int]:
+    """The handles of the workspaces alive in this process, ascending."""
+    with _lock:
+        return sorted(_live.keys())
 
 
 def get(handle: int) -> Any:
