@@ -183,7 +183,7 @@ class PeerWorkspace:
 
     ``backend``: "cuda", "host" or "auto". ``timeout_s`` bounds every wait of
     the device (or host) signals, and every step of creation and teardown; a
-    timeout names rank, peer, slot and epoch. Default: ``SDCP_TIMEOUT_S`` when
+    timeout names rank, peer and slot/epoch or buffer/call. Default: ``SDCP_TIMEOUT_S`` when
     set, else DEFAULT_TIMEOUT_S (300 s); accepted: a number of seconds in
     [1 ms, 24 h]. With ``fallback=True`` a group that fails the peer-memory
     capability gate gets a workspace in collective mode instead of an error
