@@ -104,7 +104,7 @@ def resolve_group(group: object) -> Tuple[Optional[dist.ProcessGroup], int, int]
         if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
             raise arg_error("group", f"a process group that contains this process (global rank {dist.get_rank()})",
                             "the placeholder that new_group() returns to a process outside the group")
-        hint = " (for a vLLM GroupCoordinator, pass its device_group)" if hasattr(group, "device_group") else ""
+        hint = " (for a vLLM GroupCoordinator, pass its cpu_group or device_group)" if hasattr(group, "device_group") else ""
         raise arg_error("group", f"a torch.distributed ProcessGroup or None{hint}",
                         f"{type(group).__name__} {group!r}")
     rank = dist.get_rank(group)
