@@ -76,13 +76,10 @@ def default_timeout_s() -> float:
     if raw is None or not raw.strip():
         return DEFAULT_TIMEOUT_S
     try:
-        seconds = float(raw)
+        return check_timeout(float(raw), TIMEOUT_ENV)
     except ValueError:
-        seconds = None
-    if seconds is None or not (math.isfinite(seconds) and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S):
         raise ValueError(f"torch_sdcp: environment variable {TIMEOUT_ENV}: expected a finite number of seconds "
-                         f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], got {raw!r}")
-    return seconds
+                         f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], got {raw!r}") from None
 
 
 def check_size_param(value: object, arg: str) -> int:
