@@ -64,9 +64,8 @@ void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
   const bool aligned = c.nbytes % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(dst) % 4 == 0;
   const int grid = lamport_grid((c.nbytes + 3) / 4, kThreads, x.get_device());
-  peer_all_gather_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      device_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_lamport(peer_all_gather_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), x.get_device(),
+                 device_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned);
 }
 
 }  // namespace

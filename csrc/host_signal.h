@@ -70,11 +70,11 @@ inline void host_wait_ack(const Workspace& ws, int64_t src, uint64_t epoch, int6
 
 // The call index of this rank's next call (one writer: this rank).
 inline uint64_t host_call_index(const Workspace& ws) {
-  return __atomic_load_n(&ws.lamport(ws.rank)->call_index, __ATOMIC_RELAXED);
+  return __atomic_load_n(&ws.lamport(ws.rank)->call_index[0], __ATOMIC_RELAXED);
 }
 
 inline void host_finish_call(const Workspace& ws, uint64_t call) {
-  __atomic_store_n(&ws.lamport(ws.rank)->call_index, call + 1, __ATOMIC_RELAXED);
+  __atomic_store_n(&ws.lamport(ws.rank)->call_index[0], call + 1, __ATOMIC_RELAXED);
 }
 
 // Spins until `ready()` holds; throws after the workspace timeout naming the

@@ -9,30 +9,44 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <utility>
 
 namespace sdcp {
 
-// The call this kernel runs (every thread of the block gets it).
+// Programmatic dependent launch (sm_90+): a kernel launched with
+// launch_lamport may start while the previous kernel of the stream finishes;
+// it waits here, before it reads anything, until that kernel has completed
+// and its memory is visible. Then it lets the next kernel start its launch.
+__device__ __forceinline__ void pdl_wait_and_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// The call this kernel runs, read by every warp from its block's counter
+// (lamport.h). Also advances the counters of the blocks this grid does not
+// have (b + g, b + 2g, ...): no block of this grid reads them.
 __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) {
-  __shared__ uint64_t call;
-  if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint64_t*>(&ws.lamport_control()->call_index);
-  __syncthreads();
+  pdl_wait_and_release();
+  uint64_t* counters = ws.lamport_control()->call_index;
+  uint64_t call = 0;
+  if ((threadIdx.x & 31) == 0) call = *reinterpret_cast<volatile uint64_t*>(&counters[blockIdx.x]);
+  call = __shfl_sync(0xffffffffu, call, 0);
+  for (uint32_t j = blockIdx.x + gridDim.x * (threadIdx.x + 1); j < kLamportBlocks; j += gridDim.x * blockDim.x)
+    counters[j] = call + 1;
   return call;
 }
 
-// The last block of the grid to finish advances the call index: every block
-// read it (and used the value) before it arrived, so none can see the next
-// value. No fence: the next call is another kernel, and a fence here would
-// wait for this thread's stores into peer memory to be acknowledged.
+// Advances this block's own counter once every warp has read it. A plain
+// store: the next call is another kernel (or waits in pdl_wait_and_release
+// until this grid completed), and a fence here would wait for this thread's
+// stores into peer memory to be acknowledged.
 __device__ __forceinline__ void block_finish_call(const DeviceWorkspace& ws, uint64_t call) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    LamportControl* c = ws.lamport_control();
-    if (atomicAdd(&c->arrived, 1u) == gridDim.x - 1) {
-      c->arrived = 0;
-      *reinterpret_cast<volatile uint64_t*>(&c->call_index) = call + 1;
-    }
-  }
+  if (threadIdx.x == 0) ws.lamport_control()->call_index[blockIdx.x] = call + 1;
 }
 
 __device__ __forceinline__ uint4 ld_volatile_v4(const uint4* p) {
@@ -113,15 +127,48 @@ __device__ __forceinline__ uint32_t poll_tagged(const DeviceWorkspace& ws, const
   return static_cast<uint32_t>(v);
 }
 
-// Blocks for `items` of `items_per_block`, at most two per SM (every block
-// of a data-as-flag kernel only waits for the same block of its peers, so the
-// grid need not be co-resident; the cap keeps the launch small).
-inline int lamport_grid(int64_t items, int64_t items_per_block, int device) {
+// Blocks for `items` of `items_per_block`, at most `per_sm` per SM and
+// kLamportBlocks (every block of a data-as-flag kernel only waits for the
+// same block of its peers, so the grid need not be co-resident; the cap keeps
+// the launch small).
+inline int lamport_grid(int64_t items, int64_t items_per_block, int device, int per_sm = 2) {
   static int sms[64] = {0};
   int& n = sms[device & 63];
   if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   const int64_t want = (items + items_per_block - 1) / items_per_block;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, 2 * n)));
+  const int64_t cap = std::min<int64_t>(static_cast<int64_t>(per_sm) * n, kLamportBlocks);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap)));
+}
+
+// Whether data-as-flag kernels use programmatic dependent launch on `device`
+// (compute capability 9.0 or later, unless SDCP_PDL=0).
+inline bool lamport_pdl(int device) {
+  static int cached[64] = {0};  // 0 unknown, 1 no, 2 yes
+  int& c = cached[device & 63];
+  if (c == 0) {
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    const char* env = std::getenv("SDCP_PDL");
+    c = (major >= 9 && !(env && std::string(env) == "0")) ? 2 : 1;
+  }
+  return c == 2;
+}
+
+// Launches a data-as-flag kernel (its first step is block_call_index, which
+// waits for the previous kernel where the launch is programmatic).
+template <typename... KernelArgs, typename... Args>
+void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, cudaStream_t stream, int device,
+                    Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = lamport_pdl(device) ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace sdcp

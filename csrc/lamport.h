@@ -8,8 +8,8 @@
 // needs is the sentinel, uses the data and writes the sentinel back. There is
 // no flag, no fence and no acknowledgement on the critical path.
 //
-// Two buffers alternate by the call index (one counter per rank, in its
-// control region, advanced once per call by the last block that finishes):
+// Two buffers alternate by the call index (kept per rank in its control
+// region and advanced once per call by the kernel itself):
 // a producer writes buffer (e + 2) % 2 == e % 2 again only in call e + 2,
 // which it starts after its call e + 1 saw this rank's call-(e + 1) data,
 // stored by a kernel that ran after this rank's call e had re-filled the
@@ -34,11 +34,16 @@ constexpr int64_t kTaggedPayload = 4;
 // Buffers that alternate by call index.
 constexpr int64_t kLamportBuffers = 2;
 
+// The most blocks of a data-as-flag grid (lamport_grid caps grids at this).
+constexpr int kLamportBlocks = 512;
+
 // The control region of a data-as-flag workspace (in each rank's region).
+// Between calls every counter holds the number of calls this rank completed;
+// block b of a grid of g blocks reads counter b and advances counters b,
+// b + g, b + 2g, ..., so no two blocks share a counter and no atomic or
+// end-of-grid arrival is needed. The host backend uses counter 0.
 struct LamportControl {
-  uint64_t call_index;  // calls completed by this rank
-  uint32_t arrived;     // blocks of the running call that have finished
-  uint32_t pad;
+  uint64_t call_index[kLamportBlocks];
 };
 
 #if defined(__CUDACC__)

@@ -78,6 +78,12 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
   }
 }
 
+// A vector loaded from a local buffer, polled again until it has landed.
+__device__ __forceinline__ uint4 land_vector(const DeviceWorkspace& ws, const uint4* p, uint4 v, int src,
+                                             uint64_t call) {
+  return has_sentinel(v) ? poll_vector(ws, p, src, call) : v;
+}
+
 // Data-as-flag (lamport.h). Block b owns the same items (row, local head) on
 // every rank: it stores its items' head shards for every peer into that
 // peer's buffer, then, for its own heads, polls each peer's LSE and payload
@@ -85,17 +91,24 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 // this rank's own shard in place from partial_out and combines in fp32. A
 // block waits only for the same block of its peers, which stores before it
 // waits, so the grid is sized to the items and need not be co-resident.
+// Latency at a few rows is a chain of dependent loads, so the kernel keeps
+// independent loads in flight together: the first inputs before the call
+// index, an item's LSE words with its first payload vectors, and each peer's
+// next vectors while the current ones are combined.
 template <typename scalar_t>
-__global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl,
-                                  int64_t rows, bool base2, scalar_t* out, float* out_lse) {
+__global__ void __launch_bounds__(kThreads)
+    output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl, int64_t rows,
+                      bool base2, scalar_t* out, float* out_lse) {
   using V = Vec<scalar_t>;
-  const uint64_t call = block_call_index(ws);
+  pdl_wait_and_release();
   const int n = ws.world, me = ws.rank;
   const int64_t heads = g.total_heads, dim = g.head_dim, hl = g.local_heads, items = rows * hl;
   const int64_t nvec = dim / V::kElems;
   const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
   const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  uint64_t call = 0;
+  bool have_call = false;
   // Buffer of rank d, entry of source s: payload [row][h_loc][dim], LSE [row][h_loc].
   auto inbox_out = [&](int d, int s) {
     return reinterpret_cast<uint4*>(ws.buffer(d, call) + g.out_inbox_offset) +
@@ -110,9 +123,8 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
   const int64_t pairs = (n - 1) * nvec;
   for (int64_t i = begin + warp; i < end; i += kWarps) {
     const int64_t t = i / hl, h = i % hl;
-    // The LSE first: the owner needs it before any payload vector.
-    if (lane < n && lane != me)
-      inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(pl[t * heads + lane * hl + h]));
+    const bool sends_lse = lane < n && lane != me;
+    const float lse = sends_lse ? pl[t * heads + lane * hl + h] : 0.0f;
     for (int64_t base = 0; base < pairs; base += 32 * kUnroll) {
       uint4 buf[kUnroll];
 #pragma unroll
@@ -121,6 +133,12 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
         const int d = static_cast<int>(x / nvec + 1 + me) % n;
         if (x < pairs) buf[u] = reinterpret_cast<const uint4*>(po + (t * heads + d * hl + h) * dim)[x % nvec];
       }
+      if (!have_call) {  // read while the first inputs are in flight
+        call = block_call_index(ws);
+        have_call = true;
+      }
+      // The LSE first: the owner needs it before any payload vector.
+      if (base == 0 && sends_lse) inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(lse));
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t x = base + u * 32 + lane;
@@ -129,25 +147,32 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
       }
     }
   }
-  // 2. Owner: for each own item, every shard's LSE (lane s polls peer s),
-  //    then the payload vectors, each polled, re-filled and weighed.
+  if (!have_call) call = block_call_index(ws);
+  // 2. Owner: for each own item, every shard's LSE (lane s polls peer s) and
+  //    the first peer's first vectors in one round of loads, then the
+  //    payload vectors in shard order, each polled, re-filled and weighed.
+  const uint4 sentinel4 = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
+  const int first_peer = me == 0 ? 1 : 0;
   for (int64_t i = begin + warp; i < end; i += kWarps) {
     const int64_t t = i / hl, h = i % hl;
-    // This rank's own shard does not depend on the peers: load its first
-    // vectors while theirs land.
     const uint4* own = reinterpret_cast<const uint4*>(po + (t * heads + me * hl + h) * dim);
-    uint4 own0 = make_uint4(0, 0, 0, 0), own1 = own0;
+    auto peer_vec = [&](int s, int64_t v) { return inbox_out(me, s) + i * nvec + v; };
+    uint32_t* lse_at = inbox_lse(me, lane) + i;
+    const bool polls_lse = lane < n && lane != me;
+    uint32_t lse_word = polls_lse ? ld_volatile_u32(lse_at) : 0u;
+    const float own_lse = lane == me ? pl[t * heads + me * hl + h] : 0.0f;
+    // Chunk 0's vectors: this rank's own (no wait) and the first peer's.
+    const bool two0 = lane + 32 < nvec;
+    uint4 own0 = make_uint4(0, 0, 0, 0), own1 = own0, a0 = sentinel4, a1 = sentinel4;
     if (lane < nvec) own0 = own[lane];
-    if (lane + 32 < nvec) own1 = own[lane + 32];
-    float mine = 0.0f;
-    if (lane < n) {
-      if (lane == me) {
-        mine = pl[t * heads + me * hl + h];
-      } else {
-        uint32_t* p = inbox_lse(me, lane) + i;
-        mine = __uint_as_float(poll_word(ws, p, lane, call));
-        *p = kSentinel;
-      }
+    if (two0) own1 = own[lane + 32];
+    if (first_peer < n && lane < nvec) a0 = ld_volatile_v4(peer_vec(first_peer, lane));
+    if (first_peer < n && two0) a1 = ld_volatile_v4(peer_vec(first_peer, lane + 32));
+    float mine = own_lse;
+    if (polls_lse) {
+      if (lse_word == kSentinel) lse_word = poll_word(ws, lse_at, lane, call);
+      *lse_at = kSentinel;
+      mine = __uint_as_float(lse_word);
     }
     __syncwarp();
     float lse[kMaxDeviceWorld];
@@ -156,27 +181,54 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
     float w[kMaxDeviceWorld];
     const float L = lse_weights(n, [&](int s) { return lse[s]; }, base2, w);
     if (lane == 0) out_lse[i] = L;
-    for (int64_t v = lane; v < nvec; v += 32) {
-      float acc[V::kElems];
+    for (int64_t v0 = lane; v0 < nvec; v0 += 64) {
+      const bool second = v0 + 32 < nvec;
+      if (v0 != lane) {  // later chunks: load this rank's and the first peer's vectors now
+        own0 = own[v0];
+        if (second) own1 = own[v0 + 32];
+        if (first_peer < n) {
+          a0 = ld_volatile_v4(peer_vec(first_peer, v0));
+          if (second) a1 = ld_volatile_v4(peer_vec(first_peer, v0 + 32));
+        }
+      }
+      float acc[2][V::kElems];
 #pragma unroll
-      for (int e = 0; e < V::kElems; ++e) acc[e] = 0.0f;
+      for (int e = 0; e < V::kElems; ++e) acc[0][e] = acc[1][e] = 0.0f;
       for (int s = 0; s < n; ++s) {
-        V x;
+        V x0, x1;
         if (s == me) {
-          x.raw = v == lane ? own0 : (v == lane + 32 ? own1 : own[v]);
+          x0.raw = own0;
+          x1.raw = own1;
         } else {
-          uint4* p = inbox_out(me, s) + i * nvec + v;
-          x.raw = poll_vector(ws, p, s, call);  // waited for even at weight 0: the buffer is re-filled here
-          *p = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
+          // a0/a1 hold peer s's vectors (loaded earlier); wait until they landed.
+          x0.raw = land_vector(ws, peer_vec(s, v0), a0, s, call);
+          *peer_vec(s, v0) = sentinel4;
+          if (second) {
+            x1.raw = land_vector(ws, peer_vec(s, v0 + 32), a1, s, call);
+            *peer_vec(s, v0 + 32) = sentinel4;
+          }
+          // Every vector is waited for, even at weight 0: the buffer is re-filled here.
+          int next = s + 1 == me ? s + 2 : s + 1;
+          if (next < n) {
+            a0 = ld_volatile_v4(peer_vec(next, v0));
+            if (second) a1 = ld_volatile_v4(peer_vec(next, v0 + 32));
+          }
         }
         if (w[s] == 0.0f) continue;  // a zero-weight payload contributes exactly 0
 #pragma unroll
-        for (int e = 0; e < V::kElems; ++e) acc[e] += w[s] * x.get(e);
+        for (int e = 0; e < V::kElems; ++e) {
+          acc[0][e] += w[s] * x0.get(e);
+          if (second) acc[1][e] += w[s] * x1.get(e);
+        }
       }
-      V o;
+      V o0, o1;
 #pragma unroll
-      for (int e = 0; e < V::kElems; ++e) o.set(e, acc[e]);
-      reinterpret_cast<uint4*>(out + i * dim)[v] = o.raw;
+      for (int e = 0; e < V::kElems; ++e) {
+        o0.set(e, acc[0][e]);
+        o1.set(e, acc[1][e]);
+      }
+      reinterpret_cast<uint4*>(out + i * dim)[v0] = o0.raw;
+      if (second) reinterpret_cast<uint4*>(out + i * dim)[v0 + 32] = o1.raw;
     }
   }
   block_finish_call(ws, call);
@@ -207,6 +259,17 @@ void lse_combine_cuda(const at::Tensor& partial_out, const at::Tensor& partial_l
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Blocks per SM of the peer kernel (SDCP_OLSE_BLOCKS_PER_SM, default 2):
+// more blocks keep more NVLink stores in flight at many rows.
+int olse_blocks_per_sm() {
+  static const int v = [] {
+    const char* env = std::getenv("SDCP_OLSE_BLOCKS_PER_SM");
+    const int x = env ? std::atoi(env) : 2;
+    return x >= 1 && x <= 8 ? x : 2;
+  }();
+  return v;
+}
+
 void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2,
                       at::Tensor& out, at::Tensor& out_lse) {
   const Workspace& ws = *c.ws;
@@ -216,11 +279,11 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   const c10::cuda::CUDAGuard guard(partial_out.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   // One warp per item; at least one block, even for 0 rows (it advances the call index).
-  const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device());
+  const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device(), olse_blocks_per_sm());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
-    output_lse_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-        device_workspace(ws), c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
-        out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
+    launch_lamport(output_lse_kernel<scalar_t>, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws),
+                   c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
+                   out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
