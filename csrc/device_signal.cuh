@@ -47,7 +47,11 @@ struct DeviceWorkspace {
   __device__ __forceinline__ uint8_t* buffer(int r, uint64_t call) const {
     return slot_data(r, static_cast<int>(call % kLamportBuffers));
   }
-  __device__ __forceinline__ int peer_slot(int src, int dst) const { return (src - dst - 1 + world) % world; }
+  // (src - dst - 1) mod world, for ranks src != dst in [0, world)
+  __device__ __forceinline__ int peer_slot(int src, int dst) const {
+    const int x = src - dst - 1 + world;
+    return x >= world ? x - world : x;
+  }
 };
 
 inline DeviceWorkspace device_workspace(const Workspace& ws) {

@@ -78,12 +78,6 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
   }
 }
 
-// A vector loaded from a local buffer, polled again until it has landed.
-__device__ __forceinline__ uint4 land_vector(const DeviceWorkspace& ws, const uint4* p, uint4 v, int src,
-                                             uint64_t call) {
-  return has_sentinel(v) ? poll_vector(ws, p, src, call) : v;
-}
-
 // Data-as-flag (lamport.h). Block b owns the same items (row, local head) on
 // every rank: it stores its items' head shards for every peer into that
 // peer's buffer, then, for its own heads, polls each peer's LSE and payload
@@ -91,47 +85,57 @@ __device__ __forceinline__ uint4 land_vector(const DeviceWorkspace& ws, const ui
 // this rank's own shard in place from partial_out and combines in fp32. A
 // block waits only for the same block of its peers, which stores before it
 // waits, so the grid is sized to the items and need not be co-resident.
-// Latency at a few rows is a chain of dependent loads, so the kernel keeps
-// independent loads in flight together: the first inputs before the call
-// index, an item's LSE words with its first payload vectors, and each peer's
-// next vectors while the current ones are combined.
-template <typename scalar_t>
+//
+// At a few rows the call is one warp's chain of dependent steps, so the
+// kernel keeps independent loads in flight together (the first inputs with
+// the call index, an item's LSE words with its first payload vectors, each
+// peer's next vectors while the current ones are combined), uses 32-bit
+// index arithmetic (64-bit division is a long software routine), and is
+// compiled per world size (kN; 0 = any) so that the per-shard LSEs and
+// weights stay in registers instead of local memory.
+template <typename scalar_t, int kN>
 __global__ void __launch_bounds__(kThreads)
-    output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl, int64_t rows,
+    output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl, int rows,
                       bool base2, scalar_t* out, float* out_lse) {
   using V = Vec<scalar_t>;
+  constexpr int kShards = kN > 0 ? kN : kMaxDeviceWorld;
   pdl_wait_and_release();
-  const int n = ws.world, me = ws.rank;
-  const int64_t heads = g.total_heads, dim = g.head_dim, hl = g.local_heads, items = rows * hl;
-  const int64_t nvec = dim / V::kElems;
-  const int64_t per_block = (items + gridDim.x - 1) / gridDim.x;
-  const int64_t begin = min(items, blockIdx.x * per_block), end = min(items, begin + per_block);
+  const int n = kN > 0 ? kN : ws.world, me = ws.rank;
+  const int heads = static_cast<int>(g.total_heads), hl = static_cast<int>(g.local_heads);
+  const int dim = static_cast<int>(g.head_dim), nvec = dim / V::kElems, items = rows * hl;
+  const int per_block = (items + gridDim.x - 1) / gridDim.x;
+  const int begin = min(items, static_cast<int>(blockIdx.x) * per_block), end = min(items, begin + per_block);
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   uint64_t call = 0;
   bool have_call = false;
   // Buffer of rank d, entry of source s: payload [row][h_loc][dim], LSE [row][h_loc].
+  const int64_t entry_vecs = g.max_rows * g.local_heads * nvec, entry_words = g.max_rows * g.local_heads;
   auto inbox_out = [&](int d, int s) {
-    return reinterpret_cast<uint4*>(ws.buffer(d, call) + g.out_inbox_offset) +
-           ws.peer_slot(s, d) * g.max_rows * hl * nvec;
+    return reinterpret_cast<uint4*>(ws.buffer(d, call) + g.out_inbox_offset) + ws.peer_slot(s, d) * entry_vecs;
   };
   auto inbox_lse = [&](int d, int s) {
-    return reinterpret_cast<uint32_t*>(ws.buffer(d, call) + g.lse_inbox_offset) + ws.peer_slot(s, d) * g.max_rows * hl;
+    return reinterpret_cast<uint32_t*>(ws.buffer(d, call) + g.lse_inbox_offset) + ws.peer_slot(s, d) * entry_words;
   };
-  // 1. Producer: item i = (t, h) of destination d is partial_out[t, d*hl + h].
-  //    The (peer, vector) pairs of an item are flattened, kUnroll per lane.
+  // Shard d of item (t, h): partial_out[t, d*hl + h] (dim elements).
+  auto shard = [&](int t, int h, int d) {
+    return reinterpret_cast<const uint4*>(po + (static_cast<int64_t>(t) * heads + d * hl + h) * dim);
+  };
+  // 1. Producer: the (peer, vector) pairs of an item are flattened, kUnroll per lane.
   constexpr int kUnroll = 4;
-  const int64_t pairs = (n - 1) * nvec;
-  for (int64_t i = begin + warp; i < end; i += kWarps) {
-    const int64_t t = i / hl, h = i % hl;
+  const int pairs = (n - 1) * nvec;
+  for (int i = begin + warp; i < end; i += kWarps) {
+    const int t = i / hl, h = i - t * hl;
     const bool sends_lse = lane < n && lane != me;
-    const float lse = sends_lse ? pl[t * heads + lane * hl + h] : 0.0f;
-    for (int64_t base = 0; base < pairs; base += 32 * kUnroll) {
+    const float lse = sends_lse ? pl[static_cast<int64_t>(t) * heads + lane * hl + h] : 0.0f;
+    for (int base = 0; base < pairs; base += 32 * kUnroll) {
       uint4 buf[kUnroll];
+      int dst[kUnroll], vec[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t x = base + u * 32 + lane;
-        const int d = static_cast<int>(x / nvec + 1 + me) % n;
-        if (x < pairs) buf[u] = reinterpret_cast<const uint4*>(po + (t * heads + d * hl + h) * dim)[x % nvec];
+        const int x = base + u * 32 + lane, k = x / nvec;
+        vec[u] = x - k * nvec;
+        dst[u] = me + 1 + k < n ? me + 1 + k : me + 1 + k - n;
+        if (x < pairs) buf[u] = shard(t, h, dst[u])[vec[u]];
       }
       if (!have_call) {  // read while the first inputs are in flight
         call = block_call_index(ws);
@@ -140,11 +144,8 @@ __global__ void __launch_bounds__(kThreads)
       // The LSE first: the owner needs it before any payload vector.
       if (base == 0 && sends_lse) inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(lse));
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t x = base + u * 32 + lane;
-        const int d = static_cast<int>(x / nvec + 1 + me) % n;
-        if (x < pairs) inbox_out(d, me)[i * nvec + x % nvec] = canonical_payload(buf[u]);
-      }
+      for (int u = 0; u < kUnroll; ++u)
+        if (base + u * 32 + lane < pairs) inbox_out(dst[u], me)[static_cast<int64_t>(i) * nvec + vec[u]] = canonical_payload(buf[u]);
     }
   }
   if (!have_call) call = block_call_index(ws);
@@ -153,14 +154,15 @@ __global__ void __launch_bounds__(kThreads)
   //    payload vectors in shard order, each polled, re-filled and weighed.
   const uint4 sentinel4 = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
   const int first_peer = me == 0 ? 1 : 0;
-  for (int64_t i = begin + warp; i < end; i += kWarps) {
-    const int64_t t = i / hl, h = i % hl;
-    const uint4* own = reinterpret_cast<const uint4*>(po + (t * heads + me * hl + h) * dim);
-    auto peer_vec = [&](int s, int64_t v) { return inbox_out(me, s) + i * nvec + v; };
+  for (int i = begin + warp; i < end; i += kWarps) {
+    const int t = i / hl, h = i - t * hl;
+    const uint4* own = shard(t, h, me);
+    uint4* const inbox = reinterpret_cast<uint4*>(ws.buffer(me, call) + g.out_inbox_offset) + static_cast<int64_t>(i) * nvec;
+    auto peer_vec = [&](int s, int v) { return inbox + ws.peer_slot(s, me) * entry_vecs + v; };
     uint32_t* lse_at = inbox_lse(me, lane) + i;
     const bool polls_lse = lane < n && lane != me;
     uint32_t lse_word = polls_lse ? ld_volatile_u32(lse_at) : 0u;
-    const float own_lse = lane == me ? pl[t * heads + me * hl + h] : 0.0f;
+    const float own_lse = lane == me ? pl[static_cast<int64_t>(t) * heads + me * hl + h] : 0.0f;
     // Chunk 0's vectors: this rank's own (no wait) and the first peer's.
     const bool two0 = lane + 32 < nvec;
     uint4 own0 = make_uint4(0, 0, 0, 0), own1 = own0, a0 = sentinel4, a1 = sentinel4;
@@ -175,13 +177,13 @@ __global__ void __launch_bounds__(kThreads)
       mine = __uint_as_float(lse_word);
     }
     __syncwarp();
-    float lse[kMaxDeviceWorld];
+    float lse[kShards];
 #pragma unroll
-    for (int s = 0; s < kMaxDeviceWorld; ++s) lse[s] = __shfl_sync(0xffffffffu, mine, s);
-    float w[kMaxDeviceWorld];
+    for (int s = 0; s < kShards; ++s) lse[s] = __shfl_sync(0xffffffffu, mine, s);
+    float w[kShards];
     const float L = lse_weights(n, [&](int s) { return lse[s]; }, base2, w);
     if (lane == 0) out_lse[i] = L;
-    for (int64_t v0 = lane; v0 < nvec; v0 += 64) {
+    for (int v0 = lane; v0 < nvec; v0 += 64) {
       const bool second = v0 + 32 < nvec;
       if (v0 != lane) {  // later chunks: load this rank's and the first peer's vectors now
         own0 = own[v0];
@@ -194,21 +196,24 @@ __global__ void __launch_bounds__(kThreads)
       float acc[2][V::kElems];
 #pragma unroll
       for (int e = 0; e < V::kElems; ++e) acc[0][e] = acc[1][e] = 0.0f;
-      for (int s = 0; s < n; ++s) {
+#pragma unroll
+      for (int s = 0; s < kShards; ++s) {
+        if (s >= n) break;
         V x0, x1;
         if (s == me) {
           x0.raw = own0;
           x1.raw = own1;
         } else {
           // a0/a1 hold peer s's vectors (loaded earlier); wait until they landed.
-          x0.raw = land_vector(ws, peer_vec(s, v0), a0, s, call);
-          *peer_vec(s, v0) = sentinel4;
-          if (second) {
-            x1.raw = land_vector(ws, peer_vec(s, v0 + 32), a1, s, call);
-            *peer_vec(s, v0 + 32) = sentinel4;
-          }
           // Every vector is waited for, even at weight 0: the buffer is re-filled here.
-          int next = s + 1 == me ? s + 2 : s + 1;
+          uint4* p = peer_vec(s, v0);
+          x0.raw = has_sentinel(a0) ? poll_vector(ws, p, s, call) : a0;
+          *p = sentinel4;
+          if (second) {
+            x1.raw = has_sentinel(a1) ? poll_vector(ws, p + 32, s, call) : a1;
+            p[32] = sentinel4;
+          }
+          const int next = s + 1 == me ? s + 2 : s + 1;
           if (next < n) {
             a0 = ld_volatile_v4(peer_vec(next, v0));
             if (second) a1 = ld_volatile_v4(peer_vec(next, v0 + 32));
@@ -227,8 +232,9 @@ __global__ void __launch_bounds__(kThreads)
         o0.set(e, acc[0][e]);
         o1.set(e, acc[1][e]);
       }
-      reinterpret_cast<uint4*>(out + i * dim)[v0] = o0.raw;
-      if (second) reinterpret_cast<uint4*>(out + i * dim)[v0 + 32] = o1.raw;
+      uint4* o = reinterpret_cast<uint4*>(out + static_cast<int64_t>(i) * dim);
+      o[v0] = o0.raw;
+      if (second) o[v0 + 32] = o1.raw;
     }
   }
   block_finish_call(ws, call);
@@ -280,10 +286,22 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   auto stream = at::cuda::getCurrentCUDAStream();
   // One warp per item; at least one block, even for 0 rows (it advances the call index).
   const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device(), olse_blocks_per_sm());
+  // Items and vector offsets fit in 32 bits (the kernel's index arithmetic).
+  TORCH_CHECK(c.rows * c.geo.local_heads * c.geo.head_dim < (int64_t{1} << 31),
+              "torch_sdcp: output_lse_combine: ", c.rows, " rows x ", c.geo.local_heads, " heads x ", c.geo.head_dim,
+              " elements exceed the CUDA kernel's 32-bit indexing");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
-    launch_lamport(output_lse_kernel<scalar_t>, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws),
-                   c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
-                   out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
+    auto launch = [&](auto kernel) {
+      launch_lamport(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws), c.geo,
+                     partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
+                     out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
+    };
+    switch (ws.world_size) {  // DCP2, 4 and 8 keep their weights in registers
+      case 2: launch(output_lse_kernel<scalar_t, 2>); break;
+      case 4: launch(output_lse_kernel<scalar_t, 4>); break;
+      case 8: launch(output_lse_kernel<scalar_t, 8>); break;
+      default: launch(output_lse_kernel<scalar_t, 0>);
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
