@@ -265,17 +265,6 @@ void lse_combine_cuda(const at::Tensor& partial_out, const at::Tensor& partial_l
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Blocks per SM of the peer kernel (SDCP_OLSE_BLOCKS_PER_SM, default 2):
-// more blocks keep more NVLink stores in flight at many rows.
-int olse_blocks_per_sm() {
-  static const int v = [] {
-    const char* env = std::getenv("SDCP_OLSE_BLOCKS_PER_SM");
-    const int x = env ? std::atoi(env) : 2;
-    return x >= 1 && x <= 8 ? x : 2;
-  }();
-  return v;
-}
-
 void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2,
                       at::Tensor& out, at::Tensor& out_lse) {
   const Workspace& ws = *c.ws;
@@ -285,7 +274,7 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   const c10::cuda::CUDAGuard guard(partial_out.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   // One warp per item; at least one block, even for 0 rows (it advances the call index).
-  const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device(), olse_blocks_per_sm());
+  const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device());
   // Items and vector offsets fit in 32 bits (the kernel's index arithmetic).
   TORCH_CHECK(c.rows * c.geo.local_heads * c.geo.head_dim < (int64_t{1} << 31),
               "torch_sdcp: output_lse_combine: ", c.rows, " rows x ", c.geo.local_heads, " heads x ", c.geo.head_dim,
