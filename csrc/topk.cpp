@@ -13,12 +13,14 @@ void topk_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
   TORCH_CHECK_VALUE(k <= checked_mul({n, c}, "candidates_per_rank"),
                     cat("torch_sdcp: argument 'k': expected at most world_size * candidates_per_rank = ", n * c,
                         ", got ", k));
-  l.blocks = rows;
-  // One slot: consumers acknowledge before an owner rewrites its shard.
-  l.slots = 1;
-  l.part_offset[0] = 0;                 // shard [row][keys_per_row]
+  // Data-as-flag: each owner pushes its best min(C, k) keys per row into
+  // every peer's buffer; its own list never travels.
+  l.protocol = Protocol::kLamport;
+  l.blocks = 1;
+  l.slots = kLamportBuffers;
+  l.part_offset[0] = 0;                 // inbox [peer][row][keys_per_row]
   l.part_offset[1] = std::min(c, k);    // keys per row
-  l.slot_bytes = align_up(checked_mul({rows, std::min(c, k), 8}, "max_rows"), kAlign);
+  l.slot_bytes = align_up(checked_mul({n - 1, rows, std::min(c, k), 8}, "max_rows"), kAlign);
 }
 
 TopKGeometry TopKGeometry::of(const Workspace& ws) {

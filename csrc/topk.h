@@ -6,15 +6,23 @@
 
 namespace sdcp {
 
-// Workspace params [max_rows, candidates_per_rank, k] and the shard layout,
-// decoded once: each owner's shard holds its best min(C, k) candidates per
-// row as sorted 64-bit selection keys (semantics.h), [max_rows][keys_per_row].
+// Workspace params [max_rows, candidates_per_rank, k] and the inbox layout of
+// one data-as-flag buffer, decoded once: one entry per peer (peer_slot(src,
+// dst)), each the peer's best min(C, k) candidates per row as sorted 64-bit
+// selection keys (semantics.h), [peer][max_rows][keys_per_row].
 struct TopKGeometry {
   int64_t max_rows = 0, candidates_per_rank = 0, k = 0;
   int64_t keys_per_row = 0;  // min(candidates_per_rank, k)
-  int64_t shard_offset = 0;  // inside the slot
+  int64_t inbox_offset = 0;  // inside a buffer
   static TopKGeometry of(const Workspace& ws);
 };
+
+// The sentinel of a top-K inbox word: every byte 0xFF, as the buffers are
+// filled. No key can take it: a key's high half is at most 0xFF800000 (+inf,
+// topk_key in semantics.h maps NaN to 0) and an invalid candidate's key is 0,
+// so a producer stores its keys unchanged. The low half alone can be
+// 0xFFFFFFFF (id 0), so a key is polled as one 64-bit word, never in halves.
+constexpr uint64_t kTopKSentinel = ~uint64_t{0};
 
 void topk_layout(const std::vector<int64_t>& params, int64_t world_size, WorkspaceLayout& l);
 
@@ -44,7 +52,10 @@ at::Tensor topk_select_op(const at::Tensor& scores, const at::Tensor& ids, int64
 template <auto MergeLaunch>
 at::Tensor topk_merge_op(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k) {
   const TopKMergeCall c = prepare_topk_merge(scores, ids, workspace, k);
-  MergeLaunch(c, scores, ids);
+  // A call without rows leaves the workspace alone (the call index too): it
+  // would wait for no peer data, and the buffer-reuse argument needs every
+  // call to see each peer's data of the same call (docs/PROTOCOL.md).
+  if (c.rows > 0) MergeLaunch(c, scores, ids);
   return c.out;
 }
 

@@ -1,5 +1,5 @@
 // Top-K boundary, CPU: stable selection over candidate pairs, and the peer
-// merge in which every consumer reads the owners' shards in place.
+// merge in which every owner pushes its sorted best keys to every consumer.
 
 #include "topk.h"
 
@@ -42,34 +42,61 @@ void select_cpu(const at::Tensor& scores, const at::Tensor& ids, int64_t k, at::
   });
 }
 
+// Data-as-flag (lamport.h): each owner sorts its rows once and pushes its
+// best kk keys per row into every peer's buffer; each consumer takes the
+// peers' lists from its local buffer as they land (writing the sentinel
+// back) and merges them with its own.
 void merge_cpu(const TopKMergeCall& c, const at::Tensor& scores, const at::Tensor& ids) {
   const Workspace& ws = *c.ws;
-  const int64_t rows = c.rows, cand = c.geo.candidates_per_rank, n = ws.world_size, k = c.geo.k;
-  const int64_t kk = c.geo.keys_per_row;
-  auto shard = [&](int64_t r) { return reinterpret_cast<uint64_t*>(ws.slot_data(r, 0) + c.geo.shard_offset); };
-  const uint64_t epoch = host_next_epoch(ws);
-  // One slot: every consumer must have finished reading the previous epoch.
-  for (int64_t r = 0; r < n; ++r) host_wait_ack(ws, r, epoch);
-  // The owner writes its best kk keys per row once, sorted, into its own shard.
-  std::vector<uint64_t> keys(std::max(cand, n * kk));
-  uint64_t* own = shard(ws.rank);
+  const TopKGeometry& g = c.geo;
+  const int64_t rows = c.rows, cand = g.candidates_per_rank, n = ws.world_size, me = ws.rank, k = g.k;
+  const int64_t kk = g.keys_per_row;
+  const uint64_t call = host_call_index(ws);
+  const int64_t buf = call % kLamportBuffers;
+  // Buffer of rank d, entry of source s: [row][kk] keys.
+  auto inbox = [&](int64_t d, int64_t s) {
+    return reinterpret_cast<uint64_t*>(ws.slot_data(d, buf) + g.inbox_offset) + peer_slot(s, d, n) * g.max_rows * kk;
+  };
+  // 1. Owner: the best kk keys of every row, in order, pushed to every peer.
+  std::vector<uint64_t> own(rows * kk), keys(cand);
+  const float* s = scores.data_ptr<float>();
+  const int32_t* id = ids.data_ptr<int32_t>();
   for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t j = 0; j < cand; ++j)
-      keys[j] = topk_key(scores.data_ptr<float>()[t * scores.stride(0) + j], ids.data_ptr<int32_t>()[t * ids.stride(0) + j]);
-    std::partial_sort(keys.begin(), keys.begin() + kk, keys.begin() + cand, std::greater<uint64_t>());
-    std::copy(keys.begin(), keys.begin() + kk, own + t * kk);
+    for (int64_t j = 0; j < cand; ++j) keys[j] = topk_key(s[t * scores.stride(0) + j], id[t * ids.stride(0) + j]);
+    std::partial_sort(keys.begin(), keys.begin() + kk, keys.end(), std::greater<uint64_t>());
+    std::copy(keys.begin(), keys.begin() + kk, own.begin() + t * kk);
   }
-  for (int64_t d = 0; d < n; ++d) host_publish(ws, d, epoch);
-  for (int64_t r = 0; r < n; ++r) host_wait(ws, r, epoch);
-  // Every consumer reads every owner's sorted shard in place and keeps the best k.
+  for (int64_t d = 0; d < n; ++d) {
+    if (d == me) continue;
+    uint64_t* dst = inbox(d, me);
+    for (int64_t i = 0; i < rows * kk; ++i) __atomic_store_n(dst + i, own[i], __ATOMIC_RELAXED);
+  }
+  // 2. Consumer: merge each peer's sorted list as it lands, nearest peer first.
+  std::vector<uint64_t> acc(own), peer(rows * kk), merged(rows * std::max(k, kk));
+  int64_t len = kk;  // keys per row in acc
+  for (int64_t step = 1; step < n; ++step) {
+    const int64_t src = (me + step) % n;
+    uint64_t* in = inbox(me, src);
+    for (int64_t i = 0; i < rows * kk; ++i) {
+      host_spin(ws, src, call, [&] { return __atomic_load_n(in + i, __ATOMIC_ACQUIRE) != kTopKSentinel; });
+      peer[i] = __atomic_load_n(in + i, __ATOMIC_RELAXED);
+      __atomic_store_n(in + i, kTopKSentinel, __ATOMIC_RELAXED);
+    }
+    const int64_t out_len = std::min(k, len + kk);
+    for (int64_t t = 0; t < rows; ++t) {
+      std::vector<uint64_t> both(len + kk);
+      std::merge(acc.begin() + t * len, acc.begin() + (t + 1) * len, peer.begin() + t * kk,
+                 peer.begin() + (t + 1) * kk, both.begin(), std::greater<uint64_t>());
+      std::copy(both.begin(), both.begin() + out_len, merged.begin() + t * out_len);
+    }
+    acc.assign(merged.begin(), merged.begin() + rows * out_len);
+    len = out_len;
+  }
+  host_finish_call(ws, call);
+  // k <= N * kk (the layout checks it), so every row holds k keys (invalid ones are 0: id -1).
   int32_t* o = c.out.data_ptr<int32_t>();
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t r = 0; r < n; ++r) std::copy(shard(r) + t * kk, shard(r) + (t + 1) * kk, keys.begin() + r * kk);
-    std::partial_sort(keys.begin(), keys.begin() + k, keys.begin() + n * kk, std::greater<uint64_t>());
-    for (int64_t i = 0; i < k; ++i) o[t * k + i] = topk_key_id(keys[i]);
-  }
-  for (int64_t d = 0; d < n; ++d) host_ack(ws, d, epoch);
-  host_commit_epoch(ws, epoch);
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < k; ++i) o[t * k + i] = topk_key_id(acc[t * len + i]);
 }
 
 }  // namespace

@@ -1,18 +1,23 @@
 // Top-K boundary, CUDA. Candidates become 64-bit keys (semantics.h, larger =
 // selected first), so a selection is a descending sort and the ids come out in
 // selection order. One block of 1024 threads per row:
-//   - chunk sort: each warp sorts runs of 64 keys in registers (bitonic, warp
-//     shuffles), then merge-path rounds in shared memory merge the runs of a
-//     chunk of up to 4096 keys, truncating every run to k;
-//   - list merge: sorted lists (chunks, or the owners' shards) are merged by
-//     rank: each key's output position is its index in its own list plus, for
-//     every other list, the number of keys ahead of it (a binary search), so
-//     one pass places every key without further barriers.
-// The peer merge: each owner sorts its row once and publishes its best
-// min(C, k) keys in its own shard (one slot); every consumer copies the
-// owners' shards into shared memory, acknowledges, and list-merges them.
+//   - bucket rank (rank_sort): a chunk of up to 2048 keys is split into
+//     buckets by value (the first pass on the float score between the row's
+//     finite min and max, one bucket per key; later passes on the 64-bit key
+//     between a bucket's min and max), with a shared-memory histogram, a block
+//     scan and a scatter. A bucket of at most kFinal keys is ranked by counting
+//     (full 64-bit compare); a larger one is split again, so every pass shrinks
+//     a bucket's key range by at least kFinal + 1 and ties (equal scores,
+//     ordered by id) cost no more than distinct scores;
+//   - merge path (merge_two): two sorted lists merge in one pass, each thread
+//     finding its diagonal by binary search and writing its outputs.
+// topk_select sorts chunks of 2048 candidates and merges them one at a time.
+// The peer merge (protocol version 4, data-as-flag): each owner sorts its row,
+// pushes its best min(C, k) keys into every peer's buffer with plain stores,
+// then merges each peer's list as it lands in its own buffer, writing the
+// sentinel back (kTopKSentinel: no key takes it).
 
-#include "device_signal.cuh"
+#include "lamport.cuh"
 #include "semantics.h"
 #include "topk.h"
 
@@ -28,223 +33,468 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunk = 4096;              // keys sorted together, 4 per thread
-constexpr int64_t kMaxSortKeys = 16384;   // candidates per row of topk_select
+constexpr int kChunk = 2 * kThreads;     // keys ranked together, 2 per thread
+constexpr int kPer = kChunk / kThreads;  // positions per thread in rank_sort
+constexpr int kFinal = 32;               // a bucket this small is ranked by counting
+constexpr int kMaxPasses = 24;           // 64 bits / log2(kFinal + 1) + the float pass, with room
+constexpr int64_t kMaxSortKeys = 16384;  // candidates per row of topk_select
 
-__device__ __forceinline__ uint64_t kmax(uint64_t a, uint64_t b) { return a > b ? a : b; }
-__device__ __forceinline__ uint64_t kmin(uint64_t a, uint64_t b) { return a < b ? a : b; }
+// ---------------------------------------------------------------------------
+// Shared memory. rank_sort over n <= kChunk keys uses
+//   keys[2][n] u64 (ping-pong), bmin[n], bmax[n] u64 (a bucket's key range,
+//   at its first position), seg[2][n] u32 (the bucket of each position:
+//   start << 16 | size), cnt[n + 1], pos[n + 1] i32 (histogram / cursor, scan).
+// A selection adds acc and tmp (the merged best keys so far), a chunk's
+// sorted output when there is more than one chunk, and the peer merge a
+// staging list for one peer's keys.
+// ---------------------------------------------------------------------------
 
-// Sorts the warp's 64 keys descending; element i = lane + 32 * e is held in
-// v[e]. Bitonic network: stage s builds sorted runs of s keys (even runs
-// descending, odd ascending), substep j compares i with i ^ j.
-__device__ __forceinline__ void warp_sort64(uint64_t v[2]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int s = 2; s <= 64; s <<= 1) {
-#pragma unroll
-    for (int j = s >> 1; j > 0; j >>= 1) {
-      if (j == 32) {  // partner in the same lane (only in the last stage: descending)
-        const uint64_t hi = kmax(v[0], v[1]), lo = kmin(v[0], v[1]);
-        v[0] = hi;
-        v[1] = lo;
-      } else {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = lane + 32 * e;
-          const uint64_t w = __shfl_xor_sync(0xffffffffu, v[e], j);
-          const bool descending = (i & s) == 0;
-          const bool lower = (i & j) == 0;
-          v[e] = (lower == descending) ? kmax(v[e], w) : kmin(v[e], w);
-        }
-      }
-    }
-  }
+constexpr int64_t align16(int64_t x) { return (x + 15) & ~int64_t{15}; }
+
+int64_t rank_sort_bytes(int64_t n) { return 4 * n * 8 + 2 * n * 4 + 2 * align16((n + 1) * 4); }
+
+// Byte offsets into dynamic shared memory (host and device agree).
+struct SmemPlan {
+  int acc = 0, tmp = 0, chunk_out = 0, stage = 0, sort = 0;
+  int sort_n = 0;  // rank_sort capacity (keys)
+  int64_t total = 0;
+};
+
+// m candidates per row, the best `keep` are kept (acc and tmp hold `acc_keys`),
+// `stage_keys` for one peer's list (0 in topk_select).
+SmemPlan plan_smem(int64_t m, int64_t keep, int64_t acc_keys, int64_t stage_keys) {
+  SmemPlan p;
+  const int64_t chunks = (m + kChunk - 1) / kChunk;
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t at = off;
+    off += align16(bytes);
+    return static_cast<int>(at);
+  };
+  p.acc = take(acc_keys * 8);
+  p.tmp = take(acc_keys * 8);
+  p.chunk_out = take(chunks > 1 ? std::min<int64_t>(kChunk, keep) * 8 : 0);
+  p.stage = take(stage_keys * 8);
+  p.sort_n = static_cast<int>(std::min<int64_t>(m, kChunk));
+  p.sort = take(rank_sort_bytes(p.sort_n));
+  p.total = off;
+  return p;
 }
 
-// One merge round: runs of `len` keys (the last may be shorter; `total` keys
-// in all) are merged in pairs into runs of min(2 * len, cap) keys, each the
-// best of its pair. Returns the number of keys written.
-__device__ int merge_round(const uint64_t* in, uint64_t* out, int total, int len, int cap) {
-  const int nruns = (total + len - 1) / len, nout = (nruns + 1) / 2;
-  const int newlen = min(2 * len, cap);
-  const int ipt = max(1, (nout * newlen + kThreads - 1) / kThreads);  // outputs per thread
-  const int per_run = (newlen + ipt - 1) / ipt;
-  for (int c = threadIdx.x; c < nout * per_run; c += kThreads) {
-    const int p = c / per_run, q = (c % per_run) * ipt;
-    const uint64_t* a = in + 2 * p * len;
-    const uint64_t* b = a + len;
-    const int la = min(len, total - 2 * p * len);
-    const int lb = max(0, min(len, total - (2 * p + 1) * len));
-    const int olen = min(la + lb, newlen);
-    if (q >= olen) continue;
-    // Merge path: how many of the first q outputs come from a (a wins ties).
-    int lo = max(0, q - lb), hi = min(q, la);
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (a[mid] >= b[q - 1 - mid]) lo = mid + 1; else hi = mid;
-    }
-    int i = lo, j = q - lo;
-    uint64_t* o = out + p * newlen + q;
-    const int cnt = min(ipt, olen - q);
-    for (int x = 0; x < cnt; ++x) {
-      const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
-      o[x] = take_a ? a[i++] : b[j++];
-    }
-  }
-  return (nout - 1) * newlen + min(total - 2 * (nout - 1) * len, newlen);
+struct SortSmem {
+  uint64_t* keys[2];
+  uint64_t* bmin;
+  uint64_t* bmax;
+  uint32_t* seg[2];
+  int* cnt;
+  int* pos;
+};
+
+__device__ __forceinline__ SortSmem sort_smem(uint8_t* base, int n) {
+  SortSmem s;
+  auto* k = reinterpret_cast<uint64_t*>(base);
+  s.keys[0] = k;
+  s.keys[1] = k + n;
+  s.bmin = k + 2 * n;
+  s.bmax = k + 3 * n;
+  auto* g = reinterpret_cast<uint32_t*>(k + 4 * n);
+  s.seg[0] = g;
+  s.seg[1] = g + n;
+  s.cnt = reinterpret_cast<int*>(base + 4 * n * 8 + 2 * n * 4);
+  s.pos = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(s.cnt) + align16((n + 1) * 4));
+  return s;
 }
 
-// Sorts the n <= kChunk keys key_at(0..n) descending in shared memory (a and b
-// hold kChunk keys each). Returns the buffer holding the sorted keys; keys
-// past min(n, cap) may be truncated away.
-template <typename KeyAt>
-__device__ uint64_t* chunk_sort(KeyAt key_at, int n, int cap, uint64_t* a, uint64_t* b) {
-  const int padded = (n + 63) & ~63;  // padding keys are 0: below every candidate
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int base = warp * 64; base < padded; base += kWarps * 64) {
-    uint64_t v[2];
-    v[0] = base + lane < n ? key_at(base + lane) : 0;
-    v[1] = base + lane + 32 < n ? key_at(base + lane + 32) : 0;
-    warp_sort64(v);
-    a[base + lane] = v[0];
-    a[base + lane + 32] = v[1];
+__device__ __forceinline__ uint32_t pack_seg(int start, int size) {
+  return (static_cast<uint32_t>(start) << 16) | static_cast<uint32_t>(size);
+}
+__device__ __forceinline__ int seg_start(uint32_t s) { return static_cast<int>(s >> 16); }
+__device__ __forceinline__ int seg_size(uint32_t s) { return static_cast<int>(s & 0xFFFFu); }
+
+// The score of a key's high half (finite scores only: 0x00800000 <= hi < 0xFF800000).
+__device__ __forceinline__ float key_score(uint32_t hi) {
+  return __uint_as_float((hi & 0x80000000u) ? (hi & 0x7FFFFFFFu) : ~hi);
+}
+__device__ __forceinline__ bool finite_hi(uint32_t hi) { return hi >= 0x00800000u && hi < 0xFF800000u; }
+
+// Exclusive scan of in[0..n) into out[0..n], out[n] = the total. Ends with a barrier.
+__device__ void block_exclusive_scan(const int* in, int* out, int n) {
+  __shared__ int warp_sums[kWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int per = (n + kThreads - 1) / kThreads;
+  const int b = min(n, static_cast<int>(threadIdx.x) * per), e = min(n, b + per);
+  int s = 0;
+  for (int i = b; i < e; ++i) s += in[i];
+  int x = s;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_sums[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;
   }
   __syncthreads();
-  int total = padded;
-  for (int len = 64; len < total; len = min(2 * len, cap)) {
-    total = merge_round(a, b, total, len, cap);
-    uint64_t* t = a;
-    a = b;
-    b = t;
-    __syncthreads();
+  int run = x - s + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int i = b; i < e; ++i) {
+    out[i] = run;
+    run += in[i];
   }
-  return a;
+  if (threadIdx.x == kThreads - 1) out[n] = run;
+  __syncthreads();
 }
 
-// Places every key of `nlists` sorted lists (list l at lists + l * lstride,
-// `len` keys, the last list `last_len`) by rank, and calls emit(pos, key) for
-// the positions below k. Ties across lists go to the lower list, so positions
-// are a permutation.
-template <typename Emit>
-__device__ void list_merge(const uint64_t* lists, int nlists, int lstride, int len, int last_len, int k, Emit emit) {
-  for (int e = threadIdx.x; e < nlists * lstride; e += kThreads) {
-    const int l = e / lstride, i = e % lstride;
-    if (i >= (l == nlists - 1 ? last_len : len) || i >= k) continue;
-    const uint64_t x = lists[e];
-    int pos = i;
-    for (int d = 0; d < nlists && pos < k; ++d) {
-      if (d == l) continue;
-      const uint64_t* other = lists + d * lstride;
-      int lo = 0, hi = d == nlists - 1 ? last_len : len;
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        const bool ahead = d < l ? other[mid] >= x : other[mid] > x;
-        if (ahead) lo = mid + 1; else hi = mid;
+__device__ __forceinline__ uint64_t kmin(uint64_t a, uint64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ uint64_t kmax(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+__device__ __forceinline__ uint64_t warp_min(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = kmin(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ uint64_t warp_max(uint64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = kmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sorts the n <= kChunk keys key_at(0..n) descending and writes the first
+// min(n, limit) into out[]. Deterministic: equal keys are bitwise identical,
+// so their order among themselves cannot show.
+template <typename KeyAt>
+__device__ void rank_sort(const SortSmem& m, KeyAt key_at, int n, int limit, uint64_t* out) {
+  __shared__ uint32_t fin_min, fin_max;  // finite score range, as key high halves
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    fin_min = 0xFFFFFFFFu;
+    fin_max = 0;
+    m.bmin[0] = ~uint64_t{0};
+    m.bmax[0] = 0;
+  }
+  __syncthreads();
+  {
+    uint64_t lo = ~uint64_t{0}, hi = 0;
+    uint32_t flo = 0xFFFFFFFFu, fhi = 0;
+    for (int j = tid; j < n; j += kThreads) {
+      const uint64_t x = key_at(j);
+      m.keys[0][j] = x;
+      m.seg[0][j] = pack_seg(0, n);
+      lo = kmin(lo, x);
+      hi = kmax(hi, x);
+      const uint32_t h = static_cast<uint32_t>(x >> 32);
+      if (finite_hi(h)) {
+        flo = flo < h ? flo : h;
+        fhi = fhi > h ? fhi : h;
       }
-      pos += lo;
     }
-    if (pos < k) emit(pos, x);
+    lo = warp_min(lo);
+    hi = warp_max(hi);
+    flo = static_cast<uint32_t>(warp_min(flo));
+    fhi = static_cast<uint32_t>(warp_max(fhi));
+    if ((tid & 31) == 0) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&m.bmin[0]), static_cast<unsigned long long>(lo));
+      atomicMax(reinterpret_cast<unsigned long long*>(&m.bmax[0]), static_cast<unsigned long long>(hi));
+      atomicMin(&fin_min, flo);
+      atomicMax(&fin_max, fhi);
+    }
   }
-}
-
-// Shared memory of block_select over m keys: two chunk buffers, then the
-// sorted lists of the chunks (only with more than one chunk).
-int64_t select_smem(int64_t m, int64_t k) {
-  const int64_t chunks = std::max<int64_t>(1, (m + kChunk - 1) / kChunk);
-  const int64_t lstride = std::min<int64_t>(kChunk, k);
-  return 2 * kChunk * 8 + (chunks > 1 ? chunks * lstride * 8 : 0);
-}
-
-// The best min(m, k) of keys key_at(0..m) in order: emit(pos, key). The caller
-// emits the -1 padding for positions m..k. `before_emit` runs (once, by the
-// whole block) after the sorting and before the first emit.
-template <typename KeyAt, typename Emit, typename BeforeEmit>
-__device__ void block_select(uint8_t* smem, KeyAt key_at, int m, int k, Emit emit, BeforeEmit before_emit) {
-  auto* a = reinterpret_cast<uint64_t*>(smem);
-  auto* b = a + kChunk;
-  auto* lists = b + kChunk;
-  const int chunks = max(1, (m + kChunk - 1) / kChunk);
-  const int lstride = min(kChunk, k);
-  if (chunks == 1) {
-    const uint64_t* sorted = chunk_sort(key_at, m, k, a, b);
-    before_emit();
-    for (int pos = threadIdx.x; pos < min(m, k); pos += kThreads) emit(pos, sorted[pos]);
-    return;
-  }
-  for (int c = 0; c < chunks; ++c) {
-    const int base = c * kChunk, n = min(kChunk, m - base);
-    const uint64_t* sorted = chunk_sort([&](int j) { return key_at(base + j); }, n, k, a, b);
-    for (int j = threadIdx.x; j < min(n, lstride); j += kThreads) lists[c * lstride + j] = sorted[j];
+  __syncthreads();
+  const double fmax = fin_min <= fin_max ? static_cast<double>(key_score(fin_max)) : 0.0;
+  const double fmin = fin_min <= fin_max ? static_cast<double>(key_score(fin_min)) : 0.0;
+  int cur = 0;
+  for (int pass = 0; pass < kMaxPasses; ++pass) {
+    const uint64_t* K = m.keys[cur];
+    const uint32_t* S = m.seg[cur];
+    uint64_t x[kPer];
+    uint32_t sg[kPer];
+    int idx[kPer];
+    bool split[kPer];
+    bool any = false;
+    // 1. Which buckets split: larger than kFinal, not all equal, and needed.
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = tid + i * kThreads;
+      split[i] = false;
+      if (j < n) {
+        x[i] = K[j];
+        sg[i] = S[j];
+        const int st = seg_start(sg[i]);
+        split[i] = seg_size(sg[i]) > kFinal && st < limit && m.bmin[st] != m.bmax[st];
+        m.cnt[j] = split[i] ? 0 : 1;  // a final position keeps its place in the scan
+        any |= split[i];
+      }
+    }
+    if (!__syncthreads_or(any)) break;
+    // 2. Histogram: a splitting bucket [st, st + sz) counts its sz sub-buckets
+    //    in cnt[st .. st + sz), larger keys in lower sub-buckets.
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (!split[i]) continue;
+      const int st = seg_start(sg[i]), sz = seg_size(sg[i]);
+      int b;
+      if (pass == 0) {  // on the float score: uniform and clustered scores spread alike
+        const uint32_t h = static_cast<uint32_t>(x[i] >> 32);
+        if (h >= 0xFF800000u) {
+          b = 0;  // +inf
+        } else if (!finite_hi(h)) {
+          b = sz - 1;  // -inf, NaN, invalid
+        } else if (fmax == fmin) {
+          b = 1;
+        } else {
+          const double f = (fmax - static_cast<double>(key_score(h))) / (fmax - fmin) * (sz - 2);
+          b = 1 + min(sz - 3, static_cast<int>(f));
+        }
+      } else {  // on the 64-bit key inside the bucket's range (monotone, so order-preserving)
+        const uint64_t lo = m.bmin[st];
+        const double f = static_cast<double>(x[i] - lo) / (static_cast<double>(m.bmax[st] - lo) + 1.0) * sz;
+        b = sz - 1 - min(sz - 1, static_cast<int>(f));
+      }
+      idx[i] = st + b;
+      atomicAdd(&m.cnt[idx[i]], 1);
+    }
     __syncthreads();
+    for (int j = tid; j < n; j += kThreads) {
+      m.bmin[j] = ~uint64_t{0};
+      m.bmax[j] = 0;
+    }
+    block_exclusive_scan(m.cnt, m.pos, n);
+    // 3. Scatter into the other buffer; sub-bucket idx starts at pos[idx] and
+    //    holds pos[idx + 1] - pos[idx] keys (cnt is the cursor, counting down).
+    uint64_t* K2 = m.keys[cur ^ 1];
+    uint32_t* S2 = m.seg[cur ^ 1];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int j = tid + i * kThreads;
+      if (j >= n) continue;
+      int dst = j;
+      uint32_t s2 = sg[i];
+      if (split[i]) {
+        const int st = m.pos[idx[i]];
+        dst = st + atomicSub(&m.cnt[idx[i]], 1) - 1;
+        s2 = pack_seg(st, m.pos[idx[i] + 1] - st);
+      }
+      K2[dst] = x[i];
+      S2[dst] = s2;
+      if (seg_size(s2) > kFinal) {
+        atomicMin(reinterpret_cast<unsigned long long*>(&m.bmin[seg_start(s2)]), static_cast<unsigned long long>(x[i]));
+        atomicMax(reinterpret_cast<unsigned long long*>(&m.bmax[seg_start(s2)]), static_cast<unsigned long long>(x[i]));
+      }
+    }
+    __syncthreads();
+    cur ^= 1;
   }
-  before_emit();
-  const int last = m - (chunks - 1) * kChunk;
-  list_merge(lists, chunks, lstride, lstride, min(last, lstride), k, emit);
+  // 4. Rank inside each bucket: the keys of the bucket above mine, plus the
+  //    equal ones before me. A bucket still larger than kFinal holds equal
+  //    keys (or, past kMaxPasses, is counted all the same).
+  const uint64_t* K = m.keys[cur];
+  const uint32_t* S = m.seg[cur];
+  for (int j = tid; j < n; j += kThreads) {
+    const uint32_t sg = S[j];
+    const int st = seg_start(sg), sz = seg_size(sg);
+    if (st >= limit) continue;
+    const uint64_t x = K[j];
+    int r = j - st;
+    if (sz > 1 && (sz <= kFinal || m.bmin[st] != m.bmax[st])) {
+      r = 0;
+      for (int q = st; q < st + sz; ++q) {
+        const uint64_t y = K[q];
+        r += (y > x) || (y == x && q < j);
+      }
+    }
+    if (st + r < limit) out[st + r] = x;
+  }
+  __syncthreads();
 }
 
-__global__ void __launch_bounds__(kThreads) topk_select_kernel(const float* scores, const int32_t* ids, int64_t s0,
-                                                               int64_t i0, int m, int k, int32_t* out) {
+// Merge path: the first nout keys of the merge of a[0..la) and b[0..lb), both
+// descending, into out (a wins ties). Each thread finds its diagonal by binary
+// search and writes its run of outputs. The caller synchronises after.
+__device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, uint64_t* out, int nout) {
+  const int per = (nout + kThreads - 1) / kThreads;
+  const int q = static_cast<int>(threadIdx.x) * per;
+  if (q >= nout) return;
+  int lo = max(0, q - lb), hi = min(q, la);
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a[mid] >= b[q - 1 - mid]) lo = mid + 1; else hi = mid;
+  }
+  int i = lo, j = q - lo;
+  const int cnt = min(per, nout - q);
+  for (int x = 0; x < cnt; ++x) {
+    const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
+    out[q + x] = take_a ? a[i++] : b[j++];
+  }
+}
+
+// The best min(m, keep) keys of key_at(0..m) in order, sorted by chunks of
+// kChunk that are merged one at a time. Returns where they are (acc or tmp).
+template <typename KeyAt>
+__device__ uint64_t* block_select(uint8_t* smem, const SmemPlan& p, KeyAt key_at, int m, int keep) {
+  uint64_t* acc = reinterpret_cast<uint64_t*>(smem + p.acc);
+  uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + p.tmp);
+  const SortSmem s = sort_smem(smem + p.sort, p.sort_n);
+  const int first = min(m, kChunk);
+  rank_sort(s, key_at, first, keep, acc);
+  int len = min(first, keep);
+  for (int base = kChunk; base < m; base += kChunk) {
+    uint64_t* chunk = reinterpret_cast<uint64_t*>(smem + p.chunk_out);
+    const int c = min(kChunk, m - base);
+    rank_sort(s, [&](int j) { return key_at(base + j); }, c, keep, chunk);
+    const int nout = min(len + min(c, keep), keep);
+    merge_two(acc, len, chunk, min(c, keep), tmp, nout);
+    __syncthreads();
+    uint64_t* t = acc;
+    acc = tmp;
+    tmp = t;
+    len = nout;
+  }
+  return acc;
+}
+
+__global__ void __launch_bounds__(kThreads) topk_select_kernel(SmemPlan p, const float* scores, const int32_t* ids,
+                                                               int64_t s0, int64_t i0, int m, int k, int32_t* out) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int64_t t = blockIdx.x;
   int32_t* o = out + t * k;
-  block_select(
-      smem, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, m, k,
-      [&](int pos, uint64_t key) { o[pos] = topk_key_id(key); }, [] {});
-  for (int pos = m + threadIdx.x; pos < k; pos += kThreads) o[pos] = -1;
+  const int take = min(m, k);
+  if (m > 0) {
+    const uint64_t* best = block_select(
+        smem, p, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, m, k);
+    for (int pos = threadIdx.x; pos < take; pos += kThreads) o[pos] = topk_key_id(best[pos]);
+  }
+  for (int pos = take + threadIdx.x; pos < k; pos += kThreads) o[pos] = -1;
 }
 
-// Grid: max_rows blocks (per-block epochs), block t handles row t.
-__global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws, TopKGeometry g, const float* scores,
-                                                              const int32_t* ids, int64_t s0, int64_t i0, int rows,
-                                                              int c, int k, int32_t* out) {
+// ---------------------------------------------------------------------------
+// Peer merge, data-as-flag.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ ulonglong2 ld_volatile_keys(const ulonglong2* p) {
+  ulonglong2 v;
+  asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  return v;
+}
+
+// Polls two keys of a local buffer until neither is the sentinel. Each 64-bit
+// element of the vector is single-copy atomic, so a landed key is whole.
+__device__ __forceinline__ ulonglong2 poll_keys(const DeviceWorkspace& ws, const ulonglong2* p, int src,
+                                                uint64_t call) {
+  ulonglong2 v = ld_volatile_keys(p);
+  if (v.x != kTopKSentinel && v.y != kTopKSentinel) return v;
+  const uint64_t start = globaltimer_ns();
+  do {
+    if (globaltimer_ns() - start > ws.timeout_ns) lamport_timeout(ws, src, call);
+    v = ld_volatile_keys(p);
+  } while (v.x == kTopKSentinel || v.y == kTopKSentinel);
+  return v;
+}
+
+__device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const uint64_t* p, int src, uint64_t call) {
+  uint64_t v = ld_volatile_u64(p);
+  if (v != kTopKSentinel) return v;
+  const uint64_t start = globaltimer_ns();
+  do {
+    if (globaltimer_ns() - start > ws.timeout_ns) lamport_timeout(ws, src, call);
+    v = ld_volatile_u64(p);
+  } while (v == kTopKSentinel);
+  return v;
+}
+
+// Grid: one block per row, at most one per SM (block b handles rows b, b +
+// gridDim.x, ...). For each row: sort the own candidates, push the best kk
+// keys into every peer's buffer (16-byte stores when kk is even), then merge
+// each peer's list (polled from the local buffer, the sentinel written back
+// at once) into the result, nearest peer first. A block waits only for the
+// same rows of its peers, which every block pushes before it waits, so the
+// grid need not be co-resident.
+__global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws, TopKGeometry g, SmemPlan p,
+                                                              const float* scores, const int32_t* ids, int64_t s0,
+                                                              int64_t i0, int rows, int c, int k, int32_t* out) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const uint64_t epoch = block_next_epoch(ws);
-  const int t = blockIdx.x, n = ws.world;
+  const uint64_t call = block_call_index(ws);
+  const int n = ws.world, me = ws.rank;
   const int kk = static_cast<int>(g.keys_per_row);  // min(c, k)
-  auto shard = [&](int r) { return reinterpret_cast<uint64_t*>(ws.slot_data(r, 0) + g.shard_offset) + t * kk; };
-  // 1. Owner: sort the row once; once every consumer has finished reading the
-  //    previous epoch, store the best kk keys into the own shard, in order.
-  uint64_t* own = shard(ws.rank);
-  if (t < rows) {
-    block_select(
-        smem, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, c, kk,
-        [&](int pos, uint64_t key) { own[pos] = key; }, [&] { block_wait_acks(ws, epoch); });
-  } else {
-    block_wait_acks(ws, epoch);
-  }
-  block_publish_all(ws, epoch);
-  block_wait_all(ws, epoch);
-  // 2. Consumer: copy every owner's sorted row into shared memory (16-byte
-  //    loads), acknowledge, then place the keys by rank.
-  auto* lists = reinterpret_cast<uint64_t*>(smem);
-  if (t < rows) {
-    if (kk % 2 == 0) {  // rows are 16-byte aligned
-      const int vec_per_list = kk / 2;
-      for (int x = threadIdx.x; x < n * vec_per_list; x += kThreads) {
-        const int r = x / vec_per_list, v = x % vec_per_list;
-        reinterpret_cast<uint4*>(lists + r * kk)[v] = reinterpret_cast<const uint4*>(shard(r))[v];
+  auto inbox = [&](int d, int src, int t) {
+    return reinterpret_cast<uint64_t*>(ws.buffer(d, call) + g.inbox_offset) +
+           (static_cast<int64_t>(ws.peer_slot(src, d)) * g.max_rows + t) * kk;
+  };
+  uint64_t* stage = reinterpret_cast<uint64_t*>(smem + p.stage);
+  for (int t = blockIdx.x; t < rows; t += gridDim.x) {
+    // 1. Owner: the best kk keys of the row, in order.
+    uint64_t* acc = block_select(
+        smem, p, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, c, kk);
+    uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
+    // 2. Push them into every peer's buffer (plain stores: the keys are their own flag).
+    if (kk % 2 == 0) {
+      const int vec = kk / 2;
+      for (int x = threadIdx.x; x < (n - 1) * vec; x += kThreads) {
+        const int d = (me + 1 + x / vec) % n, v = x % vec;
+        reinterpret_cast<ulonglong2*>(inbox(d, me, t))[v] = reinterpret_cast<const ulonglong2*>(acc)[v];
       }
     } else {
-      for (int x = threadIdx.x; x < n * kk; x += kThreads) lists[x] = shard(x / kk)[x % kk];
+      for (int x = threadIdx.x; x < (n - 1) * kk; x += kThreads) {
+        const int d = (me + 1 + x / kk) % n;
+        inbox(d, me, t)[x % kk] = acc[x % kk];
+      }
     }
-  }
-  block_ack_all(ws, epoch);
-  if (t < rows) {
+    // 3. Consumer: merge each peer's list as it lands.
+    int len = kk;
+    for (int step = 1; step < n; ++step) {
+      const int src = (me + step) % n;
+      uint64_t* in = inbox(me, src, t);
+      if (kk % 2 == 0) {
+        for (int v = threadIdx.x; v < kk / 2; v += kThreads) {
+          ulonglong2* q = reinterpret_cast<ulonglong2*>(in) + v;
+          reinterpret_cast<ulonglong2*>(stage)[v] = poll_keys(ws, q, src, call);
+          *q = make_ulonglong2(kTopKSentinel, kTopKSentinel);
+        }
+      } else {
+        for (int i = threadIdx.x; i < kk; i += kThreads) {
+          stage[i] = poll_key(ws, in + i, src, call);
+          in[i] = kTopKSentinel;
+        }
+      }
+      __syncthreads();
+      const int nout = min(k, len + kk);
+      merge_two(acc, len, stage, kk, tmp, nout);
+      __syncthreads();
+      uint64_t* x = acc;
+      acc = tmp;
+      tmp = x;
+      len = nout;
+    }
+    // k <= N * kk (the layout checks it): every position holds a key (invalid ones are 0: id -1).
     int32_t* o = out + static_cast<int64_t>(t) * k;
-    list_merge(lists, n, kk, kk, kk, k, [&](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
+    for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
+    __syncthreads();  // the next row reuses the shared memory
   }
-  block_commit_epoch(ws, epoch);
+  block_finish_call(ws, call);
 }
 
-int64_t max_smem_optin(const at::Tensor& on) {
+int64_t max_smem_optin(int device) {
   int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, on.get_device()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   return value;
 }
 
-// Opt the kernel into `bytes` of dynamic shared memory on the current device
-// (the attribute call is made only when a larger size is first needed).
-void set_smem(const void* kernel, int64_t bytes, std::array<std::atomic<int64_t>, 64>& current, int device) {
+// Checks that `bytes` of dynamic shared memory fit next to the kernel's static
+// shared memory, and opts the kernel in (the attribute call is made only when
+// a larger size is first needed on the device).
+void set_smem(const void* kernel, int64_t bytes, std::array<std::atomic<int64_t>, 64>& current, int device,
+              const char* arg, const char* what) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const int64_t limit = max_smem_optin(device) - static_cast<int64_t>(attr.sharedSizeBytes);
+  SDCP_CHECK_ARG(bytes <= limit, arg, "a row that fits in shared memory (" << limit << " bytes of dynamic shared "
+                 "memory on this device)", bytes << " bytes for " << what);
   auto& cur = current[device & 63];
   if (bytes > cur.load()) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
@@ -256,32 +506,45 @@ void select_cuda(const at::Tensor& scores, const at::Tensor& ids, int64_t k, at:
   const int64_t rows = scores.size(0), m = scores.size(1);
   SDCP_CHECK_ARG(m <= kMaxSortKeys, "scores", "at most " << kMaxSortKeys << " candidates per row on CUDA", m);
   SDCP_CHECK_ARG(k <= INT32_MAX / 2, "k", "at most " << INT32_MAX / 2 << " on CUDA", k);
+  SDCP_CHECK_ARG(rows <= INT32_MAX, "scores", "at most " << INT32_MAX << " rows on CUDA", rows);
   const c10::cuda::CUDAGuard guard(scores.device());
-  const int64_t smem = select_smem(m, k), limit = max_smem_optin(scores);
-  SDCP_CHECK_ARG(smem <= limit, "scores", "a row that fits in shared memory (" << limit << " bytes)", smem << " bytes for "
-                 << m << " candidates and k = " << k);
+  const int64_t keep = std::min(m, k);
+  const SmemPlan p = plan_smem(m, keep, keep, 0);
   static std::array<std::atomic<int64_t>, 64> current{};
-  set_smem(reinterpret_cast<const void*>(topk_select_kernel), smem, current, scores.get_device());
-  topk_select_kernel<<<rows, kThreads, smem, at::cuda::getCurrentCUDAStream().stream()>>>(
-      scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0), static_cast<int>(m),
+  set_smem(reinterpret_cast<const void*>(topk_select_kernel), p.total, current, scores.get_device(), "scores",
+           cat(m, " candidates and k = ", k).c_str());
+  // One block per row.
+  topk_select_kernel<<<static_cast<unsigned>(rows), kThreads, p.total, at::cuda::getCurrentCUDAStream().stream()>>>(
+      p, scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0), static_cast<int>(m),
       static_cast<int>(k), out.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+int sm_count(int device) {
+  static int sms[64] = {0};
+  int& v = sms[device & 63];
+  if (v == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+  return v;
 }
 
 void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tensor& ids) {
   const Workspace& ws = *c.ws;
   check_device_world(ws);
   const int64_t cand = c.geo.candidates_per_rank, kk = c.geo.keys_per_row, k = c.geo.k;
-  const int64_t smem = std::max(select_smem(cand, kk), ws.world_size * kk * 8), limit = max_smem_optin(scores);
-  SDCP_CHECK_ARG(smem <= limit, "scores", "candidates that fit in shared memory (" << limit << " bytes)",
-                 smem << " bytes for " << cand << " candidates per rank, " << ws.world_size << " ranks and k = " << k);
+  SDCP_CHECK_ARG(cand <= kMaxSortKeys, "scores", "at most " << kMaxSortKeys << " candidates per rank on CUDA", cand);
   const c10::cuda::CUDAGuard guard(scores.device());
+  const int device = scores.get_device();
+  // acc and tmp hold up to k keys (the merged result), stage one peer's kk.
+  const SmemPlan p = plan_smem(cand, kk, k, kk);
   static std::array<std::atomic<int64_t>, 64> current{};
-  set_smem(reinterpret_cast<const void*>(topk_merge_kernel), smem, current, scores.get_device());
-  // The grid is fixed by the workspace (max_rows blocks): per-block epochs.
-  topk_merge_kernel<<<ws.layout.blocks, kThreads, smem, at::cuda::getCurrentCUDAStream().stream()>>>(
-      device_workspace(ws), c.geo, scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
-      static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>());
+  set_smem(reinterpret_cast<const void*>(topk_merge_kernel), p.total, current, device, "scores",
+           cat(cand, " candidates per rank and k = ", k).c_str());
+  // One block per row of this call (at least one: 0-row calls never get
+  // here), at most one per SM.
+  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.rows, sm_count(device))));
+  topk_merge_kernel<<<grid, kThreads, p.total, at::cuda::getCurrentCUDAStream().stream()>>>(
+      device_workspace(ws), c.geo, p, scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0),
+      ids.stride(0), static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

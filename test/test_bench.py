@@ -60,3 +60,17 @@ def test_tables_give_ratios_against_the_strongest_baseline():
     assert "output_lse / vLLM a2a:" in text and "not performance" not in text
     row["vllm_a2a"] = {"error": "RuntimeError: x"}
     assert "symm-mem/torch_sdcp 2.50x" in tables({"meta": meta, "results": {"output_lse": [row]}})
+
+
+def test_bench_times_the_topk_ordering_step_per_distribution(tmp_path):
+    out = tmp_path / "bench"
+    res = run_bench("--backend", "host", "--world-size", "2", "--rows", "1,2", "--replays", "1", "--trials", "1",
+                    "--k", "64", "--boundaries", "topk", "--topk-distributions", "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = [r for r in json.loads((out / "bench.json").read_text())["results"]["topk"] if "rows" in r]
+    assert [r["rows"] for r in rows] == [1, 2]
+    for r in rows:
+        for kind in ("uniform", "normal", "tied80", "equal"):
+            assert r["kernels"][f"sort_{kind}"]["k8"] > 0, r
+    assert "sort_tied80" in res.stdout and "kernel alone (k8)" in res.stdout
+    assert "--topk-distributions" in run_bench("--help").stdout

@@ -1,7 +1,11 @@
 """Top-K boundary: the local stable selection, the peer merge (host backend at
-world sizes 1-4, CUDA on 2 GPUs), opcheck, torch.compile, CUDA graphs."""
+world sizes 1-4, CUDA on 2 GPUs or SDCP_GPU_WORLD), opcheck, torch.compile,
+CUDA graphs, and many calls with random per-rank delays."""
 
 from __future__ import annotations
+
+import random
+import time
 
 import pytest
 import torch
@@ -35,6 +39,66 @@ def test_local_select_matches_reference(device, t, m, k, nasty):
     want = reference.topk_select_ref(scores, ids, k)
     got = ops.topk_select(scores.to(device), ids.to(device), k).cpu()
     assert torch.equal(got, want)
+
+
+DISTRIBUTIONS = ("uniform", "normal", "tied80", "equal", "outlier", "ids_spread")
+
+
+def distribution(kind, t, c, *, seed=0):
+    """Scores and ids [t, c] of one shape of score distribution: the four the
+    bench times (uniform, normal, 80 distinct values, all equal), one far
+    outlier that squeezes every other score into one bucket of the float
+    range, and equal scores whose ids differ by powers of two (the ranks
+    separate on the id bits only)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(t * c, generator=g).view(t, c).to(torch.int32)
+    if kind == "uniform":
+        scores = torch.rand(t, c, generator=g)
+    elif kind == "normal":
+        scores = torch.randn(t, c, generator=g)
+    elif kind == "tied80":
+        scores = torch.randint(0, 80, (t, c), generator=g).float() * 0.37 - 5.0
+    elif kind == "equal":
+        scores = torch.full((t, c), 1.5)
+    elif kind == "outlier":
+        scores = torch.randn(t, c, generator=g)
+        scores[:, c // 2] = 3e38
+        scores[:, c // 3] = -3e38
+    elif kind == "ids_spread":
+        scores = torch.zeros(t, c)
+        j = torch.arange(c)
+        ids = torch.where(j < 31, (2 ** j.clamp(max=30)) - 1, 2**31 - 1 - j).to(torch.int32).repeat(t, 1)
+    else:
+        raise ValueError(kind)
+    return scores.contiguous(), ids.contiguous()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("kind", DISTRIBUTIONS)
+@pytest.mark.parametrize("t,m,k", [(3, 2048, 2048), (2, 4096, 2048), (2, 2048, 100), (1, 16384, 2048),
+                                   (2, 33, 33), (1, 5000, 3000)])
+def test_local_select_distributions(device, kind, t, m, k):
+    scores, ids = distribution(kind, t, m, seed=m + k)
+    want = reference.topk_select_ref(scores, ids, k)
+    got = ops.topk_select(scores.to(device), ids.to(device), k).cpu()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_local_select_all_invalid_nan_and_inf(device):
+    t, m, k = 4, 2048, 2048
+    scores, ids = distribution("normal", t, m, seed=3)
+    scores[0] = float("nan")                     # every score NaN: ordered by id
+    scores[1] = -float("inf")                    # every score -inf
+    scores[2, ::2] = float("inf")                # half +inf, half -inf
+    scores[2, 1::2] = -float("inf")
+    ids[3] = -1                                  # no valid candidate
+    ids[3, 7] = 2**31 - 1
+    ids[3, 9] = -2**31                           # any negative id is invalid
+    want = reference.topk_select_ref(scores, ids, k)
+    got = ops.topk_select(scores.to(device), ids.to(device), k).cpu()
+    assert torch.equal(got, want)
+    assert got[3, 0] == 2**31 - 1 and (got[3, 1:] == -1).all()
 
 
 @pytest.mark.parametrize("device", devices())
@@ -83,17 +147,22 @@ from _dist import run_workers  # noqa: E402
 from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 
-def _global_candidates(world, t, c, seed, nasty):
+def _global_candidates(world, t, c, seed, nasty, kind=None):
     shards = []
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(world * t * c, generator=g).view(world, t, c)
     for r in range(world):
-        scores, _ = make_candidates(t, c, seed=seed * 31 + r, nasty=nasty)
+        if kind is None:
+            scores, _ = make_candidates(t, c, seed=seed * 31 + r, nasty=nasty)
+        else:
+            scores, _ = distribution(kind, t, c, seed=seed * 31 + r)
         ids = perm[r].to(torch.int32)
         if nasty:
             ids[:, 5::19] = -1
             if r == world - 1:
                 ids[:] = -1  # an owner with no valid candidates
+            elif r == 1 and c > 8:
+                ids[:, 8:] = -1  # an owner with fewer than k valid candidates
             ids[:, 0] = 2**31 - 1 - r  # ids near 2^31
             scores[:, 0] = 1.0
         shards.append((scores, ids))
@@ -107,15 +176,16 @@ def _peer_merge_worker(rank, world, backend, cases, max_rows):
     if backend == "cuda":
         torch.cuda.set_device(device)
     picked = []
-    for k, c in sorted({(k, c) for _, k, c, _ in cases}):
+    cases = [case if len(case) == 5 else (*case, None) for case in cases]
+    for k, c in sorted({(k, c) for _, k, c, _, _ in cases}):
         if k > world * c:
             continue
         with torch_sdcp.TopKWorkspace(None, max_rows, k, candidates_per_rank=c, backend=backend,
                                       device=device) as ws:
-            for i, (t, kk, cc, nasty) in enumerate(cases):
+            for i, (t, kk, cc, nasty, kind) in enumerate(cases):
                 if (kk, cc) != (k, c):
                     continue
-                shards = _global_candidates(world, t, c, seed=t + k + i, nasty=nasty)
+                shards = _global_candidates(world, t, c, seed=t + k + i, nasty=nasty, kind=kind)
                 got = ws.merge(shards[rank][0].to(device), shards[rank][1].to(device)).cpu()
                 assert torch.equal(got, reference.topk_merge_ref(shards, k)), f"rank {rank} t={t} k={k}"
                 picked.append(got)
@@ -123,7 +193,8 @@ def _peer_merge_worker(rank, world, backend, cases, max_rows):
 
 
 HOST_CASES = [(1, 512, 512, True), (16, 512, 1024, False), (17, 1024, 1024, True), (64, 512, 512, True),
-              (3, 2048, 2048, True), (4, 20, 16, True)]
+              (3, 2048, 2048, True), (4, 20, 16, True), (0, 512, 512, False), (5, 7, 3, True),
+              (3, 33, 9, True)] + [(2, 2048, 2048, False, kind) for kind in DISTRIBUTIONS]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -139,12 +210,14 @@ GPU_CASES = [(t, k, k, nasty) for t in (1, 16, 17, 64, 96, 128) for k in (512, 1
     (5, 100, 300, False),   # C > k, k not a power of two
     (3, 77, 77, True),      # odd shard rows (no 16-byte vectors)
     (4, 20, 16, True),      # C < k
-]
+    (0, 2048, 2048, False),  # no rows: the workspace is left alone
+    (200, 512, 512, True),  # more rows than SMs: a block handles several rows
+] + [(t, 2048, 2048, False, kind) for t in (1, 64) for kind in DISTRIBUTIONS]
 
 
 @requires_gpus(GPU_WORLD)
 def test_peer_merge_cuda():
-    picked = run_workers(_peer_merge_worker, GPU_WORLD, args=("cuda", GPU_CASES, 128), timeout=400)
+    picked = run_workers(_peer_merge_worker, GPU_WORLD, args=("cuda", GPU_CASES, 256), timeout=400)
     for r in range(1, GPU_WORLD):
         assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
 
@@ -202,10 +275,49 @@ def test_peer_merge_opcheck_and_compile_world1(world1):
                 ws.merge(scores[:, :16].contiguous(), ids[:, :16].contiguous())
 
 
+def _many_calls_worker(rank, world, calls, backend):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    rng = random.Random(rank)  # delays differ per rank; shapes agree (seeded by the call)
+    k, c = 24, 16
+    with torch_sdcp.TopKWorkspace(None, 6, k, candidates_per_rank=c, backend=backend, device=device,
+                                  timeout_s=60) as ws:
+        for e in range(calls):
+            if rng.random() < 0.01:  # random per-rank delays
+                time.sleep(rng.random() * 0.003)
+            t = e % 7  # the row count changes every call (0 included)
+            shards = _global_candidates(world, t, c, seed=e, nasty=e % 3 == 0,
+                                        kind=None if e % 4 else DISTRIBUTIONS[e // 4 % len(DISTRIBUTIONS)])
+            got = ws.merge(shards[rank][0].to(device), shards[rank][1].to(device)).cpu()
+            if not torch.equal(got, reference.topk_merge_ref(shards, k)):
+                raise AssertionError(f"rank {rank} call {e}: wrong ids")
+    return calls
+
+
+@pytest.mark.parametrize("world,calls", [(2, 2000), (3, 600), (4, 400)])
+def test_peer_merge_host_many_calls_random_delays(world, calls):
+    assert run_workers(_many_calls_worker, world, args=(calls, "host"), timeout=300) == [calls] * world
+
+
+@requires_gpus(GPU_WORLD)
+def test_peer_merge_cuda_many_calls_random_delays():
+    assert run_workers(_many_calls_worker, GPU_WORLD, args=(10000, "cuda"), timeout=600) == [10000] * GPU_WORLD
+
+
 def test_workspace_fits_the_target_at_128_rows():
-    # One slot of 128 rows x 2048 sorted 8-byte keys, plus control: 4 MiB
-    # after rounding to a 2 MiB granularity.
-    nbytes = torch.ops.sdcp.workspace_nbytes(2, [128, 2048, 2048], 2)
-    assert 128 * 2048 * 8 < nbytes <= 4 * 2**20 - 2**20
+    # Two buffers of one peer entry of 128 rows x 2048 sorted 8-byte keys, plus
+    # control and tail: 6 MiB after rounding to a 2 MiB granularity at DCP2.
+    mib = 2**20
+
+    def rounded(world):
+        nbytes = torch.ops.sdcp.workspace_nbytes(2, [128, 2048, 2048], world)
+        assert nbytes > 2 * (world - 1) * 128 * 2048 * 8
+        return -(-nbytes // (2 * mib)) * 2 * mib
+
+    assert rounded(2) == 6 * mib
+    assert rounded(4) == 14 * mib and rounded(8) == 30 * mib
     with pytest.raises(ValueError, match="'k'.*at most world_size \\* candidates_per_rank = 64"):
         torch.ops.sdcp.workspace_nbytes(2, [8, 32, 65], 2)

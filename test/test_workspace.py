@@ -115,7 +115,8 @@ def test_layout_names_the_cpp_layout():
     out_bytes = (world - 1) * 8 * 4 * 128 * 2  # [peer][row][h_loc][d] bf16
     assert (part(OutputLSEWorkspace, "out_inbox"), part(OutputLSEWorkspace, "lse_inbox")) == (0, out_bytes)
     assert layouts[OutputLSEWorkspace].slots == 2
-    assert part(TopKWorkspace, "keys_per_row") == 16 and layouts[TopKWorkspace].slots == 1
+    assert part(TopKWorkspace, "keys_per_row") == 16 and layouts[TopKWorkspace].slots == 2
+    assert layouts[TopKWorkspace].slot_bytes == (world - 1) * 8 * 16 * 8 and layouts[TopKWorkspace].control_bytes == 4096
     assert part(QueryWorkspace, "inbox") == 0 and layouts[QueryWorkspace].slot_bytes == 8 * world * 4 * 576
 
 

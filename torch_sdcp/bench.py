@@ -5,6 +5,7 @@ each path's kernels and communication (LEGEND below).
 
     python -m torch_sdcp.bench [--world-size N] [--preset glm-5] [--rows 1,8,32]
                                [--boundaries query,topk,output_lse,decode] [--out DIR]
+                               [--topk-distributions]
 
 Launches its own local ranks (or runs under torchrun), picks the CUDA backend
 when there is one GPU per rank and the CUDA kernels are built, the host
@@ -65,8 +66,9 @@ LEGEND = {
     "topk": [
         ("collective", "pack (score, id) pairs, all_gather (NCCL), permute copies, sdcp::topk_select (this "
                        "library's stable top-K kernel) over the N x C gathered candidates"),
-        ("torch_sdcp", "sdcp::topk_merge: each owner publishes its candidate shard in place; one kernel on every "
-                       "consumer selects over the local and peer shards"),
+        ("torch_sdcp", "sdcp::topk_merge: one kernel, data-as-flag: each owner bucket-ranks its candidates, stores "
+                       "its best min(C, k) keys into every peer's buffer (peer memory), and merges the peers' "
+                       "sorted lists (merge path) as they land in its own buffer"),
     ],
     "output_lse": [
         ("collective", "all_gather of the LSE [T, H] fp32 (NCCL) -> sdcp::lse_correct (one fused kernel: global "
@@ -248,10 +250,30 @@ def bench_topk(ctx, rows_list, out: list) -> None:
         row["kernels"] = {
             "select_gathered": guarded(ctx.timer, lambda: lambda: ops.topk_select(gathered_s, gathered_i, k), ks=(8,)),
             "select_own": guarded(ctx.timer, lambda: lambda: ops.topk_select(scores, ids, k), ks=(8,))}
+        if ctx.topk_distributions:  # the owner's ordering step alone, per score distribution
+            for kind in SCORE_DISTRIBUTIONS:
+                ds = score_distribution(kind, t, k, g).to(dev)
+                row["kernels"][f"sort_{kind}"] = guarded(
+                    ctx.timer, lambda ds=ds: lambda: ops.topk_select(ds, ids, k), ks=(8,))
         out.append(row)
         ctx.progress(f"topk rows={t}")
     out.append({"workspace_bytes_per_rank": ws.physical_bytes})
     ws.close()
+
+
+SCORE_DISTRIBUTIONS = ("uniform", "normal", "tied80", "equal")
+
+
+def score_distribution(kind: str, t: int, c: int, g: torch.Generator) -> torch.Tensor:
+    """Scores [t, c] for --topk-distributions: uniform in [0, 1), standard
+    normal, 80 distinct values, or all equal (ranked by id alone)."""
+    if kind == "uniform":
+        return torch.rand(t, c, generator=g)
+    if kind == "normal":
+        return torch.randn(t, c, generator=g)
+    if kind == "tied80":
+        return torch.randint(0, 80, (t, c), generator=g).float() * 0.25 - 10.0
+    return torch.full((t, c), 0.5)
 
 
 def rope_cache(max_pos: int, rope: int) -> torch.Tensor:
@@ -481,6 +503,7 @@ class Context:
         self.query_dtype = torch.float8_e4m3fn if args.query_dtype == "fp8" else torch.bfloat16
         self.requests, self.context, self.layers, self.sparse = args.requests, args.context, args.layers, args.sparse
         self.eager_collective = args.eager_collective
+        self.topk_distributions = args.topk_distributions
         self.timer = Timer(device, args.replays, args.trials)
         self.started = time.monotonic()
 
@@ -671,6 +694,10 @@ def parse_args(argv=None):
     p.add_argument("--sparse", action="store_true", help="decode demo: add the top-K boundary")
     p.add_argument("--eager-collective", action="store_true",
                    help="Output/LSE: also time the collective path with the correction as eager torch ops")
+    p.add_argument("--topk-distributions", action="store_true",
+                   help="top-K: also time the owner's ordering step alone (sdcp::topk_select over one rank's C "
+                        "candidates) for uniform, normal, 80-distinct-value and all-equal scores (the sort_* "
+                        "entries of the kernel-alone line)")
     p.add_argument("--replays", type=int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
     p.add_argument("--trials", type=int, default=None, help="default 7 on CUDA, 3 on host")
     p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")

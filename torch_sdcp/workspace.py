@@ -612,18 +612,24 @@ class OutputLSEWorkspace(PeerWorkspace):
 
 
 class TopKWorkspace(PeerWorkspace):
-    """Top-K boundary: each owner sorts its candidates once and publishes its
-    best min(C, k) in its own shard; every consumer reads the shards in place
-    and merges them (no inbox of N copies).
+    """Top-K boundary: each owner sorts its candidates once and pushes its best
+    min(C, k) keys into every peer's buffer; every consumer merges the lists
+    as they land with its own (identical result on every rank).
 
-    Physical memory per rank: control + max_rows x min(C, k) x 8 bytes (one
-    slot: consumers acknowledge before an owner reuses its shard),
-    granularity-rounded.
+    Data-as-flag (docs/PROTOCOL.md): the buffers start as the sentinel (every
+    byte 0xFF), which no 64-bit selection key can take; the consumer writes it
+    back as it takes each list.
+
+    Physical memory per rank: 4 KiB control + 2 buffers x (N - 1) x max_rows x
+    min(C, k) x 8 bytes + 64 KiB tail, granularity-rounded (DCP2, 128 rows,
+    C = k = 2048: 6 MiB with a 2 MiB granularity).
     """
 
     kind = WorkspaceKind.TOPK
     PARAMS = ("max_rows", "candidates_per_rank", "k")
-    PARTS = ("keys", "keys_per_row")  # an owner's sorted keys [row][min(C, k)]; min(C, k)
+    # One entry per peer: a peer's sorted best keys [peer][row][min(C, k)]; min(C, k)
+    PARTS = ("keys", "keys_per_row")
+    SENTINEL_FILLED = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, k: int,
                  candidates_per_rank: Optional[int] = None, **kwargs):
