@@ -87,7 +87,7 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 // waits, so the grid is sized to the items and need not be co-resident.
 template <typename scalar_t>
 __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl,
-                                  int64_t rows, bool base2, scalar_t* out, float* out_lse) {
+                                  int64_t rows, bool base2, scalar_t* out, float* out_lse, CallHeader hdr) {
   using V = Vec<scalar_t>;
   const uint64_t call = block_call_index(ws);
   const int n = ws.world, me = ws.rank;
@@ -104,6 +104,14 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
   auto inbox_lse = [&](int d, int s) {
     return reinterpret_cast<uint32_t*>(ws.buffer(d, call) + g.lse_inbox_offset) + ws.peer_slot(s, d) * g.max_rows * hl;
   };
+  // Call headers (lamport.cuh): block 0's last warp, lane d for peer d, stores
+  // this rank's header before any data and checks the peers' with its first
+  // LSE poll (or alone, if it owns no item).
+  auto header = [&](int d, int s) {
+    return reinterpret_cast<uint4*>(ws.buffer(d, call) + g.header_offset) + ws.peer_slot(s, d);
+  };
+  const bool header_warp = blockIdx.x == 0 && warp == kWarps - 1;
+  if (header_warp && lane < n && lane != me) store_call_header(header(lane, me), hdr);
   // 1. Producer: item i = (t, h) of destination d is partial_out[t, d*hl + h].
   //    The (peer, vector) pairs of an item are flattened, kUnroll per lane.
   constexpr int kUnroll = 4;
@@ -145,7 +153,9 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
         mine = pl[t * heads + me * hl + h];
       } else {
         uint32_t* p = inbox_lse(me, lane) + i;
-        mine = __uint_as_float(poll_word(ws, p, lane, call));
+        mine = __uint_as_float(header_warp && i == begin + warp
+                                   ? poll_word_with_header(ws, p, header(me, lane), hdr, lane, call)
+                                   : poll_word(ws, p, lane, call));
         *p = kSentinel;
       }
     }
@@ -179,6 +189,7 @@ __global__ void output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const
       reinterpret_cast<uint4*>(out + i * dim)[v] = o.raw;
     }
   }
+  if (header_warp && begin + warp >= end && lane < n && lane != me) check_call_header(ws, header(me, lane), hdr, lane, call);
   block_finish_call(ws, call);
 }
 
@@ -220,7 +231,7 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
     output_lse_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
         device_workspace(ws), c.geo, partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), c.rows, base2,
-        out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
+        out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
