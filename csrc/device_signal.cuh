@@ -24,6 +24,9 @@ struct DeviceWorkspace {
   int32_t world;
   int32_t blocks;
   int32_t slots;
+  // Data-as-flag workspaces: this rank's error record in host-mapped memory
+  // (lamport.h), or null (a timeout then traps).
+  LamportError* error;
 
   __device__ __forceinline__ uint8_t* region(int r) const { return base + r * stride; }
   __device__ __forceinline__ uint64_t* epoch(int block) const {
@@ -66,6 +69,7 @@ inline DeviceWorkspace device_workspace(const Workspace& ws) {
   d.world = static_cast<int32_t>(ws.world_size);
   d.blocks = static_cast<int32_t>(ws.layout.blocks);
   d.slots = static_cast<int32_t>(ws.layout.slots);
+  d.error = ws.error_device;
   return d;
 }
 

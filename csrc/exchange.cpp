@@ -13,13 +13,16 @@ void exchange_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& 
   // Buffer [peer slot][word]: tagged 64-bit words of kTaggedPayload bytes.
   const int64_t words = (p[0] + kTaggedPayload - 1) / kTaggedPayload;
   const int64_t per_src = align_up(checked_mul({words, 8}, "max_bytes"), kAlign);
-  l.slot_bytes = checked_mul({n - 1, per_src}, "max_bytes");
+  const int64_t payload = checked_mul({n - 1, per_src}, "max_bytes");
+  // Then the call headers [peer slot][kHeaderFields tagged words] (lamport.h).
+  l.slot_bytes = payload + align_up((n - 1) * kHeaderFields * 8, kAlign);
   l.part_offset[0] = 0;
   l.part_offset[1] = per_src;
+  l.part_offset[2] = payload;
 }
 
 ExchangeGeometry ExchangeGeometry::of(const Workspace& ws) {
-  return {ws.params[0], ws.layout.part_offset[1]};
+  return {ws.params[0], ws.layout.part_offset[1], ws.layout.part_offset[2]};
 }
 
 AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
@@ -32,6 +35,10 @@ AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
   std::vector<int64_t> shape{c.ws->world_size};
   for (auto s : x.sizes()) shape.push_back(s);
   c.out = at::empty(shape, x.options());
+  // The header: bytes, dtype, a hash of the shape, the geometry.
+  uint32_t shape_hash = 2166136261u;
+  for (auto s : x.sizes()) shape_hash = (shape_hash ^ static_cast<uint32_t>(s)) * 16777619u;
+  c.header = make_call_header(c.nbytes, static_cast<int64_t>(x.scalar_type()), shape_hash, c.ws->geometry_hash);
   return c;
 }
 

@@ -10,6 +10,7 @@ namespace sdcp {
 struct ExchangeGeometry {
   int64_t max_bytes;     // capacity per source
   int64_t source_bytes;  // distance between two peer slots of a buffer (tagged words)
+  int64_t header_offset; // call headers [peer slot][kHeaderFields tagged words], inside a buffer
   static ExchangeGeometry of(const Workspace& ws);
 };
 
@@ -21,6 +22,7 @@ struct AllGatherCall {
   ExchangeGeometry geo;
   int64_t nbytes;  // bytes of x
   at::Tensor out;  // [N, *x.shape]
+  CallHeader header;  // what this call is (lamport.h): every peer compares it with its own
 };
 
 AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace);

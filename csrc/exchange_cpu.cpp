@@ -14,6 +14,7 @@ namespace sdcp {
 namespace {
 
 // Tagged words: a peer's data has landed when its word carries this call's tag.
+// Each peer's call header is compared before its data is awaited.
 void all_gather_cpu(const AllGatherCall& c, const at::Tensor& x) {
   const Workspace& ws = *c.ws;
   const int64_t n = ws.world_size, nbytes = c.nbytes, words = (nbytes + 3) / 4;
@@ -24,8 +25,13 @@ void all_gather_cpu(const AllGatherCall& c, const at::Tensor& x) {
   auto entry = [&](int64_t dst, int64_t from) {
     return reinterpret_cast<uint64_t*>(ws.slot_data(dst, buf) + peer_slot(from, dst, n) * c.geo.source_bytes);
   };
+  auto header = [&](int64_t dst, int64_t from) {
+    return reinterpret_cast<uint64_t*>(ws.slot_data(dst, buf) + c.geo.header_offset) +
+           peer_slot(from, dst, n) * kHeaderFields;
+  };
   for (int64_t d = 0; d < n; ++d) {
     if (d == ws.rank) continue;
+    host_store_call_header_tagged(header(d, ws.rank), tag, c.header);  // before the data it describes
     uint64_t* dst = entry(d, ws.rank);
     for (int64_t w = 0; w < words; ++w) {
       uint32_t v = 0;
@@ -37,6 +43,7 @@ void all_gather_cpu(const AllGatherCall& c, const at::Tensor& x) {
   std::memcpy(o + ws.rank * nbytes, src, nbytes);
   for (int64_t s = 0; s < n; ++s) {
     if (s == ws.rank) continue;
+    host_check_call_header_tagged(ws, s, call, header(ws.rank, s), tag, c.header);
     const uint64_t* in = entry(ws.rank, s);
     for (int64_t w = 0; w < words; ++w) {
       uint64_t v = 0;

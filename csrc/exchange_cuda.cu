@@ -32,8 +32,12 @@ __device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t
 
 // Thread j stores word j of x, tagged with the call, into every peer's
 // buffer and its own output row, then polls word j of every peer's entry.
+// Block 0's last warp also stores this rank's call header for every peer
+// (lane d for peer d) before any data, and checks every peer's header before
+// it polls data: for small exchanges that warp holds no words, so the check
+// runs beside the other warps' polls.
 __global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uint8_t* out, int64_t nbytes,
-                                       int64_t source_bytes, bool aligned) {
+                                       int64_t source_bytes, bool aligned, int64_t header_offset, CallHeader hdr) {
   const uint64_t call = block_call_index(ws);
   const uint64_t tag = static_cast<uint64_t>(call_tag(call)) << 32;
   const int64_t words = (nbytes + 3) / 4;
@@ -41,6 +45,12 @@ __global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uin
   auto entry = [&](int dst, int src) {
     return reinterpret_cast<uint64_t*>(ws.buffer(dst, call) + ws.peer_slot(src, dst) * source_bytes);
   };
+  auto header = [&](int dst, int src) {
+    return reinterpret_cast<uint64_t*>(ws.buffer(dst, call) + header_offset) + ws.peer_slot(src, dst) * kHeaderFields;
+  };
+  const int peer = threadIdx.x & 31;
+  const bool header_lane = blockIdx.x == 0 && threadIdx.x / 32 == blockDim.x / 32 - 1 && peer < n && peer != me;
+  if (header_lane) store_call_header_tagged(header(peer, me), tag, hdr);
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t w = first; w < words; w += step) {
@@ -49,6 +59,7 @@ __global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uin
       if (d != me) st_volatile_u64(entry(d, me) + w, tag | v);
     store_word(out + me * nbytes, nbytes, w, v, aligned);
   }
+  if (header_lane) check_call_header_tagged(ws, header(me, peer), tag >> 32, hdr, peer, call);
   for (int64_t w = first; w < words; w += step) {
     for (int s = 0; s < n; ++s)
       if (s != me) store_word(out + s * nbytes, nbytes, w, poll_tagged(ws, entry(me, s) + w, tag >> 32, s, call), aligned);
@@ -58,6 +69,7 @@ __global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uin
 
 void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
   const Workspace& ws = *c.ws;
+  check_device_world(ws);  // the header lanes are one warp
   const c10::cuda::CUDAGuard guard(x.device());
   const auto* src = static_cast<const uint8_t*>(x.data_ptr());
   auto* dst = static_cast<uint8_t*>(c.out.data_ptr());
@@ -65,7 +77,7 @@ void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
                        reinterpret_cast<uintptr_t>(dst) % 4 == 0;
   const int grid = lamport_grid((c.nbytes + 3) / 4, kThreads, x.get_device());
   launch_lamport(peer_all_gather_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), x.get_device(),
-                 device_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned);
+                 device_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned, c.geo.header_offset, c.header);
 }
 
 }  // namespace

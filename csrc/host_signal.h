@@ -77,23 +77,106 @@ inline void host_finish_call(const Workspace& ws, uint64_t call) {
   __atomic_store_n(&ws.lamport(ws.rank)->call_index[0], call + 1, __ATOMIC_RELAXED);
 }
 
-// Spins until `ready()` holds; throws after the workspace timeout naming the
-// rank, the peer, the buffer and the call index.
+// Records `e` as this rank's error, aborts the workspace on every rank
+// (lamport_abort) and throws its description.
+[[noreturn]] inline void host_fail(const Workspace& ws, const LamportError& e) {
+  lamport_abort(ws, e);
+  TORCH_CHECK(false, cat("torch_sdcp: ", describe_lamport_error(ws, e)));
+  __builtin_unreachable();
+}
+
+// Spins until `ready()` holds. Its slow path reads this rank's abort word and
+// gives up at once when a peer aborted the workspace; after the workspace
+// timeout it aborts the workspace itself. Either way it throws naming the
+// rank, the peer, what it waited for (`wait`, LamportWait), the buffer and the
+// call index.
 template <typename Ready>
-void host_spin(const Workspace& ws, int64_t src, uint64_t call, Ready ready) {
+void host_spin(const Workspace& ws, int64_t src, uint64_t call, Ready ready, uint32_t wait = kWaitData) {
   if (ready()) return;
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::nanoseconds(ws.timeout_ns);
+  const uint64_t* abort = &ws.lamport(ws.rank)->abort;
   for (uint64_t spins = 0;; ++spins) {
+    // The abort word first: what its writer stored before aborting (its call
+    // header, say) is then visible to ready(), and is used, not given up on.
+    const uint64_t a = __atomic_load_n(abort, __ATOMIC_ACQUIRE);
     if (ready()) return;
     if (spins > 64) std::this_thread::yield();
-    if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start > limit) {
-      TORCH_CHECK(false, cat("torch_sdcp: timeout: rank ", ws.rank, " waited ", ws.timeout_ns / 1e9,
-                  " s for peer ", src, "'s data (", kind_name(ws.kind), " workspace ", ws.handle, ", buffer ",
-                  call % kLamportBuffers, ", call ", call,
-                  "); the peer stopped participating or calls differ between ranks"));
+    const bool late = (spins & 255) == 0 && std::chrono::steady_clock::now() - start > limit;
+    if (a == 0 && !late) continue;
+    LamportError e{};
+    e.block = -1;
+    e.peer = static_cast<int32_t>(src);
+    e.wait = wait;
+    e.call = call;
+    e.aborter = -1;
+    if (a != 0) {
+      e.state = kReasonPeerAbort;
+      e.aborter = abort_word_rank(a);
+      e.abort_reason = abort_word_reason(a);
+    } else {
+      e.state = kReasonTimeout;
     }
+    host_fail(ws, e);
   }
+}
+
+// ---- Call headers (lamport.h) ------------------------------------------
+
+// Sentinel buffers: stores this rank's header into a peer's header entry
+// before any payload word of the call.
+inline void host_store_call_header(uint32_t* dst, const CallHeader& h) {
+  for (uint32_t f = 0; f < kHeaderFields; ++f) __atomic_store_n(dst + f, h.w[f], __ATOMIC_RELAXED);
+}
+
+// Fails the call (and aborts the workspace on every rank) when `theirs`
+// differs from `mine`, naming both sides.
+inline void host_compare_call_header(const Workspace& ws, int64_t src, uint64_t call, const CallHeader& mine,
+                                     const CallHeader& theirs) {
+  const uint32_t f = call_header_mismatch(mine, theirs);
+  if (f == kHeaderFields) return;
+  LamportError e{};
+  e.state = kReasonMismatch;
+  e.block = -1;
+  e.peer = static_cast<int32_t>(src);
+  e.wait = kWaitHeader;
+  e.call = call;
+  e.field = f;
+  e.mine = mine.w[f];
+  e.theirs = theirs.w[f];
+  e.aborter = -1;
+  host_fail(ws, e);
+}
+
+// Sentinel buffers: waits for peer `src`'s header of this call, writes the
+// sentinel back and compares it with this rank's. Take it before the
+// payload: a rank with more rows must not wait for rows that never come.
+inline void host_check_call_header(const Workspace& ws, int64_t src, uint64_t call, uint32_t* p,
+                                   const CallHeader& mine) {
+  CallHeader theirs;
+  for (uint32_t f = 0; f < kHeaderFields; ++f) {
+    host_spin(ws, src, call, [&] { return __atomic_load_n(p + f, __ATOMIC_ACQUIRE) != kSentinel; }, kWaitHeader);
+    theirs.w[f] = __atomic_load_n(p + f, __ATOMIC_RELAXED);
+    __atomic_store_n(p + f, kSentinel, __ATOMIC_RELAXED);
+  }
+  host_compare_call_header(ws, src, call, mine, theirs);
+}
+
+// Tagged buffers (the exchange): the header as kHeaderFields tagged words.
+inline void host_store_call_header_tagged(uint64_t* dst, uint64_t tag, const CallHeader& h) {
+  for (uint32_t f = 0; f < kHeaderFields; ++f) __atomic_store_n(dst + f, tag | h.w[f], __ATOMIC_RELAXED);
+}
+
+inline void host_check_call_header_tagged(const Workspace& ws, int64_t src, uint64_t call, const uint64_t* p,
+                                          uint64_t tag, const CallHeader& mine) {
+  CallHeader theirs;
+  for (uint32_t f = 0; f < kHeaderFields; ++f) {
+    uint64_t v = 0;
+    host_spin(ws, src, call, [&] { return ((v = __atomic_load_n(p + f, __ATOMIC_ACQUIRE)) & ~0xFFFFFFFFull) == tag; },
+              kWaitHeader);
+    theirs.w[f] = static_cast<uint32_t>(v);
+  }
+  host_compare_call_header(ws, src, call, mine, theirs);
 }
 
 // Stores `count` payload words into a peer's buffer, rewriting the sentinel.
@@ -105,9 +188,9 @@ inline void host_store_payload(uint32_t* dst, const uint32_t* src, int64_t count
 // Waits until none of `count` words of a local buffer is the sentinel, copies
 // them to `out` and writes the sentinel back.
 inline void host_take_payload(const Workspace& ws, int64_t src, uint64_t call, uint32_t* buf, int64_t count,
-                              uint32_t* out) {
+                              uint32_t* out, uint32_t wait = kWaitData) {
   for (int64_t i = 0; i < count; ++i) {
-    host_spin(ws, src, call, [&] { return __atomic_load_n(buf + i, __ATOMIC_ACQUIRE) != kSentinel; });
+    host_spin(ws, src, call, [&] { return __atomic_load_n(buf + i, __ATOMIC_ACQUIRE) != kSentinel; }, wait);
     out[i] = __atomic_load_n(buf + i, __ATOMIC_RELAXED);
     __atomic_store_n(buf + i, kSentinel, __ATOMIC_RELAXED);
   }

@@ -1,5 +1,7 @@
 // Data-as-flag signalling on the GPU (lamport.h has the protocol): the call
-// index, bounded polls of local buffers, and stores into peers' buffers.
+// index, bounded polls of local buffers, stores into peers' buffers, call
+// headers, and failures that are reported (an error record and abort words),
+// not trapped.
 #pragma once
 
 #include "device_signal.cuh"
@@ -26,15 +28,26 @@ __device__ __forceinline__ void pdl_wait_and_release() {
 #endif
 }
 
+static __device__ __noinline__ void lamport_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
+                                                    uint32_t wait);
+
 // The call this kernel runs, read by every warp from its block's counter
 // (lamport.h). Also advances the counters of the blocks this grid does not
-// have (b + g, b + 2g, ...): no block of this grid reads them.
+// have (b + g, b + 2g, ...): no block of this grid reads them. Thread 0 loads
+// the abort word beside the counter (both in flight, no added step) and
+// records a peer's abort that no poll may meet (every word already landed),
+// so that the host raises at its next call.
 __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) {
   pdl_wait_and_release();
-  uint64_t* counters = ws.lamport_control()->call_index;
-  uint64_t call = 0;
-  if ((threadIdx.x & 31) == 0) call = *reinterpret_cast<volatile uint64_t*>(&counters[blockIdx.x]);
+  LamportControl* c = ws.lamport_control();
+  uint64_t* counters = c->call_index;
+  uint64_t call = 0, abort = 0;
+  if ((threadIdx.x & 31) == 0) {
+    call = *reinterpret_cast<volatile uint64_t*>(&counters[blockIdx.x]);
+    if (threadIdx.x == 0) abort = *reinterpret_cast<volatile uint64_t*>(&c->abort);
+  }
   call = __shfl_sync(0xffffffffu, call, 0);
+  if (abort != 0) lamport_give_up(ws, -1, call, abort, kWaitData);
   for (uint32_t j = blockIdx.x + gridDim.x * (threadIdx.x + 1); j < kLamportBlocks; j += gridDim.x * blockDim.x)
     counters[j] = call + 1;
   return call;
@@ -81,50 +94,241 @@ __device__ __forceinline__ uint4 canonical_payload(uint4 v) {
                     canonical_payload_word(v.w));
 }
 
-// Reports a wait that ran out of time and traps (the stream fails with an
-// error the host sees).
-static __device__ __noinline__ void lamport_timeout(const DeviceWorkspace& ws, int src, uint64_t call) {
-  printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d's data (workspace %lld, buffer %d, "
-         "call %llu); the peer stopped participating or calls differ between ranks\n",
-         ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, src, (long long)ws.handle, (int)(call % kLamportBuffers),
-         (unsigned long long)call);
-  __trap();
+__device__ __forceinline__ void st_volatile_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.volatile.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// Polls a 16-byte vector of a local buffer until no word is the sentinel.
-__device__ __forceinline__ uint4 poll_vector(const DeviceWorkspace& ws, const uint4* p, int src, uint64_t call) {
+__device__ __forceinline__ uint4 sentinel_vector() { return make_uint4(kSentinel, kSentinel, kSentinel, kSentinel); }
+
+// ---- Failure handling (docs/PROTOCOL.md "Failure behaviour") -------------
+//
+// A thread that gives up (timeout, call mismatch, or a peer's abort word seen
+// in a poll's slow path) claims this rank's error record once per workspace,
+// writes it (volatile stores, system fence, then `state`), and for its own
+// failures stores this rank's abort word into every rank's control region,
+// its own included. Then it returns: every later poll on this rank (this
+// kernel or a later one) finds the abort word in its slow path and returns at
+// once, so the kernel ends quickly with undefined output, and the host raises
+// at its next call or check(). Without a record (no host-mapped memory) it
+// prints and traps, as before.
+static __device__ __noinline__ void lamport_record(const DeviceWorkspace& ws, LamportError e, bool broadcast) {
+  if (ws.error == nullptr) {
+    printf("torch_sdcp: rank %d block %d gave up on peer %d (workspace %lld, buffer %d, call %llu, reason %u) "
+           "with no error record; trapping\n", ws.rank, blockIdx.x, e.peer, (long long)ws.handle,
+           (int)(e.call % kLamportBuffers), (unsigned long long)e.call, e.state);
+    __trap();
+  }
+  // Claim 1: a peer's abort was seen; claim 2: this rank's own failure, which
+  // may replace a peer-abort record (a mismatch names both sides; the abort
+  // it raced with does not).
+  LamportControl* c = ws.lamport_control();
+  const uint32_t want = e.state == kReasonPeerAbort ? 1u : 2u;
+  const uint32_t prev = atomicCAS(&c->error_claim, 0u, want);
+  if (prev != 0u && !(want == 2u && prev == 1u && atomicCAS(&c->error_claim, 1u, 2u) == 1u)) return;
+  if (e.state == kReasonTimeout)
+    printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d's %s (workspace %lld, buffer %d, "
+           "call %llu); the peer stopped participating, skipped the call, took the collective path, or calls "
+           "differ between ranks\n", ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, e.peer,
+           e.wait == kWaitHeader ? "call header" : "data", (long long)ws.handle, (int)(e.call % kLamportBuffers),
+           (unsigned long long)e.call);
+  else if (e.state == kReasonMismatch)
+    printf("torch_sdcp: call mismatch: rank %d block %d, peer %d, header field %u: this rank 0x%08x, the peer "
+           "0x%08x (workspace %lld, buffer %d, call %llu)\n", ws.rank, blockIdx.x, e.peer, e.field, e.mine,
+           e.theirs, (long long)ws.handle, (int)(e.call % kLamportBuffers), (unsigned long long)e.call);
+  if (ws.error != nullptr) {
+    volatile LamportError* r = ws.error;
+    {
+      r->block = e.block;
+      r->peer = e.peer;
+      r->wait = e.wait;
+      r->call = e.call;
+      r->field = e.field;
+      r->mine = e.mine;
+      r->theirs = e.theirs;
+      r->aborter = e.aborter;
+      r->abort_reason = e.abort_reason;
+      __threadfence_system();
+      r->state = e.state;
+    }
+  }
+  if (broadcast) {
+    // This thread's stores (the header lane's own call header) land before its abort word.
+    __threadfence_system();
+    const uint64_t word = lamport_abort_word(ws.rank, e.state);
+    for (int r = 0; r < ws.world; ++r) {
+      uint64_t* a = &reinterpret_cast<LamportControl*>(ws.region(r))->abort;
+      if (ld_volatile_u64(a) == 0) st_volatile_u64(a, word);
+    }
+  }
+  __threadfence_system();
+}
+
+// A poll's slow path ends here: `abort` is this rank's abort word as the
+// poll last read it (0: none, so the wait timed out).
+static __device__ __noinline__ void lamport_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
+                                                    uint32_t wait) {
+  LamportError e{};
+  e.block = blockIdx.x;
+  e.peer = src;
+  e.wait = wait;
+  e.call = call;
+  e.aborter = -1;
+  if (abort != 0) {
+    if (abort_word_rank(abort) == ws.rank) return;  // this rank's own failure, recorded by whoever set it
+    e.state = kReasonPeerAbort;
+    e.aborter = abort_word_rank(abort);
+    e.abort_reason = abort_word_reason(abort);
+    lamport_record(ws, e, false);  // the aborter told every rank
+  } else {
+    e.state = kReasonTimeout;
+    lamport_record(ws, e, true);
+  }
+}
+
+// The slow path of a poll: true while it should go on waiting. The abort word
+// is loaded by the caller together with the polled data (both in flight at
+// once), so the check adds no step to an iteration.
+__device__ __forceinline__ bool lamport_keep_waiting(const DeviceWorkspace& ws, uint64_t abort, uint64_t start,
+                                                     int src, uint64_t call, uint32_t wait) {
+  if (abort == 0 && globaltimer_ns() - start <= ws.timeout_ns) return true;
+  lamport_give_up(ws, src, call, abort, wait);
+  return false;
+}
+
+__device__ __forceinline__ const uint64_t* own_abort_word(const DeviceWorkspace& ws) {
+  return &ws.lamport_control()->abort;
+}
+
+// Polls a 16-byte vector of a local buffer until no word is the sentinel (or
+// the wait gives up: then the vector may hold sentinel words).
+__device__ __forceinline__ uint4 poll_vector(const DeviceWorkspace& ws, const uint4* p, int src, uint64_t call,
+                                             uint32_t wait = kWaitData) {
   uint4 v = ld_volatile_v4(p);
   if (!has_sentinel(v)) return v;
   const uint64_t start = globaltimer_ns();
-  do {
-    if (globaltimer_ns() - start > ws.timeout_ns) lamport_timeout(ws, src, call);
+  for (;;) {
+    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
     v = ld_volatile_v4(p);
-  } while (has_sentinel(v));
-  return v;
+    if (!has_sentinel(v) || !lamport_keep_waiting(ws, a, start, src, call, wait)) return v;
+  }
 }
 
-__device__ __forceinline__ uint32_t poll_word(const DeviceWorkspace& ws, const uint32_t* p, int src, uint64_t call) {
+__device__ __forceinline__ uint32_t poll_word(const DeviceWorkspace& ws, const uint32_t* p, int src, uint64_t call,
+                                              uint32_t wait = kWaitData) {
   uint32_t v = ld_volatile_u32(p);
   if (v != kSentinel) return v;
   const uint64_t start = globaltimer_ns();
-  do {
-    if (globaltimer_ns() - start > ws.timeout_ns) lamport_timeout(ws, src, call);
+  for (;;) {
+    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
     v = ld_volatile_u32(p);
-  } while (v == kSentinel);
-  return v;
+    if (v != kSentinel || !lamport_keep_waiting(ws, a, start, src, call, wait)) return v;
+  }
 }
 
 // Polls a tagged 64-bit word until it carries `tag` in its high half.
 __device__ __forceinline__ uint32_t poll_tagged(const DeviceWorkspace& ws, const uint64_t* p, uint32_t tag, int src,
-                                                uint64_t call) {
+                                                uint64_t call, uint32_t wait = kWaitData) {
   uint64_t v = ld_volatile_u64(p);
   if (static_cast<uint32_t>(v >> 32) == tag) return static_cast<uint32_t>(v);
   const uint64_t start = globaltimer_ns();
-  do {
-    if (globaltimer_ns() - start > ws.timeout_ns) lamport_timeout(ws, src, call);
+  for (;;) {
+    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
     v = ld_volatile_u64(p);
-  } while (static_cast<uint32_t>(v >> 32) != tag);
-  return static_cast<uint32_t>(v);
+    if (static_cast<uint32_t>(v >> 32) == tag || !lamport_keep_waiting(ws, a, start, src, call, wait))
+      return static_cast<uint32_t>(v);
+  }
+}
+
+// ---- Call headers (lamport.h) ---------------------------------------------
+//
+// Each producer stores its CallHeader into every consumer's header entry
+// (one per peer and buffer) before its payload; the consumer compares the
+// peer's header with its own. One warp per kernel does it (block 0's last
+// warp: lane s for peer s), so every other warp polls only payload.
+
+__device__ __forceinline__ uint4 header_vector(const CallHeader& h) { return make_uint4(h.w[0], h.w[1], h.w[2], h.w[3]); }
+
+static __device__ __noinline__ void lamport_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
+                                                     uint32_t mine, uint32_t theirs) {
+  LamportError e{};
+  e.state = kReasonMismatch;
+  e.block = blockIdx.x;
+  e.peer = src;
+  e.wait = kWaitHeader;
+  e.call = call;
+  e.field = field;
+  e.mine = mine;
+  e.theirs = theirs;
+  e.aborter = -1;
+  lamport_record(ws, e, true);
+}
+
+// True when the peer's header `v` (landed) matches `mine`; else records the
+// mismatch and aborts the workspace on every rank.
+__device__ __forceinline__ bool header_matches(const DeviceWorkspace& ws, uint4 v, const CallHeader& mine, int src,
+                                               uint64_t call) {
+  const CallHeader theirs{{v.x, v.y, v.z, v.w}};
+  const uint32_t f = call_header_mismatch(mine, theirs);
+  if (f == kHeaderFields) return true;
+  lamport_mismatch(ws, src, call, f, mine.w[f], theirs.w[f]);
+  return false;
+}
+
+// Sentinel buffers. Producer: one plain 16-byte store (no word is the sentinel).
+__device__ __forceinline__ void store_call_header(uint4* dst, const CallHeader& h) { *dst = header_vector(h); }
+
+// Consumer: polls peer `src`'s header, writes the sentinel back, compares.
+__device__ __forceinline__ bool check_call_header(const DeviceWorkspace& ws, uint4* p, const CallHeader& mine, int src,
+                                                  uint64_t call) {
+  uint4 v = poll_vector(ws, p, src, call, kWaitHeader);
+  if (has_sentinel(v)) v = ld_volatile_v4(p);  // gave up on an abort: the header may have landed since
+  *p = sentinel_vector();
+  return !has_sentinel(v) && header_matches(ws, v, mine, src, call);
+}
+
+// Consumer, fused with a first data word: the header and the word are loaded
+// together (two loads in flight, no added step when both landed), the header
+// is compared as soon as it lands (before the word, which a peer with fewer
+// rows may never send), then the word is polled as poll_word does. `hv` and
+// `v` are the first loads of `h` and `p`, issued by the caller.
+__device__ __forceinline__ uint32_t land_word_with_header(const DeviceWorkspace& ws, const uint32_t* p, uint32_t v,
+                                                          uint4* h, uint4 hv, const CallHeader& mine, int src,
+                                                          uint64_t call) {
+  if (has_sentinel(hv)) hv = poll_vector(ws, h, src, call, kWaitHeader);
+  if (has_sentinel(hv)) hv = ld_volatile_v4(h);  // gave up on an abort: the header may have landed since
+  *h = sentinel_vector();
+  if (has_sentinel(hv) || !header_matches(ws, hv, mine, src, call)) return v;  // gave up: later polls return at once
+  return v != kSentinel ? v : poll_word(ws, p, src, call);
+}
+
+__device__ __forceinline__ uint32_t poll_word_with_header(const DeviceWorkspace& ws, const uint32_t* p, uint4* h,
+                                                          const CallHeader& mine, int src, uint64_t call) {
+  const uint4 hv = ld_volatile_v4(h);
+  return land_word_with_header(ws, p, ld_volatile_u32(p), h, hv, mine, src, call);
+}
+
+// Tagged buffers (the exchange): the header as kHeaderFields tagged words.
+__device__ __forceinline__ void store_call_header_tagged(uint64_t* dst, uint64_t tag, const CallHeader& h) {
+#pragma unroll
+  for (uint32_t f = 0; f < kHeaderFields; ++f) st_volatile_u64(dst + f, tag | h.w[f]);
+}
+
+__device__ __forceinline__ bool check_call_header_tagged(const DeviceWorkspace& ws, const uint64_t* p, uint32_t tag,
+                                                         const CallHeader& mine, int src, uint64_t call) {
+  // The four words are loaded together (one round trip when they landed).
+  uint64_t first[kHeaderFields];
+#pragma unroll
+  for (uint32_t f = 0; f < kHeaderFields; ++f) first[f] = ld_volatile_u64(p + f);
+  uint32_t word[kHeaderFields];
+#pragma unroll
+  for (uint32_t f = 0; f < kHeaderFields; ++f)
+    word[f] = static_cast<uint32_t>(first[f] >> 32) == tag ? static_cast<uint32_t>(first[f])
+                                                           : poll_tagged(ws, p + f, tag, src, call, kWaitHeader);
+  const uint4 v = make_uint4(word[0], word[1], word[2], word[3]);
+  const CallHeader theirs{{v.x, v.y, v.z, v.w}};
+  if (call_header_mismatch(mine, theirs) == kHeaderFields) return true;
+  if (ld_volatile_u64(own_abort_word(ws)) != 0) return false;  // a poll gave up: its words are stale
+  return header_matches(ws, v, mine, src, call);
 }
 
 // Blocks for `items` of `items_per_block`, at most `per_sm` per SM and

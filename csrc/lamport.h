@@ -23,6 +23,12 @@
 
 namespace sdcp {
 
+#if defined(__CUDACC__)
+#define SDCP_LAMPORT_HD __host__ __device__ __forceinline__
+#else
+#define SDCP_LAMPORT_HD inline
+#endif
+
 // Every payload word equal to this is rewritten by its producer.
 constexpr uint32_t kSentinel = 0xFFFFFFFFu;
 // The rewrite: two bf16 or fp16 NaNs, or one fp32 NaN (NaN stays NaN).
@@ -34,23 +40,86 @@ constexpr int64_t kTaggedPayload = 4;
 // Buffers that alternate by call index.
 constexpr int64_t kLamportBuffers = 2;
 
-// The most blocks of a data-as-flag grid (lamport_grid caps grids at this).
-constexpr int kLamportBlocks = 512;
-
-// The control region of a data-as-flag workspace (in each rank's region).
-// Between calls every counter holds the number of calls this rank completed;
-// block b of a grid of g blocks reads counter b and advances counters b,
-// b + g, b + 2g, ..., so no two blocks share a counter and no atomic or
-// end-of-grid arrival is needed. The host backend uses counter 0.
-struct LamportControl {
-  uint64_t call_index[kLamportBlocks];
+// Why a rank aborted a workspace (the high half of an abort word), and what
+// an error record reports (LamportError::state).
+enum LamportReason : uint32_t {
+  kReasonNone = 0,
+  kReasonTimeout = 1,    // a wait on a peer ran out of time
+  kReasonMismatch = 2,   // a peer's call header differs from this rank's
+  kReasonError = 3,      // a call raised on that rank after it was entered (bad input, ...)
+  kReasonPeerAbort = 4,  // record only: a peer's abort word was seen
 };
 
-#if defined(__CUDACC__)
-#define SDCP_LAMPORT_HD __host__ __device__ __forceinline__
-#else
-#define SDCP_LAMPORT_HD inline
-#endif
+// What a wait was for (LamportError::wait).
+enum LamportWait : uint32_t {
+  kWaitData = 0,    // a payload, LSE or tagged word
+  kWaitHeader = 1,  // the call header (the peer has not entered the call)
+};
+
+// The most blocks of a data-as-flag grid (lamport_grid caps grids at this).
+constexpr int kLamportBlocks = 480;
+
+// The control region of a data-as-flag workspace (in each rank's region).
+struct LamportControl {
+  // Between calls every counter holds the number of calls this rank
+  // completed; block b of a grid of g blocks reads counter b and advances
+  // counters b, b + g, b + 2g, ..., so no two blocks share a counter and no
+  // atomic or end-of-grid arrival is needed. The host backend uses counter 0.
+  uint64_t call_index[kLamportBlocks];
+  // Non-zero once any rank aborted the workspace (lamport_abort_word): the
+  // failing rank stores it into every rank's control region, its own
+  // included; every poll reads its own in its slow path and gives up. Never
+  // cleared: a workspace is re-created after a failure.
+  uint64_t abort;
+  // CUDA: the first thread that gives up claims the error record (atomicCAS).
+  uint32_t error_claim;
+  uint32_t pad2;
+};
+static_assert(sizeof(LamportControl) <= 4096, "LamportControl must fit its 4 KiB control region");
+
+// What went wrong, as the rank that saw it records it: in host-mapped pinned
+// memory on CUDA (written by the kernel, read by the host without a
+// synchronisation), in host memory on the host backend. `state` is written
+// last (after a system fence); 0 means healthy.
+struct LamportError {
+  uint32_t state;   // LamportReason
+  int32_t block;    // CUDA block that recorded it (-1 on the host)
+  int32_t peer;     // the peer waited for or disagreed with
+  uint32_t wait;    // LamportWait
+  uint64_t call;    // this rank's call index
+  uint32_t field;   // mismatch: the CallHeader field that differs
+  uint32_t mine;    // mismatch: this rank's word of that field
+  uint32_t theirs;  // mismatch: the peer's word
+  int32_t aborter;  // peer abort: the rank that aborted (-1 if none)
+  uint32_t abort_reason;  // peer abort: its LamportReason
+  uint32_t pad[3];
+};
+static_assert(sizeof(LamportError) == 56, "LamportError layout");
+
+// An abort word: the aborting rank and its reason, never 0.
+SDCP_LAMPORT_HD uint64_t lamport_abort_word(int64_t rank, uint32_t reason) {
+  return (static_cast<uint64_t>(reason) << 32) | static_cast<uint32_t>(rank + 1);
+}
+SDCP_LAMPORT_HD int32_t abort_word_rank(uint64_t w) { return static_cast<int32_t>(static_cast<uint32_t>(w)) - 1; }
+SDCP_LAMPORT_HD uint32_t abort_word_reason(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+
+// The call header: what a call is, stored by the producer into every
+// consumer's header entry (one per peer and buffer) with its data, and
+// compared by the consumer before it trusts the data. Four 32-bit words,
+// none the sentinel (canonical_header_word), so a sentinel-filled header is
+// polled like data; the exchange stores them as tagged words instead.
+enum CallHeaderField : uint32_t {
+  kHeaderRows = 0,      // rows (the exchange: bytes)
+  kHeaderDtype = 1,     // c10::ScalarType of the payload
+  kHeaderFlags = 2,     // family-defined (Output/LSE: the LSE base; exchange: a shape hash)
+  kHeaderGeometry = 3,  // Workspace::geometry_hash (kind, world size, parameters)
+  kHeaderFields = 4,
+};
+
+struct CallHeader {
+  uint32_t w[kHeaderFields];
+};
+
 
 SDCP_LAMPORT_HD uint32_t canonical_payload_word(uint32_t w) { return w == kSentinel ? kCanonicalNaNPair : w; }
 
@@ -63,6 +132,27 @@ SDCP_LAMPORT_HD uint32_t canonical_lse_word(uint32_t w) {
 SDCP_LAMPORT_HD uint32_t call_tag(uint64_t e) {
   const uint32_t t = static_cast<uint32_t>(e + 1);
   return t == 0 ? 1u : t;
+}
+
+// A header word is never the sentinel (a value that would be moves one down).
+SDCP_LAMPORT_HD uint32_t canonical_header_word(uint32_t w) { return w == kSentinel ? kSentinel - 1 : w; }
+
+// The header of a call: rows (or bytes), payload dtype, family flags and the
+// workspace's geometry hash, each canonical.
+SDCP_LAMPORT_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32_t flags, uint32_t geometry) {
+  CallHeader h;
+  h.w[kHeaderRows] = canonical_header_word(static_cast<uint32_t>(rows));
+  h.w[kHeaderDtype] = canonical_header_word(static_cast<uint32_t>(dtype));
+  h.w[kHeaderFlags] = canonical_header_word(flags);
+  h.w[kHeaderGeometry] = canonical_header_word(geometry);
+  return h;
+}
+
+// The first field in which two headers differ, or kHeaderFields.
+SDCP_LAMPORT_HD uint32_t call_header_mismatch(const CallHeader& mine, const CallHeader& theirs) {
+  for (uint32_t f = 0; f < kHeaderFields; ++f)
+    if (mine.w[f] != theirs.w[f]) return f;
+  return kHeaderFields;
 }
 
 }  // namespace sdcp

@@ -23,12 +23,14 @@ void output_lse_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout
   const int64_t lse_bytes = align_up(checked_mul({n - 1, rows, hl, 4}, "max_rows"), kAlign);
   l.part_offset[0] = 0;          // payload inbox
   l.part_offset[1] = out_bytes;  // LSE inbox
-  l.slot_bytes = out_bytes + lse_bytes;
+  l.part_offset[2] = out_bytes + lse_bytes;  // call headers [peer][16 bytes] (lamport.h)
+  l.slot_bytes = out_bytes + lse_bytes + align_up((n - 1) * kHeaderFields * 4, kAlign);
 }
 
 OutputLSEGeometry OutputLSEGeometry::of(const Workspace& ws) {
   const auto& p = ws.params;
-  return {p[0], p[1], p[2], p[3], p[1] / ws.world_size, ws.layout.part_offset[0], ws.layout.part_offset[1]};
+  return {p[0], p[1], p[2], p[3], p[1] / ws.world_size, ws.layout.part_offset[0], ws.layout.part_offset[1],
+          ws.layout.part_offset[2]};
 }
 
 namespace {

@@ -9,12 +9,13 @@ namespace sdcp {
 // Workspace params [max_rows, total_heads, head_dim, elem_bytes] and the inbox
 // layout of one data-as-flag buffer, decoded once (one entry per peer,
 // peer_slot(src, dst)): payload [peer][max_rows][local_heads][head_dim],
-// LSE [peer][max_rows][local_heads].
+// LSE [peer][max_rows][local_heads], then the call headers [peer][16 bytes].
 struct OutputLSEGeometry {
   int64_t max_rows, total_heads, head_dim, elem_bytes;
   int64_t local_heads;
   int64_t out_inbox_offset;  // inside a slot
   int64_t lse_inbox_offset;
+  int64_t header_offset;     // call headers [peer][kHeaderFields words] (lamport.h)
   static OutputLSEGeometry of(const Workspace& ws);
 };
 
@@ -34,6 +35,7 @@ struct CombineCall {
   std::shared_ptr<const Workspace> ws;
   OutputLSEGeometry geo;
   int64_t rows;
+  CallHeader header;  // what this call is (rows, dtype, lse base, geometry; lamport.h)
 };
 
 CombineCall prepare_combine_out(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
@@ -67,7 +69,9 @@ std::tuple<at::Tensor, at::Tensor> lse_correct_op(const at::Tensor& partial_out,
 template <auto CombineLaunch>
 void output_lse_combine_out_op(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
                                bool base2, at::Tensor& out, at::Tensor& out_lse) {
-  const CombineCall c = prepare_combine_out(partial_out, partial_lse, workspace, out, out_lse);
+  CombineCall c = prepare_combine_out(partial_out, partial_lse, workspace, out, out_lse);
+  c.header = make_call_header(c.rows, static_cast<int64_t>(partial_out.scalar_type()), base2 ? 1u : 0u,
+                              c.ws->geometry_hash);
   CombineLaunch(c, partial_out, partial_lse, base2, out, out_lse);
 }
 

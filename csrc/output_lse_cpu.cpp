@@ -73,10 +73,14 @@ void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const 
   auto inbox_lse = [&](int64_t d, int64_t s) {
     return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.lse_inbox_offset) + peer_slot(s, d, n) * max_rows * hl;
   };
+  auto header = [&](int64_t d, int64_t s) {
+    return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.header_offset) + peer_slot(s, d, n) * kHeaderFields;
+  };
   const auto* po = static_cast<const uint32_t*>(partial_out.data_ptr());
   const auto* pl = reinterpret_cast<const uint32_t*>(partial_lse.data_ptr<float>());
   for (int64_t d = 0; d < n; ++d) {
     if (d == ws.rank) continue;
+    host_store_call_header(header(d, ws.rank), c.header);  // before the data it describes
     for (int64_t t = 0; t < rows; ++t) {
       host_store_payload(inbox_out(d, ws.rank) + t * hl * item_words, po + (t * heads + d * hl) * item_words,
                          hl * item_words, false);
@@ -97,6 +101,8 @@ void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const 
         std::memcpy(tl + t * hl, pl + t * heads + s * hl, hl * 4);
       }
     } else {
+      // The header first: a mismatch fails here, before waiting for rows the peer may not send.
+      host_check_call_header(ws, s, call, header(ws.rank, s), c.header);
       host_take_payload(ws, s, call, inbox_lse(ws.rank, s), rows * hl, tl);
       host_take_payload(ws, s, call, inbox_out(ws.rank, s), rows * hl * item_words, to);
     }

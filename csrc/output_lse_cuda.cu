@@ -96,7 +96,7 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 template <typename scalar_t, int kN>
 __global__ void __launch_bounds__(kThreads)
     output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl, int rows,
-                      bool base2, scalar_t* out, float* out_lse) {
+                      bool base2, scalar_t* out, float* out_lse, CallHeader hdr) {
   using V = Vec<scalar_t>;
   constexpr int kShards = kN > 0 ? kN : kMaxDeviceWorld;
   pdl_wait_and_release();
@@ -115,6 +115,18 @@ __global__ void __launch_bounds__(kThreads)
   };
   auto inbox_lse = [&](int d, int s) {
     return reinterpret_cast<uint32_t*>(ws.buffer(d, call) + g.lse_inbox_offset) + ws.peer_slot(s, d) * entry_words;
+  };
+  // Call headers (lamport.cuh): block 0's last warp, lane d for peer d, stores
+  // this rank's header as soon as it knows the call and checks the peers'
+  // with its first LSE poll (or alone, if it owns no item).
+  auto header = [&](int d, int s) {
+    return reinterpret_cast<uint4*>(ws.buffer(d, call) + g.header_offset) + ws.peer_slot(s, d);
+  };
+  const bool header_warp = blockIdx.x == 0 && warp == kWarps - 1;
+  auto begin_call = [&] {
+    call = block_call_index(ws);
+    have_call = true;
+    if (header_warp && lane < n && lane != me) store_call_header(header(lane, me), hdr);
   };
   // Shard d of item (t, h): partial_out[t, d*hl + h] (dim elements).
   auto shard = [&](int t, int h, int d) {
@@ -137,10 +149,7 @@ __global__ void __launch_bounds__(kThreads)
         dst[u] = me + 1 + k < n ? me + 1 + k : me + 1 + k - n;
         if (x < pairs) buf[u] = shard(t, h, dst[u])[vec[u]];
       }
-      if (!have_call) {  // read while the first inputs are in flight
-        call = block_call_index(ws);
-        have_call = true;
-      }
+      if (!have_call) begin_call();  // while the first inputs are in flight
       // The LSE first: the owner needs it before any payload vector.
       if (base == 0 && sends_lse) inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(lse));
 #pragma unroll
@@ -148,7 +157,7 @@ __global__ void __launch_bounds__(kThreads)
         if (base + u * 32 + lane < pairs) inbox_out(dst[u], me)[static_cast<int64_t>(i) * nvec + vec[u]] = canonical_payload(buf[u]);
     }
   }
-  if (!have_call) call = block_call_index(ws);
+  if (!have_call) begin_call();
   // 2. Owner: for each own item, every shard's LSE (lane s polls peer s) and
   //    the first peer's first vectors in one round of loads, then the
   //    payload vectors in shard order, each polled, re-filled and weighed.
@@ -161,6 +170,10 @@ __global__ void __launch_bounds__(kThreads)
     auto peer_vec = [&](int s, int v) { return inbox + ws.peer_slot(s, me) * entry_vecs + v; };
     uint32_t* lse_at = inbox_lse(me, lane) + i;
     const bool polls_lse = lane < n && lane != me;
+    // The header warp's first item also checks the peers' headers (loaded with the LSE word).
+    const bool checks_header = header_warp && i == begin + warp && polls_lse;
+    uint4* const header_at = header(me, lane);
+    const uint4 header_word = checks_header ? ld_volatile_v4(header_at) : sentinel4;
     uint32_t lse_word = polls_lse ? ld_volatile_u32(lse_at) : 0u;
     const float own_lse = lane == me ? pl[static_cast<int64_t>(t) * heads + me * hl + h] : 0.0f;
     // Chunk 0's vectors: this rank's own (no wait) and the first peer's.
@@ -172,7 +185,8 @@ __global__ void __launch_bounds__(kThreads)
     if (first_peer < n && two0) a1 = ld_volatile_v4(peer_vec(first_peer, lane + 32));
     float mine = own_lse;
     if (polls_lse) {
-      if (lse_word == kSentinel) lse_word = poll_word(ws, lse_at, lane, call);
+      if (checks_header) lse_word = land_word_with_header(ws, lse_at, lse_word, header_at, header_word, hdr, lane, call);
+      else if (lse_word == kSentinel) lse_word = poll_word(ws, lse_at, lane, call);
       *lse_at = kSentinel;
       mine = __uint_as_float(lse_word);
     }
@@ -237,6 +251,7 @@ __global__ void __launch_bounds__(kThreads)
       if (second) o[v0 + 32] = o1.raw;
     }
   }
+  if (header_warp && begin + warp >= end && lane < n && lane != me) check_call_header(ws, header(me, lane), hdr, lane, call);
   block_finish_call(ws, call);
 }
 
@@ -283,7 +298,7 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
     auto launch = [&](auto kernel) {
       launch_lamport(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws), c.geo,
                      partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
-                     out.data_ptr<scalar_t>(), out_lse.data_ptr<float>());
+                     out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header);
     };
     switch (ws.world_size) {  // DCP2, 4 and 8 keep their weights in registers
       case 2: launch(output_lse_kernel<scalar_t, 2>); break;

@@ -66,4 +66,11 @@ TORCH_LIBRARY(sdcp, m) {
         "int world_size, Device device, int timeout_ns) -> ()");
   m.def("workspace_unregister(int handle) -> ()");
   m.def("workspace_handles() -> int[]");
+  // Raises when the workspace is poisoned on this rank (a timeout, a call
+  // mismatch, a peer's abort); reads host memory only, so it is usable
+  // between replays of a CUDA graph and never synchronises.
+  m.def("workspace_check(int handle) -> ()");
+  // A call raised after it was entered: poison the workspace on this rank and
+  // store this rank's abort word into every rank's control region.
+  m.def("workspace_abort(int handle) -> ()");
 }

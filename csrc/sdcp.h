@@ -143,6 +143,14 @@ struct Workspace {
   int64_t world_size = 1;
   c10::Device device{c10::kCPU};
   int64_t timeout_ns = 0;
+  // Failure handling (docs/PROTOCOL.md "Failure behaviour"): a hash of kind,
+  // world size and parameters that every call header carries, and this
+  // rank's error record (never null once registered: host memory, or
+  // host-mapped pinned memory on CUDA, whose device address is error_device).
+  uint32_t geometry_hash = 0;
+  LamportError* error = nullptr;
+  LamportError* error_device = nullptr;
+  std::shared_ptr<void> error_storage;
 
   uint8_t* region(int64_t r) const {
     return reinterpret_cast<uint8_t*>(base + static_cast<uintptr_t>(r * stride));
@@ -167,6 +175,32 @@ struct Workspace {
 // Where rank `dst` keeps what rank `src` sends it in a data-as-flag
 // buffer: one entry per peer, none for itself (0 .. N-2).
 inline int64_t peer_slot(int64_t src, int64_t dst, int64_t n) { return (src - dst - 1 + n) % n; }
+
+// ---- Failure handling of data-as-flag workspaces ------------------------
+// A failed or aborted workspace is poisoned on this rank: its error record
+// is set. Every op that resolves it raises (check_workspace_health), and so
+// does workspace_check; the abort word in every rank's control region lets
+// the peers' polls give up at once.
+
+// The text of an error record (what failed, rank, peer, buffer, call).
+std::string describe_lamport_error(const Workspace& ws, const LamportError& e);
+// Records `e` as this rank's error (unless one is recorded already) and
+// stores this rank's abort word into every rank's control region that has
+// none yet (own included; on CUDA through the device hook, off the stream).
+void lamport_abort(const Workspace& ws, const LamportError& e);
+// Raises "poisoned ..." when this rank's error record is set, or (host
+// backend) a peer's abort word is in this rank's control region.
+void check_workspace_health(const Workspace& ws);
+
+// The CUDA backend's part, set by lamport_cuda.cu when it is built:
+// allocation of a host-mapped error record (host pointer, device pointer),
+// and a launch (on a side stream) that stores an abort word into every
+// rank's control region where none is yet.
+struct LamportDeviceHooks {
+  std::shared_ptr<void> (*alloc_error)(const c10::Device& device, LamportError** host, LamportError** dev) = nullptr;
+  void (*store_abort)(const Workspace& ws, uint64_t word) = nullptr;
+};
+LamportDeviceHooks& lamport_device_hooks();
 
 // Resolve a handle; checks that it is alive, of the expected kind, and lives
 // on the device of `on` (CPU tensors need a host workspace, CUDA tensors a

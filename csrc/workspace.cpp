@@ -12,7 +12,9 @@
 #include <memory>
 #include <mutex>
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <unordered_map>
 
 namespace sdcp {
@@ -130,6 +132,158 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
   return l;
 }
 
+// ---- Failure handling ------------------------------------------------------
+
+LamportDeviceHooks& lamport_device_hooks() {
+  static LamportDeviceHooks hooks;
+  return hooks;
+}
+
+namespace {
+
+// FNV-1a over the kind, the world size and the parameters, never 0 or the sentinel.
+uint32_t geometry_hash(WorkspaceKind kind, int64_t world_size, const std::vector<int64_t>& params) {
+  uint32_t h = 2166136261u;
+  auto mix = [&](int64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= static_cast<uint32_t>((static_cast<uint64_t>(v) >> (8 * b)) & 0xFF);
+      h *= 16777619u;
+    }
+  };
+  mix(static_cast<int64_t>(kind));
+  mix(world_size);
+  for (int64_t p : params) mix(p);
+  return canonical_header_word(h == 0 ? 1u : h);
+}
+
+std::string hex32(uint32_t v) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "0x%08x", v);
+  return buf;
+}
+
+// One side of a mismatch, in the words of the workspace's family.
+std::string header_value(const Workspace& ws, uint32_t field, uint32_t v) {
+  switch (field) {
+    case kHeaderRows:
+      return cat(v, ws.kind == WorkspaceKind::kExchange ? " bytes" : " rows");
+    case kHeaderDtype:
+      if (v < static_cast<uint32_t>(c10::ScalarType::NumOptions))
+        return cat("dtype ", c10::toString(static_cast<c10::ScalarType>(v)));
+      return cat("dtype code ", v);
+    case kHeaderFlags:
+      if (ws.kind == WorkspaceKind::kOutputLSE) return cat("lse base ", v ? "2" : "e");
+      if (ws.kind == WorkspaceKind::kExchange) return cat("x of shape hash ", hex32(v));
+      return cat("flags ", hex32(v));
+    default:
+      return cat("a workspace of geometry hash ", hex32(v), " (kind, world size and parameters)");
+  }
+}
+
+const char* reason_text(uint32_t reason) {
+  switch (reason) {
+    case kReasonTimeout: return "it timed out waiting for a peer";
+    case kReasonMismatch: return "its call differs from a peer's (call mismatch)";
+    case kReasonError: return "a call raised an error on that rank after the call was entered";
+    default: return "unknown reason";
+  }
+}
+
+std::string call_text(uint64_t call) { return call == ~uint64_t{0} ? std::string("unknown") : std::to_string(call); }
+
+std::string where(const Workspace& ws, const LamportError& e) {
+  return cat(kind_name(ws.kind), " workspace ", ws.handle, ", buffer ",
+             e.call == ~uint64_t{0} ? std::string("unknown") : std::to_string(e.call % kLamportBuffers), ", call ",
+             call_text(e.call));
+}
+
+std::string block_text(const LamportError& e) { return e.block >= 0 ? cat(" block ", e.block) : std::string(); }
+
+const char* wait_text(uint32_t wait) { return wait == kWaitHeader ? "call header" : "data"; }
+
+}  // namespace
+
+std::string describe_lamport_error(const Workspace& ws, const LamportError& e) {
+  switch (e.state) {
+    case kReasonTimeout:
+      return cat("timeout: rank ", ws.rank, block_text(e), " waited ", ws.timeout_ns / 1e9, " s for peer ", e.peer,
+                 "'s ", wait_text(e.wait), " (", where(ws, e), "); ",
+                 e.wait == kWaitHeader
+                     ? "the peer did not enter this call: it stopped participating, skipped the call, or took the "
+                       "collective path (rows > max_rows) while this rank took the peer path"
+                     : "the peer stopped participating, skipped the call, took the collective path (rows > "
+                       "max_rows), or calls differ between ranks");
+    case kReasonMismatch: {
+      const bool me_first = ws.rank < e.peer;
+      const int64_t a = me_first ? ws.rank : e.peer, b = me_first ? e.peer : ws.rank;
+      const uint32_t va = me_first ? e.mine : e.theirs, vb = me_first ? e.theirs : e.mine;
+      return cat("call mismatch (", where(ws, e), "): rank ", a, " called with ", header_value(ws, e.field, va),
+                 ", rank ", b, " with ", header_value(ws, e.field, vb),
+                 "; every rank must make the same calls with the same shapes, dtypes and options");
+    }
+    case kReasonError:
+      return cat("rank ", ws.rank, " abandoned a call (", where(ws, e), ") after an error was raised in it");
+    case kReasonPeerAbort: {
+      std::string s = cat("peer ", e.aborter, " aborted: ", reason_text(e.abort_reason));
+      if (e.peer >= 0)
+        s += cat("; rank ", ws.rank, block_text(e), " waited for peer ", e.peer, "'s ", wait_text(e.wait), " (",
+                 where(ws, e), ")");
+      else
+        s += cat(" (", kind_name(ws.kind), " workspace ", ws.handle, ")");
+      return s;
+    }
+    default:
+      return cat("error record state ", e.state);
+  }
+}
+
+void lamport_abort(const Workspace& ws, const LamportError& e) {
+  if (__atomic_load_n(&ws.error->state, __ATOMIC_ACQUIRE) == kReasonNone) {
+    LamportError r = e;
+    const uint32_t state = r.state;
+    r.state = kReasonNone;
+    std::memcpy(static_cast<void*>(ws.error), &r, sizeof(r));
+    __atomic_store_n(&ws.error->state, state, __ATOMIC_RELEASE);
+  }
+  if (ws.layout.protocol != Protocol::kLamport || e.state == kReasonPeerAbort) return;  // the aborter told everyone
+  const uint64_t word = lamport_abort_word(ws.rank, e.state);
+  if (ws.device.is_cpu()) {
+    for (int64_t r = 0; r < ws.world_size; ++r) {
+      uint64_t expected = 0;
+      __atomic_compare_exchange_n(&ws.lamport(r)->abort, &expected, word, false, __ATOMIC_RELEASE,
+                                  __ATOMIC_RELAXED);
+    }
+  } else if (lamport_device_hooks().store_abort != nullptr) {
+    lamport_device_hooks().store_abort(ws, word);
+  }
+}
+
+void check_workspace_health(const Workspace& ws) {
+  uint32_t state = __atomic_load_n(&ws.error->state, __ATOMIC_ACQUIRE);
+  if (state == kReasonNone && ws.device.is_cpu() && ws.layout.protocol == Protocol::kLamport) {
+    const uint64_t a = __atomic_load_n(&ws.lamport(ws.rank)->abort, __ATOMIC_ACQUIRE);
+    if (a != 0) {
+      LamportError e{};
+      e.state = kReasonPeerAbort;
+      e.block = -1;
+      e.peer = -1;
+      e.call = __atomic_load_n(&ws.lamport(ws.rank)->call_index[0], __ATOMIC_RELAXED);
+      e.aborter = abort_word_rank(a);
+      e.abort_reason = abort_word_reason(a);
+      lamport_abort(ws, e);
+      state = kReasonPeerAbort;
+    }
+  }
+  if (state == kReasonNone) return;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  LamportError e;
+  std::memcpy(&e, static_cast<const void*>(ws.error), sizeof(e));
+  e.state = state;
+  TORCH_CHECK(false, cat("torch_sdcp: ", kind_name(ws.kind), " workspace ", ws.handle, " on rank ", ws.rank,
+              " is poisoned: ", describe_lamport_error(ws, e),
+              "; re-create the workspace (close() it and create a new one)"));
+}
+
 namespace {
 
 std::mutex g_mutex;
@@ -175,6 +329,16 @@ void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, i
   ws->world_size = world_size;
   ws->device = device;
   ws->timeout_ns = timeout_ns;
+  ws->geometry_hash = geometry_hash(ws->kind, world_size, ws->params);
+  if (device.is_cuda() && lamport_device_hooks().alloc_error != nullptr)
+    ws->error_storage = lamport_device_hooks().alloc_error(device, &ws->error, &ws->error_device);
+  if (ws->error == nullptr) {  // host backend, or no mapped memory: the kernels trap on a timeout
+    auto record = std::make_shared<LamportError>();
+    std::memset(static_cast<void*>(record.get()), 0, sizeof(LamportError));
+    ws->error = record.get();
+    ws->error_device = nullptr;
+    ws->error_storage = record;
+  }
   std::lock_guard<std::mutex> lock(g_mutex);
   auto& r = registry();
   TORCH_CHECK_VALUE(r.find(handle) == r.end(), cat("torch_sdcp: argument 'handle': expected an unused handle, got ",
@@ -185,6 +349,33 @@ void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, i
 void workspace_unregister(int64_t handle) {
   std::lock_guard<std::mutex> lock(g_mutex);
   registry().erase(handle);  // idempotent
+}
+
+std::shared_ptr<const Workspace> lookup(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto it = registry().find(handle);
+  TORCH_CHECK_VALUE(it != registry().end(), cat("torch_sdcp: argument 'handle': expected a live workspace handle, got ",
+                    handle, " (never created, or already closed)"));
+  return it->second;
+}
+
+// Raises when the workspace is poisoned on this rank (never synchronises:
+// on CUDA the record is host-mapped memory; usable during capture).
+void workspace_check(int64_t handle) { check_workspace_health(*lookup(handle)); }
+
+// A call raised after it was entered: poison the workspace on this rank and
+// tell every peer (a peer waiting in the call gives up at once).
+void workspace_abort(int64_t handle) {
+  const auto ws = lookup(handle);
+  LamportError e{};
+  e.state = kReasonError;
+  e.block = -1;
+  e.peer = -1;
+  e.aborter = -1;
+  e.call = ws->device.is_cpu() && ws->layout.protocol == Protocol::kLamport
+               ? __atomic_load_n(&ws->lamport(ws->rank)->call_index[0], __ATOMIC_RELAXED)
+               : ~uint64_t{0};
+  lamport_abort(*ws, e);
 }
 
 std::vector<int64_t> workspace_handles() {
@@ -211,6 +402,7 @@ std::shared_ptr<const Workspace> resolve_workspace(int64_t handle, WorkspaceKind
                     " workspace, got handle ", handle, " of kind ", kind_name(ws->kind)));
   TORCH_CHECK_VALUE(ws->device == on.device() || (ws->device.is_cpu() && on.is_cpu()), cat("torch_sdcp: argument 'workspace': expected a workspace on ", on.device(),
                     " (the inputs' device), got one on ", ws->device));
+  check_workspace_health(*ws);
   // The shared pointer keeps the descriptor (not the mapping) alive; the
   // mapping is only released by close(), which synchronises and barriers
   // before it unregisters.
@@ -223,6 +415,8 @@ TORCH_LIBRARY_IMPL(sdcp, CompositeExplicitAutograd, m) {
   m.impl("workspace_register", &workspace_register);
   m.impl("workspace_unregister", &workspace_unregister);
   m.impl("workspace_handles", &workspace_handles);
+  m.impl("workspace_check", &workspace_check);
+  m.impl("workspace_abort", &workspace_abort);
 }
 
 }  // namespace sdcp

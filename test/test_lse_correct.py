@@ -204,6 +204,8 @@ def _workspace_fallback_worker(rank, world):
         # not empty_like() of the head-major view that the collective path returns.
         with pytest.raises(ValueError, match="argument 'out': expected a contiguous tensor"):
             ws.combine_out(po[rank], pl[rank], torch.empty_like(got), torch.empty_like(got_lse), lse_base="2")
+        assert ws.poisoned  # an error inside a call poisons the workspace, the collective path included
+        ws.resize(4)  # re-created on every rank
         o, ol = torch.empty(got.shape, dtype=got.dtype), torch.empty(got_lse.shape)
         ws.combine_out(po[rank], pl[rank], o, ol, lse_base="2")
         assert torch.equal(o, got) and torch.equal(ol, got_lse)

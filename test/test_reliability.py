@@ -8,6 +8,7 @@ path, and the rows_fallback opt-out."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -138,6 +139,8 @@ def test_sizes_timeouts_and_groups_are_refused_locally():
 
 
 def _calls_worker(rank, world):
+    import contextlib
+
     import torch_sdcp
     from torch_sdcp import peer as peer_mod
     from torch_sdcp import reference
@@ -146,27 +149,40 @@ def _calls_worker(rank, world):
     outs, lses = torch.randn(world, 4, 8, 64, generator=g).bfloat16(), torch.randn(world, 4, 8, generator=g)
     ws = torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, **HOST)  # bf16; rows 4 > max_rows take the collective path
 
-    # Inputs, on the peer path (2 rows) and the collective path (4 rows).
+    # Inputs, on the peer path (2 rows) and the collective path (4 rows). An
+    # error inside a call poisons the workspace on every rank (a peer may wait
+    # in the call): each is followed by a re-creation (resize, collective).
+    @contextlib.contextmanager
+    def poisons(match):
+        with pytest.raises(ValueError, match=match):
+            yield
+        assert ws.poisoned
+        with pytest.raises(RuntimeError, match=f"OutputLSEWorkspace on rank {rank} is poisoned: combine\\(\\) after a "
+                                               "failed call \\(ValueError: .*re-create the workspace"):
+            ws.combine(outs[rank, :2].contiguous(), lses[rank, :2].contiguous())
+        ws.resize(2)
+        assert not ws.poisoned
+
     for rows in (2, 4):
         po, pl = outs[rank, :rows].contiguous(), lses[rank, :rows].contiguous()
-        with pytest.raises(ValueError, match="argument 'partial_out': expected a Tensor, got NoneType"):
+        with poisons(match="argument 'partial_out': expected a Tensor, got NoneType"):
             ws.combine(None, pl)
-        with pytest.raises(ValueError, match="argument 'partial_lse': expected a Tensor, got list"):
+        with poisons(match="argument 'partial_lse': expected a Tensor, got list"):
             ws.combine(po, [1.0])
-        with pytest.raises(ValueError, match=r"argument 'partial_out': expected dtype torch.bfloat16 \(the dtype of "
+        with poisons(match=r"argument 'partial_out': expected dtype torch.bfloat16 \(the dtype of "
                                              r"this OutputLSEWorkspace\), got dtype torch.float16"):
             ws.combine(po.half(), pl)
-        with pytest.raises(ValueError, match="argument 'partial_out': expected dtype torch.bfloat16.*float16"):
+        with poisons(match="argument 'partial_out': expected dtype torch.bfloat16.*float16"):
             ws.combine_out(po.half(), pl, torch.empty(rows, 4, 64, dtype=torch.half), torch.empty(rows, 4))
-        with pytest.raises(ValueError, match="argument 'partial_lse': expected dtype torch.float32, got dtype "
+        with poisons(match="argument 'partial_lse': expected dtype torch.float32, got dtype "
                                              "torch.float64"):
             ws.combine(po, pl.double())
-        with pytest.raises(ValueError, match=r"argument 'partial_out': expected size 64 at dim 2 \(head_dim of this "
+        with poisons(match=r"argument 'partial_out': expected size 64 at dim 2 \(head_dim of this "
                                              r"OutputLSEWorkspace\), got 32 \(shape \[%d, 8, 32\]\)" % rows):
             ws.combine(po[..., :32].contiguous(), pl)
-        with pytest.raises(ValueError, match=r"argument 'partial_lse': expected size 8 at dim 1 .*got 4"):
+        with poisons(match=r"argument 'partial_lse': expected size 8 at dim 1 .*got 4"):
             ws.combine(po, pl[:, :4].contiguous())
-        with pytest.raises(ValueError, match=r"argument 'partial_out': expected 3 dimensions \[T, H, D\], got 2"):
+        with poisons(match=r"argument 'partial_out': expected 3 dimensions \[T, H, D\], got 2"):
             ws.combine(po[0], pl)
         good_out, good_lse = torch.empty(rows, 4, 64, dtype=torch.bfloat16), torch.empty(rows, 4)
         bad_outputs = [
@@ -183,9 +199,9 @@ def _calls_worker(rank, world):
             (good_out, torch.empty(4, rows).t(), "'out_lse': expected a contiguous tensor"),
         ]
         for out, out_lse, match in bad_outputs:
-            with pytest.raises(ValueError, match=f"argument {match}"):
+            with poisons(match=f"argument {match}"):
                 ws.combine_out(po, pl, out, out_lse)
-        # Nothing above reached a peer: the calls that follow are still paired.
+        # Every rank re-created the workspace after each error: the calls that follow are paired.
         want_out, want_lse = ws.combine(po, pl, return_lse=True)
         ws.combine_out(po, pl, good_out, good_lse)
         assert torch.equal(good_out, want_out) and torch.equal(good_lse, want_lse)
@@ -399,3 +415,335 @@ def _threads_worker(rank, world):
 
 def test_one_caller_thread_at_a_time():
     assert run_workers(_threads_worker, 2, timeout=120) == [True, True]
+
+
+# ---------------------------------------------------------------------------
+# Per-call agreement, poisoning and aborts (data-as-flag workspaces)
+# ---------------------------------------------------------------------------
+
+
+def _partials(rows, seed, dtype=torch.bfloat16, heads=8, dim=64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, heads, dim, generator=g).to(dtype), torch.randn(rows, heads, generator=g)
+
+
+def _poisoned(ws, call):
+    with pytest.raises(RuntimeError, match=f"on rank {ws.rank} is poisoned: .*re-create the workspace"):
+        call()
+
+
+def _mismatch_worker(rank, world, device):
+    import torch_sdcp
+
+    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+
+    def settle(ws):  # CUDA reports at the next host call or check(); the host backend at once
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return ws
+
+    cases = [  # (what differs, rank 0's call, rank 1's call, expected text)
+        ("rows", dict(rows=4), dict(rows=8), "rank 0 called with 4 rows, rank 1 with 8 rows"),
+        ("base", dict(rows=2, lse_base="e"), dict(rows=2, lse_base="2"),
+         "rank 0 called with lse base e, rank 1 with lse base 2"),
+        ("rows0", dict(rows=0), dict(rows=3), "rank 0 called with 0 rows, rank 1 with 3 rows"),
+    ]
+    for name, *calls, text in cases:
+        mine = calls[rank]
+        with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=60, **dev) as ws:
+            po, pl = _partials(2, seed=rank)
+            ws.combine(po.to(ws.device), pl.to(ws.device))  # a good call first: the workspace works
+            po, pl = _partials(mine["rows"], seed=rank)
+            t0 = time.monotonic()
+            match = f"call mismatch .*{re_escape(text)}"
+            if device == "cuda":
+                ws.combine(po.to(ws.device), pl.to(ws.device), lse_base=mine.get("lse_base", "e"))
+                settle(ws)  # the kernels end at once: neither rank waits for rows that never come
+                with pytest.raises(RuntimeError, match=match):
+                    ws.check()
+            else:
+                with pytest.raises(RuntimeError, match=match):
+                    ws.combine(po, pl, lse_base=mine.get("lse_base", "e"))
+            assert time.monotonic() - t0 < 30, name
+            assert ws.poisoned
+            _poisoned(ws, lambda: ws.combine(po.to(ws.device), pl.to(ws.device)))
+            _poisoned(ws, ws.check)
+    # dtype: the op checks element sizes only, the header carries the dtype
+    with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=60, **dev) as ws:
+        dtype = torch.bfloat16 if rank == 0 else torch.float16
+        po, pl = _partials(2, seed=rank, dtype=dtype)
+        po, pl = po.to(ws.device), pl.to(ws.device)
+        out, out_lse = torch.empty(2, 4, 64, dtype=dtype, device=ws.device), torch.empty(2, 4, device=ws.device)
+        match = "call mismatch .*rank 0 called with dtype BFloat16, rank 1 with dtype Half"
+        if device == "cuda":
+            torch.ops.sdcp.output_lse_combine_out(po, pl, ws.handle, False, out, out_lse)
+            settle(ws)
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                torch.ops.sdcp.output_lse_combine_out(po, pl, ws.handle, False, out, out_lse)
+        with pytest.raises(RuntimeError, match=match):
+            ws.check()
+    # The exchange: bytes and dtype
+    for x, text in (((torch.ones(4) if rank == 0 else torch.ones(8)), "rank 0 called with 16 bytes, rank 1 with 32 bytes"),
+                    ((torch.ones(4) if rank == 0 else torch.ones(4, dtype=torch.int32)),
+                     "rank 0 called with dtype Float, rank 1 with dtype Int")):
+        with torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **dev) as ws:
+            x = x.to(ws.device)
+            match = f"call mismatch .*{re_escape(text)}"
+            if device == "cuda":
+                ws.all_gather(x)
+                settle(ws)
+                with pytest.raises(RuntimeError, match=match):
+                    ws.check()
+            else:
+                with pytest.raises(RuntimeError, match=match):
+                    ws.all_gather(x)
+            _poisoned(ws, lambda: ws.all_gather(x))
+    # Re-created workspaces work.
+    with torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **dev) as ws:
+        got = ws.all_gather(torch.full((2,), float(rank), device=ws.device)).cpu()
+        assert torch.equal(got, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+        ws.check()
+    if device == "cuda":
+        assert torch.ones(4, device="cuda").sum().item() == 4.0  # the context is alive
+    return True
+
+
+def test_mismatched_calls_raise_on_every_rank_naming_both_sides():
+    assert run_workers(_mismatch_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _skip_worker(rank, world, device):
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    control = dist.new_group([0, 1])
+    po, pl = _partials(2, seed=rank)
+    po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
+    dist.barrier(group=control)
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=1.5, **dev)
+    ws.combine(po, pl)
+    ws.check()
+    if rank == 0:  # rank 1 skips this call
+        t0 = time.monotonic()
+        match = r"timeout: rank 0 .*waited 1.5 s for peer 1's (call header|data) .*buffer 1, call 1"
+        if device == "cuda":
+            ws.combine(po, pl)
+            torch.cuda.synchronize()  # the kernel returns after the timeout: the context survives
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.combine(po, pl)
+        assert time.monotonic() - t0 < 10
+        dist.barrier(group=control)
+    else:
+        dist.barrier(group=control)  # rank 0 timed out and aborted the workspace everywhere
+        match = r"peer 0 aborted: it timed out waiting for a peer"
+        if device == "cuda":
+            t0 = time.monotonic()
+            ws.combine(po, pl)  # the kernel finds rank 0's abort word in its first slow poll
+            torch.cuda.synchronize()
+            assert time.monotonic() - t0 < 1.4
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.combine(po, pl)
+    assert ws.poisoned
+    _poisoned(ws, lambda: ws.combine(po, pl))
+    _poisoned(ws, ws.check)
+    with pytest.raises(ValueError, match="'max_rows'"):
+        ws.resize(0)
+    ws.resize(4)  # re-creation (collective) clears the poison
+    assert not ws.poisoned
+    ws.combine(po, pl)
+    ws.close()
+    with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=30, **dev) as fresh:
+        fresh.combine(po, pl)
+        fresh.check()
+    if device == "cuda":
+        assert torch.ones(4, device="cuda").sum().item() == 4.0
+    return True
+
+
+def test_skipped_call_times_out_poisons_and_aborts_the_peer():
+    assert run_workers(_skip_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _bad_input_worker(rank, world, device):
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    po, pl = _partials(2, seed=rank)
+    po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=120, **dev)
+    ws.combine(po, pl)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 is waiting in its call by now
+        with pytest.raises(ValueError, match="argument 'partial_out': expected dtype torch.bfloat16"):
+            ws.combine(po.half(), pl)
+        _poisoned(ws, lambda: ws.combine(po, pl))
+    else:
+        t0 = time.monotonic()
+        match = "peer 0 aborted: a call raised an error on that rank"
+        if device == "cuda":
+            ws.combine(po, pl)
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.combine(po, pl)
+        assert time.monotonic() - t0 < 20  # at once, not after the 120 s timeout
+    _poisoned(ws, ws.check)
+    ws.close()
+    return True
+
+
+def test_bad_input_on_one_rank_aborts_the_waiting_peer_at_once():
+    assert run_workers(_bad_input_worker, 2, args=("host",), timeout=120) == [True, True]
+
+
+def _killed_peer_worker(rank, world):
+    import os
+
+    import torch_sdcp
+
+    po, pl = _partials(2, seed=rank)
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=1.5, **HOST)
+    ws.combine(po, pl)
+    if rank == 1:
+        os._exit(17)  # killed between calls
+    with pytest.raises(RuntimeError, match="timeout: rank 0 waited 1.5 s for peer 1's call header"):
+        ws.combine(po, pl)
+    _poisoned(ws, lambda: ws.combine(po, pl))
+    _poisoned(ws, ws.check)
+    t0 = time.monotonic()
+    ws.close()  # local: no barrier with a dead peer
+    assert time.monotonic() - t0 < 1.0
+    return "survived"
+
+
+def test_killed_rank_poisons_the_survivor():
+    assert run_workers(_killed_peer_worker, 2, timeout=120, may_die=(1,)) == ["survived", None]
+
+
+def _rows_fallback_disagreement_worker(rank, world):
+    import torch_sdcp
+    from torch_sdcp import collective
+
+    ws = torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, timeout_s=1.5, **HOST)
+    po, pl = _partials(2, seed=rank)
+    ws.combine(po, pl)
+    if rank == 0:  # 3 rows > max_rows: the collective path, while rank 1 takes the peer path
+        big, big_lse = _partials(3, seed=rank)
+        ws.combine(big, big_lse)  # returns once rank 1 joins the collective below
+    else:
+        with pytest.raises(RuntimeError, match="peer 0's call header .*did not enter this call: .*took the "
+                                               r"collective path \(rows > max_rows\)"):
+            ws.combine(po, pl)
+        big, big_lse = _partials(3, seed=rank)
+        collective.lse_all_gather_correct_reduce_scatter(big, big_lse, return_lse=True)  # release rank 0
+    # rank 1 aborted the workspace: rank 0's next call raises too
+    _poisoned(ws, lambda: ws.combine(po, pl))
+    ws.close()
+    return True
+
+
+def test_rows_fallback_disagreement_is_reported():
+    assert run_workers(_rows_fallback_disagreement_worker, 2, timeout=120) == [True, True]
+
+
+def _creation_agreement_worker(rank, world):
+    import torch_sdcp
+    from torch_sdcp.peer.plan import RankMismatchError
+
+    cases = [
+        (lambda: torch_sdcp.OutputLSEWorkspace(None, 4 + 4 * rank, 8, 64, **HOST), r"'max_rows' \(rank 0: 4, rank 1: 8\)"),
+        (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=(torch.bfloat16, torch.float16)[rank], **HOST),
+         r"'dtype' \(rank 0: 'torch.bfloat16', rank 1: 'torch.float16'\)"),
+        (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, rows_fallback=rank == 0, **HOST),
+         r"'rows_fallback' \(rank 0: True, rank 1: False\)"),
+        (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, fallback=True, **HOST) if rank == 0
+         else torch_sdcp.TopKWorkspace(None, 4, 8, **HOST), r"'workspace' \(rank 0: 'OutputLSEWorkspace', rank 1: "
+         r"'TopKWorkspace'\)"),
+    ]
+    for make, match in cases:
+        with pytest.raises(RankMismatchError, match=f"expected the same value on every rank.*{match}"):
+            make()
+    with torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, **HOST) as ws:  # the ranks are still in step
+        ws.check()
+        po, pl = _partials(2, seed=rank)
+        ws.combine(po, pl)
+        ws.check()
+        assert not ws.poisoned
+    with pytest.raises(RuntimeError, match="is closed: check"):
+        ws.check()
+    return True
+
+
+def test_creation_compares_every_parameter_across_ranks():
+    assert run_workers(_creation_agreement_worker, 2, timeout=120) == [True, True]
+
+
+# ---------------------------------------------------------------------------
+# The same on 2 GPUs: failures are reported, not trapped (the context lives)
+# ---------------------------------------------------------------------------
+
+from conftest import requires_gpus  # noqa: E402
+
+
+@requires_gpus(2)
+def test_cuda_mismatched_calls_raise_on_every_rank():
+    assert run_workers(_mismatch_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_timeout_is_reported_not_trapped():
+    assert run_workers(_skip_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_bad_input_aborts_the_waiting_peer():
+    assert run_workers(_bad_input_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+def _cuda_graph_check_worker(rank, world):
+    import torch_sdcp
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    po, pl = (t.to(device) for t in _partials(4, seed=rank))
+    with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, device=device, timeout_s=60) as ws:
+        ws.combine(po, pl)
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            out = ws.combine(po, pl)
+            ws.check()  # inside capture: reads host-mapped memory only
+        for _ in range(5):
+            graph.replay()
+            ws.check()  # between replays, without synchronising
+        torch.cuda.synchronize()
+        ws.check()
+        assert torch.isfinite(out).all()
+    return True
+
+
+@requires_gpus(2)
+def test_cuda_check_during_capture_and_replay():
+    assert run_workers(_cuda_graph_check_worker, 2, timeout=300) == [True, True]

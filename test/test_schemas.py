@@ -25,6 +25,8 @@ sdcp::query_release(Tensor inbox, int workspace) -> ()
 sdcp::query_rope_quant(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, bool neox, ScalarType out_dtype) -> Tensor
 sdcp::topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor
 sdcp::topk_select(Tensor scores, Tensor ids, int k) -> Tensor
+sdcp::workspace_abort(int handle) -> ()
+sdcp::workspace_check(int handle) -> ()
 sdcp::workspace_handles() -> int[]
 sdcp::workspace_layout(int kind, int[] params, int world_size) -> int[]
 sdcp::workspace_nbytes(int kind, int[] params, int world_size) -> int

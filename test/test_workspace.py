@@ -109,11 +109,15 @@ def test_layout_names_the_cpp_layout():
 
     # Data-as-flag buffers hold one entry per peer (world - 1): the exchange's
     # 100 bytes are 25 tagged 64-bit words (200 bytes, aligned to 256).
-    assert part(ExchangeWorkspace, "source_stride") == 256
-    assert layouts[ExchangeWorkspace].slot_bytes == (world - 1) * 256 and layouts[ExchangeWorkspace].slots == 2
+    # Then one call header per peer: 4 tagged words (32 bytes), aligned to 256.
+    assert part(ExchangeWorkspace, "source_stride") == 256 and part(ExchangeWorkspace, "headers") == (world - 1) * 256
+    assert layouts[ExchangeWorkspace].slot_bytes == (world - 1) * 256 + 256 and layouts[ExchangeWorkspace].slots == 2
     assert layouts[ExchangeWorkspace].control_bytes == 4096
     out_bytes = (world - 1) * 8 * 4 * 128 * 2  # [peer][row][h_loc][d] bf16
     assert (part(OutputLSEWorkspace, "out_inbox"), part(OutputLSEWorkspace, "lse_inbox")) == (0, out_bytes)
+    lse_bytes = 256  # [peer][row][h_loc] fp32 = 128 bytes, aligned; then the 16-byte headers [peer], aligned
+    assert part(OutputLSEWorkspace, "headers") == out_bytes + lse_bytes
+    assert layouts[OutputLSEWorkspace].slot_bytes == out_bytes + lse_bytes + 256
     assert layouts[OutputLSEWorkspace].slots == 2
     assert part(TopKWorkspace, "keys_per_row") == 16 and layouts[TopKWorkspace].slots == 2
     assert layouts[TopKWorkspace].slot_bytes == (world - 1) * 8 * 16 * 8 and layouts[TopKWorkspace].control_bytes == 4096

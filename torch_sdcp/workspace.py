@@ -41,6 +41,7 @@ from torch import Tensor
 from torch_sdcp import _registry, collective, ops
 from torch_sdcp._checks import arg_error, check, check_bool, check_positive_int
 from torch_sdcp.peer import PeerArena
+from torch_sdcp.peer.plan import RankMismatchError
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -196,6 +197,10 @@ class PeerWorkspace:
     PARTS: Tuple[str, ...] = ()
     #: Data-as-flag buffers that start filled with the sentinel word.
     SENTINEL_FILLED = False
+    #: Calls carry a call header and an error inside a call poisons the
+    #: workspace on every rank (docs/PROTOCOL.md "Failure behaviour"); a
+    #: family sets it once its kernels check headers and abort words.
+    POISON_ON_ERROR = False
 
     def __init__(self, group: Optional[dist.ProcessGroup], params: list[int], *, backend: str = "auto",
                  device: Optional[torch.device] = None, timeout_s: Optional[float] = None,
@@ -217,6 +222,7 @@ class PeerWorkspace:
         self._call_lock = threading.Lock()
         self._caller: Optional[Tuple[int, str, str]] = None  # (thread id, thread name, call) inside a call
         self._logged: set[str] = set()
+        self._poisoned: Optional[str] = None  # why, once a call failed after it was entered
         self._adopt(self._build([int(p) for p in params], fallback))
         self._closed = False
 
@@ -229,9 +235,10 @@ class PeerWorkspace:
         kw = self._init_kwargs
         try:
             arena = PeerArena(self.group, layout.region_bytes, backend=kw["backend"], device=kw["device"],
-                              allow_shared_device=kw["allow_shared_device"], timeout_s=self.timeout_s)
+                              allow_shared_device=kw["allow_shared_device"], timeout_s=self.timeout_s,
+                              agree=self._agreement(params, fallback))
         except Exception as e:  # the arena's failures are collective: every rank is here
-            if not fallback:
+            if not fallback or isinstance(e, RankMismatchError):  # disagreeing ranks are an error, not a fallback
                 raise
             self._log_policy("peer-unavailable", f"peer memory unavailable ({e}); using the collective path")
             device = kw["device"] or (torch.device("cuda", torch.cuda.current_device())
@@ -251,6 +258,17 @@ class PeerWorkspace:
             arena.close(barrier=False)
             raise
         return _Built(params, layout, arena, handle, arena.device)
+
+    def _agreement(self, params: list[int], fallback: bool) -> dict:
+        """What every rank must create alike, compared at creation (on every
+        rank, before anything is allocated): the class, every parameter, the
+        dtype and options of the family, and the path policies."""
+        agree = {"workspace": type(self).__name__, **dict(zip(self.PARAMS, params))}
+        for name in ("dtype", "rope_style"):
+            if hasattr(self, name):
+                agree[name] = str(getattr(self, name))
+        agree.update(fallback=fallback, rows_fallback=self.rows_fallback)
+        return agree
 
     def _adopt(self, built: _Built) -> None:
         self.params = built.params
@@ -307,6 +325,49 @@ class PeerWorkspace:
         return self._closed
 
     @property
+    def poisoned(self) -> bool:
+        """True once a call failed after it was entered, or a peer aborted the
+        workspace (as far as this rank knows: ``check()`` asks)."""
+        return self._poisoned is not None
+
+    def check(self) -> None:
+        """Raise if the workspace is poisoned on this rank: a call of this
+        rank failed after it was entered (timeout, call mismatch, an error),
+        or a peer aborted it. Never synchronises: on CUDA it reads the error
+        record that the kernels write into host-mapped memory, so it works
+        between CUDA-graph replays and during capture; it reports what the
+        kernels that already ran saw (synchronise the stream first for an
+        exact answer). A closed workspace raises as every call does."""
+        self._check_open("check")
+        if self._poisoned is None and self.handle is not None:
+            try:
+                torch.ops.sdcp.workspace_check(self.handle)
+            except RuntimeError as e:
+                self._poisoned = str(e)
+        if self._poisoned is not None:
+            raise RuntimeError(self._poisoned_message("check"))
+
+    def _poisoned_message(self, what: str) -> str:
+        reason = self._poisoned or ""
+        return (f"torch_sdcp: {type(self).__name__} on rank {self.rank} is poisoned: {what}() after a failed call "
+                f"({reason}); re-create the workspace (close() it and create a new one on every rank, or resize())")
+
+    def _failed(self, error: BaseException, held: bool) -> None:
+        """A call raised after it was entered: poison the workspace on this
+        rank and abort it on every rank, so that a peer waiting in this call
+        gives up at once instead of after its timeout. Refusals of the
+        ordering rules (a second stream) are not failures of the call."""
+        if not held or not self.POISON_ON_ERROR or self.handle is None or getattr(error, "_sdcp_refusal", False):
+            return
+        if self._poisoned is None:
+            self._poisoned = f"{type(error).__name__}: {error}"
+        try:
+            torch.ops.sdcp.workspace_abort(self.handle)
+        except Exception as e:  # noqa: BLE001  (the error of the call is what the caller needs)
+            logger.warning("torch_sdcp %s workspace, rank %d: could not abort the workspace on the peers (%s)",
+                           type(self).__name__, self.rank, e)
+
+    @property
     def physical_bytes(self) -> int:
         """Physical memory this rank owns for the workspace (granularity-rounded)."""
         return self.arena.stride if self.arena is not None else 0
@@ -340,6 +401,8 @@ class PeerWorkspace:
                 "use one workspace per thread, or serialise the calls")
         try:
             self._check_open(what)
+            if self._poisoned is not None and what not in ("resize", "close"):  # both release it
+                raise RuntimeError(self._poisoned_message(what))
         except BaseException:
             self._call_lock.release()
             raise
@@ -362,6 +425,8 @@ class PeerWorkspace:
                                 "created with rows_fallback=False)", rows)
             self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.max_rows}; "
                              "this call takes the collective path")
+            if self.POISON_ON_ERROR:
+                self.check()  # a peer's abort poisons the collective path too
             return False
         self._check_stream()
         return True
@@ -378,11 +443,13 @@ class PeerWorkspace:
         # A capture starts from a synchronised device (torch.cuda.graph does
         # it); querying another stream during a global capture is not allowed.
         if last is not None and last != stream and not capturing and not last.query():
-            raise RuntimeError(
+            refusal = RuntimeError(
                 f"torch_sdcp: {type(self).__name__} on rank {self.rank} is used from stream "
                 f"{stream.cuda_stream:#x} while stream {last.cuda_stream:#x} still runs an earlier call on it: "
                 "calls on one workspace must be ordered; use one workspace per stream, or make this stream "
                 "wait for the other (stream.wait_stream)")
+            refusal._sdcp_refusal = True  # refused before the call touched the workspace: no poisoning
+            raise refusal
         self._stream = stream
 
     # -- resize and teardown --------------------------------------------------------------------
@@ -408,8 +475,9 @@ class PeerWorkspace:
             # A peer workspace keeps its memory if the new one cannot be created;
             # one in collective mode tries peer memory again under its own policy.
             built = self._build(params, self._init_kwargs["fallback"] and not self.peer)
-            self._release(barrier=True)
+            self._release(barrier=self._poisoned is None)
             self._adopt(built)
+            self._poisoned = None
         finally:
             self._leave(held)
 
@@ -440,8 +508,16 @@ class PeerWorkspace:
             return
         held = self._enter("close")
         try:
+            if self._poisoned is None and self.handle is not None:
+                try:
+                    torch.ops.sdcp.workspace_check(self.handle)
+                except RuntimeError as e:
+                    self._poisoned = str(e)
             self._closed = True
-            self._release(barrier=True)
+            # A poisoned workspace is released locally: a peer may be gone, and
+            # the barrier would wait out the timeout (the memory is reference-
+            # counted by every process that maps it, so no peer store faults).
+            self._release(barrier=self._poisoned is None)
         finally:
             self._leave(held)
 
@@ -463,8 +539,10 @@ class ExchangeWorkspace(PeerWorkspace):
 
     kind = WorkspaceKind.EXCHANGE
     PARAMS = ("max_bytes",)
-    # inbox [peer][word] of tagged 64-bit words (4 payload bytes each); bytes between two peers' entries
-    PARTS = ("inbox", "source_stride")
+    # inbox [peer][word] of tagged 64-bit words (4 payload bytes each); bytes between two peers' entries;
+    # call headers [peer][4 tagged words]
+    PARTS = ("inbox", "source_stride", "headers")
+    POISON_ON_ERROR = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_bytes: int, **kwargs):
         super().__init__(group, [check_size_param(max_bytes, "max_bytes")], **kwargs)
@@ -480,6 +558,9 @@ class ExchangeWorkspace(PeerWorkspace):
                 dist.all_gather(out, x.contiguous(), group=self.group)
                 return torch.stack(out)
             return ops.peer_all_gather(x, self.handle)
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 
@@ -551,9 +632,10 @@ class OutputLSEWorkspace(PeerWorkspace):
 
     kind = WorkspaceKind.OUTPUT_LSE
     PARAMS = ("max_rows", "total_heads", "head_dim", "elem_bytes")
-    # One entry per peer: out [peer][row][h_loc][d]; lse [peer][row][h_loc] fp32
-    PARTS = ("out_inbox", "lse_inbox")
+    # One entry per peer: out [peer][row][h_loc][d]; lse [peer][row][h_loc] fp32; call headers [peer][16 bytes]
+    PARTS = ("out_inbox", "lse_inbox", "headers")
     SENTINEL_FILLED = True
+    POISON_ON_ERROR = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, total_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, **kwargs):
@@ -588,6 +670,9 @@ class OutputLSEWorkspace(PeerWorkspace):
                 out, lse = collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group)
             return (out, lse) if return_lse else out
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 
@@ -607,6 +692,9 @@ class OutputLSEWorkspace(PeerWorkspace):
                 collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group, out=out,
                     out_lse=out_lse)
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 

@@ -56,6 +56,9 @@ class PeerArena:
         allow_shared_device: cuda: explicit opt-in for several ranks on one GPU (correct but slow;
             docs/DESIGN.md section 6).
         timeout_s: bound on every blocking step of creation, barrier() and close().
+        agree: values that must be equal on every rank ({name: value}, e.g. the parameters of
+            the workspace built on the arena); creation raises RankMismatchError on every rank,
+            naming each value that differs and every rank's value, before anything is allocated.
 
     Attributes: rank, world_size, backend ("cuda" | "host"), device (local device of the views;
     cpu for host), stride (bytes between ranks' regions: nbytes_per_rank rounded up to the CUDA
@@ -69,7 +72,8 @@ class PeerArena:
 
     def __init__(self, group: Optional[dist.ProcessGroup], nbytes_per_rank: int, *,
                  backend: str = "auto", device: Optional[torch.device] = None,
-                 allow_shared_device: bool = False, timeout_s: float = 60.0) -> None:
+                 allow_shared_device: bool = False, timeout_s: float = 60.0,
+                 agree: Optional[Dict[str, Any]] = None) -> None:
         self._closed = True  # until creation completes; guards __del__ and close()
         self._mapping: Optional[_Mapping] = None
         self._base_u8: Optional[torch.Tensor] = None
@@ -95,6 +99,7 @@ class PeerArena:
             self.timeout_s = float(timeout_s)
         except (TypeError, ValueError):
             self.timeout_s = 60.0
+        self._agree = dict(agree or {})
         self._create(nbytes_per_rank, backend, device, bool(allow_shared_device), timeout_s)
 
     # ---------------------------------------------------------------------------------------
@@ -123,6 +128,7 @@ class PeerArena:
             def validate():
                 plan = local_plan(me, N, nbytes_per_rank, backend, device, allow_shared_device,
                                   timeout_s, candidates)
+                plan["agree"] = self._agree
                 if N > 1:
                     plan["socket"] = sock.open()
                 return plan

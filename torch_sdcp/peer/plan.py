@@ -95,8 +95,23 @@ def local_plan(rank: int, world_size: int, nbytes_per_rank, backend, device,
     return plan
 
 
+class RankMismatchError(ValueError):
+    """A value that must be equal on every rank differs (raised on every rank alike)."""
+
+
 def verdict(plans: List[Dict[str, Any]]) -> Tuple[str, int]:
     """(backend, stride) from the gathered plans, or the error every rank raises."""
+
+    agreed = [p.get("agree") or {} for p in plans]
+    names = list(agreed[0]) + [k for a in agreed[1:] for k in a if k not in agreed[0]]
+    differ = []
+    for name in names:
+        vals = [a.get(name) for a in agreed]
+        if any(v != vals[0] for v in vals):
+            differ.append(f"argument '{name}' (" + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals)) + ")")
+    if differ:
+        raise RankMismatchError("torch_sdcp: workspace creation: expected the same value on every rank, got "
+                                "different values of " + "; ".join(differ))
 
     def same(key, what, cls, hint=""):
         vals = [p[key] for p in plans]

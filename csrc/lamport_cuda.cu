@@ -1,0 +1,73 @@
+// Failure handling of data-as-flag workspaces, CUDA side (lamport.cuh): the
+// host-mapped error record of each workspace, and the abort a host-side
+// error stores into every rank's control region. Installed into
+// lamport_device_hooks() when the extension loads.
+
+#include "lamport.cuh"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstring>
+
+namespace sdcp {
+namespace {
+
+// Pinned, mapped host memory: the kernels write it (volatile stores and a
+// system fence), the host reads it without synchronising a stream, during
+// capture too. Null when the device cannot map host memory (then a timeout
+// traps, as without this record).
+std::shared_ptr<void> alloc_error(const c10::Device& device, LamportError** host, LamportError** dev) {
+  const c10::cuda::CUDAGuard guard(device);
+  void* h = nullptr;
+  if (cudaHostAlloc(&h, sizeof(LamportError), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  void* d = nullptr;
+  if (cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaFreeHost(h);
+    return nullptr;
+  }
+  std::memset(h, 0, sizeof(LamportError));
+  *host = static_cast<LamportError*>(h);
+  *dev = static_cast<LamportError*>(d);
+  // cudaFreeHost waits for the device, so no kernel still writes the record.
+  return std::shared_ptr<void>(h, [](void* p) { cudaFreeHost(p); });
+}
+
+__global__ void store_abort_kernel(DeviceWorkspace ws, uint64_t word) {
+  for (int r = threadIdx.x; r < ws.world; r += blockDim.x) {
+    uint64_t* a = &reinterpret_cast<LamportControl*>(ws.region(r))->abort;
+    if (ld_volatile_u64(a) == 0) st_volatile_u64(a, word);
+  }
+  __threadfence_system();
+}
+
+// On a high-priority side stream, so that it runs beside a kernel of this
+// workspace that is still waiting (its grid leaves room on the SMs); never
+// while the current stream is being captured (nothing may be launched into
+// or beside a capture here), where the local record alone poisons.
+void store_abort(const Workspace& ws, uint64_t word) {
+  const c10::cuda::CUDAGuard guard(ws.device);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(ws.device.index()), &status) != cudaSuccess ||
+      status != cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return;
+  }
+  auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, ws.device.index());
+  store_abort_kernel<<<1, 64, 0, side.stream()>>>(device_workspace(ws), word);
+  (void)cudaGetLastError();  // best effort: the peers time out otherwise
+}
+
+struct Install {
+  Install() {
+    lamport_device_hooks().alloc_error = &alloc_error;
+    lamport_device_hooks().store_abort = &store_abort;
+  }
+} install;
+
+}  // namespace
+}  // namespace sdcp
