@@ -524,6 +524,7 @@ def test_rank_that_stops_is_named_host(mode):
 
 
 def _stop_cuda_worker(rank, world):
+    import ctypes
     import os
     import time
 
@@ -549,7 +550,8 @@ def _stop_cuda_worker(rank, world):
             torch.cuda.synchronize()
         except RuntimeError:
             elapsed = time.monotonic() - start
-            log = open(os.readlink("/proc/self/fd/1")).read()  # the kernel's printf went to this rank's log
+            ctypes.CDLL(None).fflush(None)  # the kernel's printf went to C stdout, this rank's log
+            log = open(os.readlink("/proc/self/fd/1")).read()
             assert f"timeout: rank {rank} block" in log and f"for peer {world - 1}'s data" in log, log[-2000:]
             assert "buffer 1, call 1)" in log, log[-2000:]
             assert elapsed < 5.0, elapsed
