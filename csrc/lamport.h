@@ -35,6 +35,9 @@ constexpr uint32_t kSentinel = 0xFFFFFFFFu;
 constexpr uint32_t kCanonicalNaNPair = 0x7FC07FC0u;
 // A NaN LSE (the empty-shard mark) is stored as this fp32 quiet NaN.
 constexpr uint32_t kCanonicalNaN = 0x7FC00000u;
+// The rewrite for one-byte floats: four 0x7F bytes, NaN in float8_e4m3fn and
+// in float8_e5m2 (0xC0 would be -2.0 in e4m3).
+constexpr uint32_t kCanonicalNaNQuad = 0x7F7F7F7Fu;
 // Payload bytes of one tagged 64-bit word of the exchange.
 constexpr int64_t kTaggedPayload = 4;
 // Buffers that alternate by call index.
@@ -57,7 +60,7 @@ enum LamportWait : uint32_t {
 };
 
 // The most blocks of a data-as-flag grid (lamport_grid caps grids at this).
-constexpr int kLamportBlocks = 480;
+constexpr int kLamportBlocks = 384;
 
 // The control region of a data-as-flag workspace (in each rank's region).
 struct LamportControl {
@@ -122,6 +125,9 @@ struct CallHeader {
 
 
 SDCP_LAMPORT_HD uint32_t canonical_payload_word(uint32_t w) { return w == kSentinel ? kCanonicalNaNPair : w; }
+
+// A payload word with a per-call rewrite (kCanonicalNaNPair or kCanonicalNaNQuad).
+SDCP_LAMPORT_HD uint32_t canonical_word(uint32_t w, uint32_t canonical) { return w == kSentinel ? canonical : w; }
 
 SDCP_LAMPORT_HD uint32_t canonical_lse_word(uint32_t w) {
   // exponent all ones and a non-zero mantissa: NaN

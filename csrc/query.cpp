@@ -1,24 +1,39 @@
-// Query boundary: argument checks, the inbox layout and output allocation
-// shared by the CPU and CUDA kernels.
+// Query boundary: argument checks, the workspace layout and output allocation
+// shared by the CPU and CUDA kernels; `query_all_gather_heads` is registered
+// once for both backends, on top of `query_all_gather_heads_out`.
 
 #include "query.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 namespace sdcp {
 
 void query_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
   check_params(p, 4, "max_rows, local_heads, head_dim, elem_bytes");
   const int64_t rows = p[0], hl = p[1], dim = p[2], eb = p[3];
-  l.blocks = 256;
-  // One slot: the inbox may be read after the call (a zero-copy view), so
-  // producers wait for the consumer's acknowledgement before reusing it.
+  // The sentinel model needs an element with a NaN whose bytes are all ones.
+  TORCH_CHECK_VALUE(eb == 1 || eb == 2 || eb == 4, cat("torch_sdcp: argument 'elem_bytes': expected 1, 2 or 4 ",
+                    "(float8, bf16/fp16 or fp32), got ", eb));
+  TORCH_CHECK_VALUE(checked_mul({dim, eb}, "head_dim") % 4 == 0, cat("torch_sdcp: argument 'head_dim': expected ",
+                    "heads of a multiple of 4 bytes (the signalling word), got ", dim, " elements of ", eb, " bytes"));
+  l.protocol = Protocol::kLamport;
+  l.blocks = 1;
+  // One slot: the view, then the two rotating buffers of the copying ops
+  // (their own index; see QueryGeometry).
   l.slots = 1;
-  l.part_offset[0] = 0;  // inbox [row][src*H_loc + h][dim]
-  l.slot_bytes = align_up(checked_mul({rows, n, hl, dim, eb}, "max_rows"), kAlign);
+  const int64_t view = align_up(checked_mul({rows, n, hl, dim, eb}, "max_rows"), kAlign);
+  const int64_t buffer = align_up(checked_mul({n - 1, rows, hl, dim, eb}, "max_rows"), kAlign);
+  l.part_offset[0] = 0;       // view [row][src*H_loc + h][dim]
+  l.part_offset[1] = view;    // buffer 0 [peer][row][h][dim]; buffer 1 follows
+  l.part_offset[2] = buffer;  // bytes of one buffer
+  l.slot_bytes = view + checked_mul({kLamportBuffers, buffer}, "max_rows");
 }
 
 QueryGeometry QueryGeometry::of(const Workspace& ws) {
   const auto& p = ws.params;
-  return {p[0], p[1], p[2], p[3], ws.layout.part_offset[0]};
+  const auto& o = ws.layout.part_offset;
+  return {p[0], p[1], p[2], p[3], o[0], o[1], o[2], query_canonical(p[3])};
 }
 
 QueryShape check_query_inputs(const at::Tensor& ql_nope, const at::Tensor& q_pe,
@@ -82,13 +97,85 @@ QueryCall prepare_query_call(const at::Tensor& ql_nope, const at::Tensor& q_pe, 
   return c;
 }
 
-std::shared_ptr<const Workspace> prepare_query_release(const at::Tensor& inbox, int64_t workspace) {
-  auto ws = resolve_workspace(workspace, WorkspaceKind::kQuery, inbox);
-  SDCP_CHECK_ARG(inbox.data_ptr() == static_cast<void*>(local_inbox(*ws)), "inbox",
-                 "the view of this rank's inbox that gather_view() returned (address "
-                     << static_cast<const void*>(local_inbox(*ws)) << ")",
-                 "a tensor at " << static_cast<const void*>(inbox.data_ptr()));
-  return ws;
+namespace {
+
+// Dtypes whose all-ones element is NaN, so the sentinel is never a value
+// (float8_e4m3fnuz and raw bytes have no such NaN: refused).
+bool sentinel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kFloat || t == at::kFloat8_e4m3fn ||
+         t == at::kFloat8_e5m2;
 }
+
+}  // namespace
+
+HeadsCall prepare_all_gather_heads(const at::Tensor& q, int64_t workspace, const at::Tensor& out) {
+  check_dim(q, "q", 3);
+  SDCP_CHECK_ARG(sentinel_dtype(q.scalar_type()), "q",
+                 "dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2 (a NaN of all-ones bytes)",
+                 "dtype " << q.scalar_type());
+  HeadsCall c{resolve_workspace(workspace, WorkspaceKind::kQuery, q), {}, q.size(0)};
+  c.geo = QueryGeometry::of(*c.ws);
+  const QueryGeometry& g = c.geo;
+  SDCP_CHECK_ARG(c.rows <= g.max_rows, "q", "at most max_rows = " << g.max_rows << " rows",
+                 c.rows << " (larger batches take the collective path)");
+  check_size(q, "q", 1, g.local_heads);
+  check_size(q, "q", 2, g.head_dim);
+  SDCP_CHECK_ARG(static_cast<int64_t>(q.element_size()) == g.elem_bytes, "q",
+                 "elements of " << g.elem_bytes << " bytes (the workspace dtype)", q.scalar_type());
+  check_contiguous(q, "q");
+  const int64_t heads = c.ws->world_size * g.local_heads;
+  SDCP_CHECK_ARG(out.sizes() == at::IntArrayRef({c.rows, heads, g.head_dim}), "out",
+                 "shape [" << c.rows << ", " << heads << ", " << g.head_dim << "]", "shape " << out.sizes());
+  check_dtype(out, "out", q.scalar_type());
+  check_contiguous(out, "out");
+  check_same_device(out, "out", q, "q");
+  return c;
+}
+
+ReleaseCall prepare_query_release(const at::Tensor& view, int64_t workspace) {
+  ReleaseCall c{resolve_workspace(workspace, WorkspaceKind::kQuery, view), {}, 0};
+  c.geo = QueryGeometry::of(*c.ws);
+  const QueryGeometry& g = c.geo;
+  const void* mine = query_view(*c.ws, g, c.ws->rank);
+  SDCP_CHECK_ARG(view.data_ptr() == mine, "inbox",
+                 "the view of this rank's inbox that gather_view() returned (address " << mine << ")",
+                 "a tensor at " << static_cast<const void*>(view.data_ptr()));
+  check_dim(view, "inbox", 3);
+  SDCP_CHECK_ARG(view.size(0) <= g.max_rows, "inbox", "at most max_rows = " << g.max_rows << " rows", view.size(0));
+  check_size(view, "inbox", 1, c.ws->world_size * g.local_heads);
+  check_size(view, "inbox", 2, g.head_dim);
+  SDCP_CHECK_ARG(static_cast<int64_t>(view.element_size()) == g.elem_bytes, "inbox",
+                 "elements of " << g.elem_bytes << " bytes (the workspace dtype)", view.scalar_type());
+  c.rows = view.size(0);
+  return c;
+}
+
+namespace {
+
+// Allocates the gathered query and runs the `_out` op of the input's backend
+// through the dispatcher.
+at::Tensor query_all_gather_heads(const at::Tensor& q, int64_t workspace) {
+  check_dim(q, "q", 3);
+  const auto ws = resolve_workspace(workspace, WorkspaceKind::kQuery, q);
+  auto out = at::empty({q.size(0), ws->world_size * q.size(1), q.size(2)}, q.options());
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sdcp::query_all_gather_heads_out", "")
+                             .typed<void(const at::Tensor&, int64_t, at::Tensor&)>();
+  op.call(q, workspace, out);
+  return out;
+}
+
+}  // namespace
+
+// One implementation for both backends (the fake lives in torch_sdcp/fake.py).
+TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
+  m.impl("query_all_gather_heads", &query_all_gather_heads);
+}
+
+#ifdef SDCP_WITH_CUDA
+TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
+  m.impl("query_all_gather_heads", &query_all_gather_heads);
+}
+#endif
 
 }  // namespace sdcp

@@ -1,5 +1,7 @@
 // Query boundary: what the CPU and CUDA kernels share (argument checks, typed
-// workspace geometry, output allocation).
+// workspace geometry, output allocation). Data-as-flag signalling
+// (docs/PROTOCOL.md, version 4): two rotating buffers for the copying ops,
+// one fixed view buffer with a release acknowledgement for the zero-copy view.
 #pragma once
 
 #include "sdcp.h"
@@ -13,15 +15,55 @@ struct QueryShape {
   int64_t width() const { return nope + rope; }
 };
 
-// Workspace params [max_rows, local_heads, head_dim, elem_bytes] and the inbox
-// layout, decoded once: inbox [row][src * local_heads + h][head_dim].
+// The view's part of each rank's control region (after its LamportControl).
+// `released[src]` is written by rank src only: the number of view calls src
+// has released (its reader finished and its view rows are sentinel again).
+struct QueryControl {
+  uint64_t view_call;        // view calls this rank has released (its next view call)
+  uint32_t release_arrived;  // blocks of the running release that have finished
+  uint32_t pad;
+  uint64_t released[kMaxWorld];
+};
+// After the LamportControl (its call counters fill most of the 4 KiB).
+constexpr int64_t kQueryControlOffset = (sizeof(LamportControl) + 63) / 64 * 64;
+// compute_layout gives a data-as-flag workspace 4 KiB of control.
+static_assert(kQueryControlOffset + sizeof(QueryControl) <= 4096, "QueryControl must fit in the control region");
+
+// Workspace params [max_rows, local_heads, head_dim, elem_bytes], decoded once.
+// One slot holds
+//   the view       [max_rows][src * local_heads + h][head_dim] (final layout, fixed address)
+//   two buffers    [peer_slot(src, dst)][max_rows][local_heads][head_dim] each
+//                  (peer entries only: a rank's own heads never travel)
 struct QueryGeometry {
   int64_t max_rows, local_heads, head_dim, elem_bytes;
-  int64_t inbox_offset;  // inside the slot
+  int64_t view_offset;     // inside the slot
+  int64_t buffers_offset;  // buffer 0; buffer 1 follows at buffer_bytes
+  int64_t buffer_bytes;
+  uint32_t canonical;      // what a sentinel word of the payload is rewritten to
+  int64_t item_bytes() const { return head_dim * elem_bytes; }
+  int64_t entry_bytes() const { return max_rows * local_heads * item_bytes(); }  // one peer's entry
   static QueryGeometry of(const Workspace& ws);
 };
 
 void query_layout(const std::vector<int64_t>& params, int64_t world_size, WorkspaceLayout& l);
+
+// The rewrite of a sentinel word for elements of `elem_bytes` (1: float8 NaN
+// bytes, 2 or 4: bf16/fp16 NaN pair or fp32 NaN).
+inline uint32_t query_canonical(int64_t elem_bytes) {
+  return elem_bytes == 1 ? kCanonicalNaNQuad : kCanonicalNaNPair;
+}
+
+inline QueryControl* query_control(const Workspace& ws, int64_t r) {
+  return reinterpret_cast<QueryControl*>(ws.region(r) + kQueryControlOffset);
+}
+inline uint8_t* query_view(const Workspace& ws, const QueryGeometry& g, int64_t r) {
+  return ws.slot_data(r, 0) + g.view_offset;
+}
+// Rank dst's entry for source src in the rotating buffer of call `call`.
+inline uint8_t* query_entry(const Workspace& ws, const QueryGeometry& g, int64_t dst, int64_t src, uint64_t call) {
+  return ws.slot_data(dst, 0) + g.buffers_offset + static_cast<int64_t>(call % kLamportBuffers) * g.buffer_bytes +
+         peer_slot(src, dst, ws.world_size) * g.entry_bytes();
+}
 
 QueryShape check_query_inputs(const at::Tensor& ql_nope, const at::Tensor& q_pe,
                               const at::Tensor& positions, const at::Tensor& cos_sin_cache,
@@ -40,14 +82,32 @@ QueryCall prepare_query_call(const at::Tensor& ql_nope, const at::Tensor& q_pe, 
                              const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
                              int64_t workspace, at::ScalarType out_dtype, bool allocate_out);
 
-// The workspace of a query_release call, with `inbox` checked to be the view
-// of this rank's inbox.
-std::shared_ptr<const Workspace> prepare_query_release(const at::Tensor& inbox, int64_t workspace);
+// One query_all_gather_heads_out call: q [T, H_loc, W] and out [T, N*H_loc, W]
+// checked against the workspace.
+struct HeadsCall {
+  std::shared_ptr<const Workspace> ws;
+  QueryGeometry geo;
+  int64_t rows;
+};
+
+HeadsCall prepare_all_gather_heads(const at::Tensor& q, int64_t workspace, const at::Tensor& out);
+
+// One query_release call: `view` checked to be the first rows of this rank's view.
+struct ReleaseCall {
+  std::shared_ptr<const Workspace> ws;
+  QueryGeometry geo;
+  int64_t rows;
+};
+
+ReleaseCall prepare_query_release(const at::Tensor& view, int64_t workspace);
 
 // The ops of one backend, written once on top of its launchers:
 //   ProduceLaunch(shape, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, out)
-//   GatherLaunch(call, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype)
-//   ReleaseLaunch(workspace)
+//   GatherLaunch(call, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, view)
+//   HeadsLaunch(call, q, out)
+//   ReleaseLaunch(call, view)
+// A call of 0 rows launches nothing and advances no index (on every rank: the
+// rules require the same shapes everywhere).
 template <auto ProduceLaunch>
 at::Tensor query_rope_quant_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
@@ -63,7 +123,7 @@ at::Tensor query_gather_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
                            const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
                            int64_t workspace, bool neox, at::ScalarType out_dtype) {
   const QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, true);
-  GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype);
+  if (c.shape.rows > 0) GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, false);
   return *c.out;
 }
 
@@ -72,17 +132,19 @@ void query_publish_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const a
                       const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
                       bool neox, at::ScalarType out_dtype) {
   const QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, false);
-  GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype);
+  if (c.shape.rows > 0) GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, true);
+}
+
+template <auto HeadsLaunch>
+void query_all_gather_heads_out_op(const at::Tensor& q, int64_t workspace, at::Tensor& out) {
+  const HeadsCall c = prepare_all_gather_heads(q, workspace, out);
+  if (c.rows > 0) HeadsLaunch(c, q, out);
 }
 
 template <auto ReleaseLaunch>
-void query_release_op(const at::Tensor& inbox, int64_t workspace) {
-  ReleaseLaunch(*prepare_query_release(inbox, workspace), inbox);
-}
-
-// This rank's inbox in `ws`.
-inline uint8_t* local_inbox(const Workspace& ws) {
-  return ws.slot_data(ws.rank, 0) + QueryGeometry::of(ws).inbox_offset;
+void query_release_op(const at::Tensor& view, int64_t workspace) {
+  const ReleaseCall c = prepare_query_release(view, workspace);
+  if (c.rows > 0) ReleaseLaunch(c, view);
 }
 
 }  // namespace sdcp

@@ -1,5 +1,6 @@
 // Query boundary, CPU: the fused RoPE / concatenation / quantisation producer
-// and its fan-out into every consumer's inbox through a host workspace.
+// and the data-as-flag fan-out of a rank's heads through a host workspace
+// (the protocol of the CUDA kernels, docs/PROTOCOL.md version 4).
 
 #include "query.h"
 
@@ -9,7 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <chrono>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -85,41 +87,120 @@ void rope_quant_cpu(const QueryShape& s, const at::Tensor& ql_nope, const at::Te
                    s.heads * s.width(), s);
 }
 
-// Produces this rank's head shard into every inbox, publishes and waits for
-// every producer; with an output (query_gather), copies the local inbox out
-// and acknowledges.
-void gather_cpu(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
-                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
-                at::ScalarType out_dtype) {
-  const Workspace& ws = *c.ws;
-  const QueryShape& s = c.shape;
-  const int64_t n = ws.world_size, eb = c10::elementSize(out_dtype);
-  const int64_t row_bytes = n * s.heads * s.width() * eb;  // one inbox row, all sources
-  const int64_t shard_bytes = s.heads * s.width() * eb;    // this rank's heads of one row
-  // Produce once locally, then store the head shard into every inbox once
-  // every consumer has finished reading the previous epoch (one slot).
-  auto local = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
-  rope_quant_cpu(s, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, local);
-  const auto* src = static_cast<const uint8_t*>(local.data_ptr());
-  const uint64_t epoch = host_next_epoch(ws);
-  for (int64_t r = 0; r < n; ++r) host_wait_ack(ws, r, epoch);
-  for (int64_t d = 0; d < n; ++d) {
-    uint8_t* inbox = ws.slot_data(d, 0) + c.geo.inbox_offset;
-    for (int64_t t = 0; t < s.rows; ++t)
-      std::memcpy(inbox + t * row_bytes + ws.rank * shard_bytes, src + t * shard_bytes, shard_bytes);
-  }
-  for (int64_t d = 0; d < n; ++d) host_publish(ws, d, epoch);
-  for (int64_t r = 0; r < n; ++r) host_wait(ws, r, epoch);
-  if (c.out) {
-    std::memcpy(c.out->data_ptr(), local_inbox(ws), s.rows * row_bytes);
-    for (int64_t d = 0; d < n; ++d) host_ack(ws, d, epoch);
-  }
-  host_commit_epoch(ws, epoch);
+// Stores `count` payload words with plain (relaxed) stores, rewriting the
+// sentinel to the workspace's canonical word.
+void store_words(uint32_t* dst, const uint32_t* src, int64_t count, uint32_t canonical) {
+  for (int64_t i = 0; i < count; ++i) __atomic_store_n(dst + i, canonical_word(src[i], canonical), __ATOMIC_RELAXED);
 }
 
-void release_cpu(const Workspace& ws, const at::Tensor&) {
-  const uint64_t last = ws.epochs(ws.rank)[0];
-  for (int64_t d = 0; d < ws.world_size; ++d) host_ack(ws, d, last);
+// A bounded wait of the view path; the timeout names the rank, the peer, what
+// was awaited, the view buffer and the view call.
+template <typename Ready>
+void view_spin(const Workspace& ws, int64_t src, uint64_t call, const char* what, Ready ready) {
+  if (ready()) return;
+  const auto start = std::chrono::steady_clock::now();
+  const auto limit = std::chrono::nanoseconds(ws.timeout_ns);
+  for (uint64_t spins = 0;; ++spins) {
+    if (ready()) return;
+    if (spins > 64) std::this_thread::yield();
+    if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start > limit) {
+      TORCH_CHECK(false, cat("torch_sdcp: timeout: rank ", ws.rank, " waited ", ws.timeout_ns / 1e9, " s for peer ",
+                  src, what, " (", kind_name(ws.kind), " workspace ", ws.handle, ", view buffer, view call ",
+                  call, "); the peer stopped participating or calls differ between ranks"));
+    }
+  }
+}
+
+// The items [rows][H_loc][W] of this rank, as 32-bit words, into the
+// destinations of one call (docs/PROTOCOL.md, version 4).
+//  copy (query_gather, query_all_gather_heads_out): every peer's entry in the
+//    rotating buffer of this call and this rank's heads of `out`; then each
+//    peer's entry is taken from the local buffer as it lands (re-filling the
+//    sentinel) into `out`.
+//  view (query_publish): once every peer has released the last view call,
+//    this rank's heads of every rank's view (its own included); then wait
+//    until every peer's heads have landed in the local view.
+void fan_out(const Workspace& ws, const QueryGeometry& g, int64_t rows, const uint32_t* src, uint32_t* out,
+             bool view) {
+  const int64_t n = ws.world_size, me = ws.rank;
+  const int64_t row_words = g.local_heads * g.item_bytes() / 4;  // one rank's heads of one row
+  auto at_row = [&](uint8_t* base, int64_t t, int64_t s) {  // [row][src*H_loc + h] layout
+    return reinterpret_cast<uint32_t*>(base) + (t * n + s) * row_words;
+  };
+  if (!view) {
+    const uint64_t call = host_call_index(ws);
+    for (int64_t d = 0; d < n; ++d) {
+      if (d == me) continue;
+      auto* entry = reinterpret_cast<uint32_t*>(query_entry(ws, g, d, me, call));
+      store_words(entry, src, rows * row_words, g.canonical);
+    }
+    for (int64_t t = 0; t < rows; ++t)
+      store_words(out + (t * n + me) * row_words, src + t * row_words, row_words, g.canonical);
+    for (int64_t s = 0; s < n; ++s) {
+      if (s == me) continue;
+      auto* entry = reinterpret_cast<uint32_t*>(query_entry(ws, g, me, s, call));
+      for (int64_t t = 0; t < rows; ++t)
+        host_take_payload(ws, s, call, entry + t * row_words, row_words, out + (t * n + s) * row_words);
+    }
+    host_finish_call(ws, call);
+    return;
+  }
+  QueryControl* mine = query_control(ws, me);
+  const uint64_t call = __atomic_load_n(&mine->view_call, __ATOMIC_RELAXED);
+  for (int64_t d = 0; d < n; ++d) {
+    if (d == me) continue;
+    view_spin(ws, d, call, " to release the previous view call",
+              [&] { return __atomic_load_n(&mine->released[d], __ATOMIC_ACQUIRE) >= call; });
+  }
+  for (int64_t d = 0; d < n; ++d)
+    for (int64_t t = 0; t < rows; ++t)
+      store_words(at_row(query_view(ws, g, d), t, me), src + t * row_words, row_words, g.canonical);
+  for (int64_t s = 0; s < n; ++s) {
+    if (s == me) continue;
+    for (int64_t t = 0; t < rows; ++t) {
+      const uint32_t* w = at_row(query_view(ws, g, me), t, s);
+      for (int64_t i = 0; i < row_words; ++i)
+        view_spin(ws, s, call, "'s data", [&] { return __atomic_load_n(w + i, __ATOMIC_ACQUIRE) != kSentinel; });
+    }
+  }
+}
+
+// Produces this rank's head shard once, then fans it out.
+void gather_cpu(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
+                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
+                at::ScalarType out_dtype, bool view) {
+  const QueryShape& s = c.shape;
+  auto local = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
+  rope_quant_cpu(s, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, local);
+  fan_out(*c.ws, c.geo, s.rows, static_cast<const uint32_t*>(local.data_ptr()),
+          view ? nullptr : static_cast<uint32_t*>(c.out->data_ptr()), view);
+}
+
+void all_gather_heads_cpu(const HeadsCall& c, const at::Tensor& q, at::Tensor& out) {
+  fan_out(*c.ws, c.geo, c.rows, static_cast<const uint32_t*>(q.data_ptr()), static_cast<uint32_t*>(out.data_ptr()),
+          false);
+}
+
+// The reader of the view is done: re-fill the peers' heads of its rows with
+// the sentinel, then tell every producer (a release store, after the
+// re-fill) and advance the view call.
+void release_cpu(const ReleaseCall& c, const at::Tensor&) {
+  const Workspace& ws = *c.ws;
+  const QueryGeometry& g = c.geo;
+  const int64_t n = ws.world_size, me = ws.rank;
+  const int64_t row_words = g.local_heads * g.item_bytes() / 4;
+  auto* view = reinterpret_cast<uint32_t*>(query_view(ws, g, me));
+  for (int64_t t = 0; t < c.rows; ++t)
+    for (int64_t s = 0; s < n; ++s) {
+      if (s == me) continue;
+      uint32_t* w = view + (t * n + s) * row_words;
+      for (int64_t i = 0; i < row_words; ++i) __atomic_store_n(w + i, kSentinel, __ATOMIC_RELAXED);
+    }
+  QueryControl* mine = query_control(ws, me);
+  const uint64_t call = __atomic_load_n(&mine->view_call, __ATOMIC_RELAXED);
+  for (int64_t d = 0; d < n; ++d)
+    if (d != me) __atomic_store_n(&query_control(ws, d)->released[me], call + 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&mine->view_call, call + 1, __ATOMIC_RELAXED);
 }
 
 }  // namespace
@@ -129,6 +210,7 @@ TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
   m.impl("query_gather", &query_gather_op<gather_cpu>);
   m.impl("query_publish", &query_publish_op<gather_cpu>);
   m.impl("query_release", &query_release_op<release_cpu>);
+  m.impl("query_all_gather_heads_out", &query_all_gather_heads_out_op<all_gather_heads_cpu>);
 }
 
 }  // namespace sdcp

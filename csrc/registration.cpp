@@ -47,16 +47,22 @@ TORCH_LIBRARY(sdcp, m) {
   // Top-K: each owner publishes its candidate shard in place; every consumer
   // selects over local and peer shards. Returns [T, k] int32 global ids.
   m.def("topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor");
-  // Query: the fused producer stores its head shard into every consumer's
-  // inbox; returns a fresh copy of the gathered [T, N*H_loc, 576].
+  // Query: the fused producer stores its head shard into every peer's buffer
+  // and its own heads into the result; returns the gathered [T, N*H_loc, 576].
   m.def("query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
         "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor");
-  // Query, zero-copy: produce, publish and wait, leaving the gathered query in
-  // this rank's inbox for a reader that uses it in place; query_release(inbox)
-  // says the reader is done, and no producer reuses the inbox before it.
+  // Query, zero-copy: produce, store and wait, leaving the gathered query in
+  // this rank's view buffer for a reader that uses it in place;
+  // query_release(inbox) (the view's first T rows) says the reader is done:
+  // it re-fills them and no producer stores into them before it.
   m.def("query_publish(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
         "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> ()");
   m.def("query_release(Tensor inbox, int workspace) -> ()");
+  // Query, produced elsewhere: every rank's q [T, H_loc, W] (bf16, fp16, fp32,
+  // float8_e4m3fn or float8_e5m2) gathered on heads into [T, N*H_loc, W], head
+  // src*H_loc + h, through the same buffers (no RoPE).
+  m.def("query_all_gather_heads(Tensor q, int workspace) -> Tensor");
+  m.def("query_all_gather_heads_out(Tensor q, int workspace, Tensor(a!) out) -> ()");
 
   // ---- Workspace control (host side, never captured) --------------------
   m.def("workspace_nbytes(int kind, int[] params, int world_size) -> int");

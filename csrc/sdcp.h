@@ -104,8 +104,8 @@ const char* kind_name(WorkspaceKind kind);
 
 // How a workspace's data paths signal (docs/PROTOCOL.md).
 enum class Protocol : int64_t {
-  kFlags = 0,    // per-block epochs, release/acquire flags, acknowledgements (top-K, query)
-  kLamport = 1,  // data-as-flag: sentinel or tagged words, one call index (exchange, Output/LSE)
+  kFlags = 0,    // per-block epochs, release/acquire flags, acknowledgements (top-K)
+  kLamport = 1,  // data-as-flag: sentinel or tagged words, one call index (exchange, Output/LSE, query)
 };
 
 struct WorkspaceLayout {

@@ -268,7 +268,8 @@ def _missing_release_worker(rank, world):
             time.sleep(3.0)
             return "held"
         ws.release()
-        with pytest.raises(RuntimeError, match="timeout: rank 1 .* for peer 0 to finish reading"):
+        with pytest.raises(RuntimeError, match="timeout: rank 1 .* for peer 0 to release the previous view call "
+                                               r"\(query workspace \d+, view buffer, view call 1\)"):
             ws.gather_view(*q, torch.ones(1))
         return "reported"
 
@@ -307,11 +308,14 @@ def test_view_misuse_is_an_error(world1):
         ws.release()
 
 
-def test_inbox_fits_the_target_at_128_rows():
-    # One slot of 128 rows x 64 FP8 heads x 576 bytes, plus control: 6 MiB
-    # after rounding to a 2 MiB granularity.
+def test_workspace_fits_the_target_at_128_rows():
+    # DCP2, 32 local FP8 heads of 576 bytes, 128 rows: the view (128 x 64 x
+    # 576 = 4.5 MiB) and two buffers of peer entries only (2 x 128 x 32 x 576
+    # = 4.5 MiB), 4 KiB of control and the 64 KiB tail: 9.07 MiB, 10 MiB
+    # after rounding to a 2 MiB granularity (the target: 16 MiB).
     nbytes = torch.ops.sdcp.workspace_nbytes(3, [128, 32, 576, 1], 2)
-    assert 128 * 64 * 576 < nbytes <= 6 * 2**20 - 2**20
+    assert nbytes == 128 * 64 * 576 + 2 * 128 * 32 * 576 + 4096 + 64 * 1024
+    assert -(-nbytes // 2**21) * 2**21 <= 10 * 2**20 <= 16 * 2**20
 
 
 def _view_graph_worker(rank, world, replays):
@@ -355,3 +359,317 @@ def _view_graph_worker(rank, world, replays):
 @requires_gpus(GPU_WORLD)
 def test_view_cuda_graph_replay():
     assert run_workers(_view_graph_worker, GPU_WORLD, args=(1000,), timeout=400) == [1000] * GPU_WORLD
+
+
+# ---------------------------------------------------------------------------
+# Data-as-flag (docs/PROTOCOL.md, version 4): sentinel patterns as real
+# inputs, a rank that stops mid-stream, and many calls with random delays.
+# ---------------------------------------------------------------------------
+
+GATHER_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
+SENTINEL, CANONICAL_FP8, CANONICAL_PAIR = -1, 0x7F7F7F7F, 0x7FC07FC0  # 32-bit words (lamport.h)
+
+
+def _poisoned_queries(world, t, h, w, dtype, seed):
+    """Per-rank q [t, h, w] of `dtype` with sentinel words (all-ones bytes),
+    the canonical words themselves, lone 0xFF bytes and NaNs of every kind
+    among random values."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(world):
+        q = (torch.randn(t, h, w, generator=g) * 4).to(dtype)
+        words = q.view(torch.uint8).view(-1).view(torch.int32)
+        u = torch.rand(words.shape, generator=g)
+        words[u < 0.15] = SENTINEL
+        words[(u >= 0.15) & (u < 0.2)] = CANONICAL_FP8
+        words[(u >= 0.2) & (u < 0.25)] = CANONICAL_PAIR
+        b = q.view(torch.uint8).view(-1)
+        b[torch.rand(b.shape, generator=g) < 0.05] = 0xFF  # lone all-ones bytes: NaN, kept as they are
+        out.append(q)
+    return out
+
+
+def _heads_worker(rank, world, backend, cases, max_rows):
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    done = 0
+    for dtype in GATHER_DTYPES:
+        with torch_sdcp.QueryWorkspace(None, max_rows, 4, nope_dim=576, rope_dim=0, dtype=dtype, backend=backend,
+                                       device=device) as ws:
+            for i, t in enumerate(cases):
+                qs = _poisoned_queries(world, t, 4, 576, dtype, seed=1000 * i + t)
+                want = reference.query_all_gather_heads_ref(qs)
+                got = ws.all_gather_heads(qs[rank].to(device)).cpu()
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"rank {rank} {dtype} t={t}"
+                # Into caller-owned storage with more heads per row (vLLM's padded query heads).
+                size = t * world * 4 * 576
+                flat = torch.full((2 * size * want.element_size(),), 3, dtype=torch.uint8, device=device)
+                out = flat.view(dtype)[:size].view(t, world * 4, 576)
+                assert ws.all_gather_heads(qs[rank].to(device), out=out) is out
+                assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8))
+                assert (flat[size * want.element_size():] == 3).all()
+                done += 1
+    return done
+
+
+def test_canonical_words_keep_every_value():
+    # Each rewrite keeps NaN NaN in its dtypes, and only the all-ones word is rewritten.
+    fp8 = torch.tensor([CANONICAL_FP8], dtype=torch.int32).view(torch.uint8)
+    assert torch.isnan(fp8.view(torch.float8_e4m3fn).float()).all()
+    assert torch.isnan(fp8.view(torch.float8_e5m2).float()).all()
+    pair = torch.tensor([CANONICAL_PAIR], dtype=torch.int32).view(torch.uint8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.isnan(pair.view(dtype).float()).all()
+        assert torch.isnan(torch.tensor([SENTINEL], dtype=torch.int32).view(dtype).float()).all()
+    qs = _poisoned_queries(2, 3, 2, 16, torch.float8_e4m3fn, seed=1)
+    got = reference.query_all_gather_heads_ref(qs).view(torch.uint8).view(-1).view(torch.int32)
+    raw = torch.cat(qs, dim=1).view(torch.uint8).view(-1).view(torch.int32)
+    assert torch.equal(got[raw != SENTINEL], raw[raw != SENTINEL]) and (got[raw == SENTINEL] == CANONICAL_FP8).all()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_gather_heads_sentinel_inputs_host(world):
+    cases = [1, 5, 16]
+    assert run_workers(_heads_worker, world, args=("host", cases, 16), timeout=240) == \
+        [len(cases) * len(GATHER_DTYPES)] * world
+
+
+@requires_gpus(GPU_WORLD)
+def test_all_gather_heads_sentinel_inputs_cuda():
+    cases = [1, 7, 32, 128]
+    assert run_workers(_heads_worker, GPU_WORLD, args=("cuda", cases, 128), timeout=400) == \
+        [len(cases) * len(GATHER_DTYPES)] * GPU_WORLD
+
+
+def _nan_producer_worker(rank, world, backend):
+    # NaN inputs: the producer writes its canonical NaNs (float8 0x7F, bf16
+    # 0x7FC0), the rewrites themselves; gather and view keep them exact.
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    for dtype, scale in ((torch.float8_e4m3fn, torch.tensor([0.02])), (torch.bfloat16, None)):
+        with torch_sdcp.QueryWorkspace(None, 8, 4, dtype=dtype, backend=backend, device=device) as ws:
+            inputs = _global_query(world, 6, 4, seed=3)
+            for q in inputs:
+                q[0][1] = float("nan")
+                q[0][3, :, 100:200] = float("nan")
+                q[1][4] = float("nan")
+            # The local producer (the reference may encode a bf16 NaN differently).
+            want = torch.cat([ops.query_rope_quant(*x, scale, out_dtype=dtype) for x in inputs], dim=1)
+            mine = [x.to(device) for x in inputs[rank]]
+            sc = None if scale is None else scale.to(device)
+            assert torch.equal(as_bytes(ws.gather(*mine, sc).cpu()), as_bytes(want))
+            assert torch.equal(as_bytes(ws.gather_view(*mine, sc).cpu()), as_bytes(want))
+            ws.release()
+    return True
+
+
+def test_nan_queries_host():
+    assert run_workers(_nan_producer_worker, 2, args=("host",), timeout=120) == [True, True]
+
+
+@requires_gpus(GPU_WORLD)
+def test_nan_queries_cuda():
+    assert run_workers(_nan_producer_worker, GPU_WORLD, args=("cuda",), timeout=300) == [True] * GPU_WORLD
+
+
+def _stop_worker(rank, world, mode, stop_after):
+    import time
+
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    dist.barrier()  # creation is bounded by timeout_s too: start it together
+    timeout = 1.0
+    with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=12, rope_dim=4, backend="host", timeout_s=timeout) as ws:
+        scale = torch.tensor([0.5])
+        for i in range(stop_after + 1):
+            if rank == world - 1 and i == stop_after:
+                time.sleep(3 * timeout)  # stops mid-stream: every peer's next call names this rank
+                return "stopped"
+            q = make_query(3, 2, nope=12, rope=4, max_pos=8, seed=10 * i + rank)
+            start = time.monotonic()
+            try:
+                if mode == "gather":
+                    ws.gather(*q, scale)
+                elif mode == "heads":
+                    ws.all_gather_heads(ops.query_rope_quant(*q, scale, out_dtype=torch.float8_e4m3fn))
+                else:
+                    ws.gather_view(*q, scale)
+                    ws.release()
+            except RuntimeError as e:
+                assert i == stop_after, f"call {i}: {e}"
+                assert time.monotonic() - start < timeout + 1.0
+                return str(e)
+    raise AssertionError(f"rank {rank}: the call after the peer stopped returned")
+
+
+@pytest.mark.parametrize("mode", ["gather", "heads", "view"])
+def test_rank_that_stops_is_named_host(mode):
+    world, stop_after = 3, 4
+    results = run_workers(_stop_worker, world, args=(mode, stop_after), timeout=120)
+    assert results[-1] == "stopped"
+    for rank, msg in enumerate(results[:-1]):
+        assert f"timeout: rank {rank} waited 1 s for peer {world - 1}" in msg, msg
+        if mode == "view":  # the peers' data of the view call it never made
+            assert f"'s data (query workspace" in msg and f"view buffer, view call {stop_after}" in msg, msg
+        else:  # the copying calls
+            assert f"'s data (query workspace" in msg and f"buffer {stop_after % 2}, call {stop_after})" in msg, msg
+
+
+def _stop_cuda_worker(rank, world):
+    import ctypes
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.barrier()
+    with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=56, rope_dim=8, backend="cuda", device=device,
+                                   timeout_s=2.0) as ws:
+        q = [x.to(device) for x in make_query(3, 2, nope=56, rope=8, max_pos=8, seed=rank)]
+        ws.gather(*q)
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == world - 1:
+            time.sleep(6.0)
+            return "stopped"
+        start = time.monotonic()
+        try:
+            ws.gather(*q)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            elapsed = time.monotonic() - start
+            ctypes.CDLL(None).fflush(None)  # the kernel's printf went to C stdout, this rank's log
+            log = open(os.readlink("/proc/self/fd/1")).read()
+            assert f"timeout: rank {rank} block" in log and f"for peer {world - 1}'s data" in log, log[-2000:]
+            assert "buffer 1, call 1)" in log, log[-2000:]
+            assert elapsed < 5.0, elapsed
+            os._exit(0)  # the trap left the context unusable: no teardown
+        raise AssertionError("the call after the peer stopped returned")
+
+
+@requires_gpus(GPU_WORLD)
+def test_rank_that_stops_is_named_cuda():
+    results = run_workers(_stop_cuda_worker, GPU_WORLD, timeout=120, may_die=tuple(range(GPU_WORLD - 1)))
+    assert results[-1] == "stopped"
+
+
+def _stress_worker(rank, world, backend, calls, seed):
+    """Random calls on one workspace (every rank draws the same sequence):
+    all_gather_heads with sentinel words, the producer's gather, and views
+    read late, with random per-rank delays; every result against the
+    references."""
+    import random
+    import time
+
+    import torch_sdcp
+
+    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    if backend == "cuda":
+        torch.cuda.set_device(device)
+    shared = random.Random(seed)  # the call sequence, identical on every rank
+    mine = random.Random(seed * 100 + rank)  # this rank's delays
+    h, nope, rope, max_rows = 2, 12, 4, 6
+    if backend == "cuda":
+        nope = 28  # 32 fp8 bytes: whole 16-byte vectors
+    counts = {"heads": 0, "gather": 0, "view": 0}
+    scale = torch.tensor([0.05])
+    with torch_sdcp.QueryWorkspace(None, max_rows, h, nope_dim=nope, rope_dim=rope, backend=backend,
+                                   device=device) as ws:
+        for i in range(calls):
+            kind = shared.choices(["heads", "gather", "view"], weights=[8, 1, 1])[0]
+            t = shared.randint(0, max_rows)
+            if mine.random() < 0.05:  # this rank runs late
+                if backend == "cuda":
+                    torch.cuda._sleep(mine.randint(1_000, 2_000_000))
+                else:
+                    time.sleep(mine.random() * 1e-3)
+            if kind == "heads":
+                qs = _poisoned_queries(world, t, h, nope + rope, torch.float8_e4m3fn, seed=seed + i)
+                got = ws.all_gather_heads(qs[rank].to(device))
+                want = reference.query_all_gather_heads_ref(qs)
+                assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)), f"call {i} rank {rank}"
+            else:
+                inputs = [[x for x in make_query(t, h, nope=nope, rope=rope, max_pos=16, seed=seed + i * 8 + r)]
+                          for r in range(world)]
+                for q in inputs[1:]:
+                    q[2], q[3] = inputs[0][2], inputs[0][3]
+                want = _expected(inputs, scale, "interleaved", torch.float8_e4m3fn)
+                args = [x.to(device) for x in inputs[rank]] + [scale.to(device)]
+                if kind == "gather":
+                    got = ws.gather(*args).cpu()
+                else:
+                    view = ws.gather_view(*args)
+                    if mine.random() < 0.2:  # the reader runs late: no peer may overwrite the view meanwhile
+                        if backend == "cuda":
+                            torch.cuda._sleep(mine.randint(1_000, 2_000_000))
+                        else:
+                            time.sleep(mine.random() * 1e-3)
+                    got = view.clone().cpu()  # read while the view is open: release() re-fills it
+                    ws.release()
+                assert torch.equal(as_bytes(got), as_bytes(want)), f"call {i} ({kind}, {t} rows) rank {rank}"
+            counts[kind] += 1
+    return counts
+
+
+def test_many_calls_random_delays_host():
+    results = run_workers(_stress_worker, 2, args=("host", 10_000, 7), timeout=600)
+    assert results[0] == results[1] and sum(results[0].values()) == 10_000 and min(results[0].values()) > 500
+
+
+def test_many_calls_random_delays_host_world3():
+    results = run_workers(_stress_worker, 3, args=("host", 1_500, 8), timeout=300)
+    assert all(r == results[0] for r in results) and sum(results[0].values()) == 1_500
+
+
+@requires_gpus(GPU_WORLD)
+def test_many_calls_random_delays_cuda():
+    results = run_workers(_stress_worker, GPU_WORLD, args=("cuda", 3_000, 9), timeout=600)
+    assert all(r == results[0] for r in results) and sum(results[0].values()) == 3_000
+
+
+def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
+    import torch_sdcp
+
+    for device in devices():
+        with torch_sdcp.QueryWorkspace(world1, 8, 4, nope_dim=64, rope_dim=0, dtype=torch.bfloat16,
+                                       device=torch.device(device),
+                                       backend="cuda" if device == "cuda" else "host") as ws:
+            (q,) = _poisoned_queries(1, 3, 4, 64, torch.bfloat16, seed=2)
+            q = q.to(device)
+            out = torch.empty(3, 4, 64, dtype=torch.bfloat16, device=device)
+            clean = torch.randn(3, 4, 64).to(torch.bfloat16).to(device)  # opcheck compares with NaN != NaN
+            torch.library.opcheck(torch.ops.sdcp.query_all_gather_heads.default, (clean, ws.handle))
+            torch.library.opcheck(torch.ops.sdcp.query_all_gather_heads_out.default, (clean, ws.handle, out))
+            want = reference.query_all_gather_heads_ref([q.cpu()])
+            f = torch.compile(ws.all_gather_heads, fullgraph=True)
+            assert torch.equal(f(q).cpu().view(torch.int16), want.view(torch.int16))
+            assert torch.equal(ops.query_all_gather_heads(q[:0], ws.handle).cpu(), want[:0])  # 0 rows: no call
+            with pytest.raises(ValueError, match="'q'.*dtype torch.bfloat16"):
+                ws.all_gather_heads(q.half())
+            with pytest.raises(ValueError, match="'q'.*NaN of all-ones bytes"):
+                ops.query_all_gather_heads(q.view(torch.int16), ws.handle)
+            with pytest.raises(ValueError, match="'q'.*size 4 at dim 1"):
+                ws.all_gather_heads(q[:, :2])
+            with pytest.raises(ValueError, match="'out'.*shape"):
+                ws.all_gather_heads(q, out=out[:2])
+            # Above max_rows: the collective path, same result.
+            (big,) = _poisoned_queries(1, 9, 4, 64, torch.bfloat16, seed=3)
+            assert torch.equal(ws.all_gather_heads(big.to(device)).cpu().view(torch.int16), big.view(torch.int16))
+    with pytest.raises(ValueError, match="'dtype'"):
+        torch_sdcp.QueryWorkspace(world1, 8, 4, dtype=torch.uint8, backend="host")
+    with pytest.raises(ValueError, match="'rope_dim'.*even"):
+        torch_sdcp.QueryWorkspace(world1, 8, 4, rope_dim=3, backend="host")
+    with pytest.raises(ValueError, match="'head_dim'.*multiple of 4 bytes"):
+        torch_sdcp.QueryWorkspace(world1, 8, 4, nope_dim=6, rope_dim=0, backend="host")

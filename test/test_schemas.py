@@ -19,6 +19,8 @@ sdcp::lse_correct(Tensor partial_out, Tensor gathered_lse, int rank, bool base2)
 sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2) -> (Tensor, Tensor)
 sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse) -> ()
 sdcp::peer_all_gather(Tensor x, int workspace) -> Tensor
+sdcp::query_all_gather_heads(Tensor q, int workspace) -> Tensor
+sdcp::query_all_gather_heads_out(Tensor q, int workspace, Tensor(a!) out) -> ()
 sdcp::query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor
 sdcp::query_publish(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> ()
 sdcp::query_release(Tensor inbox, int workspace) -> ()

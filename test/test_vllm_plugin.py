@@ -661,7 +661,7 @@ class _NoPeer:
 def test_peer_unavailable_keeps_vllm(plugin, monkeypatch, collect):
     import torch_sdcp.workspace as wsmod
 
-    for name in ("OutputLSEWorkspace", "ExchangeWorkspace", "TopKWorkspace"):
+    for name in ("OutputLSEWorkspace", "QueryWorkspace", "ExchangeWorkspace", "TopKWorkspace"):
         monkeypatch.setattr(wsmod, name, _NoPeer)
     with FakeVllm() as ns:
         ns.coordinator = types.SimpleNamespace(cpu_group=object(), world_size=2, rank_in_group=0,
@@ -683,7 +683,8 @@ def test_pcp_single_rank_and_query_replication_keep_vllm(plugin, monkeypatch):
     import torch_sdcp.workspace as wsmod
 
     made = []
-    monkeypatch.setattr(wsmod, "ExchangeWorkspace", lambda *a, **k: made.append(a) or _NoPeer())
+    for name in ("QueryWorkspace", "ExchangeWorkspace"):
+        monkeypatch.setattr(wsmod, name, lambda *a, **k: made.append(a) or _NoPeer())
     with FakeVllm() as ns:
         dcp = ns.mods["vllm.v1.attention.ops.dcp"]
         assert plugin.install()
@@ -896,3 +897,13 @@ def test_mask_empty_shards_captured_cuda():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got.cpu(), _mask_loop(lse.cpu(), seq.cpu(), qsl.cpu()))
+
+
+def test_query_gather_workspace_by_dtype(plugin):
+    # The data-as-flag query workspace for dtypes whose all-ones element is NaN
+    # and heads of whole 16-byte vectors; the tagged exchange for the rest.
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32):
+        assert plugin._query_direct(576, dtype), dtype
+    for dtype in (torch.uint8, torch.int8, torch.float8_e4m3fnuz):
+        assert not plugin._query_direct(576, dtype), dtype
+    assert not plugin._query_direct(20, torch.float8_e4m3fn)

@@ -96,6 +96,19 @@ def query_all_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_c
     return gathered.view(out_dtype)
 
 
+def all_gather_heads(q: Tensor, group: Optional[dist.ProcessGroup] = None, out: Optional[Tensor] = None) -> Tensor:
+    """Collective all_gather on heads of a query produced elsewhere:
+    ``q [T, H_loc, W]`` on every rank -> ``[T, N*H_loc, W]`` (into ``out`` when
+    given), raw bytes (gloo has no float8)."""
+    rows, hl, _ = q.shape
+    stacked = _all_gather_stack(q.contiguous().view(torch.uint8), group)  # [N, T, H_loc, W*eb]
+    n = stacked.size(0)
+    if out is None:
+        out = q.new_empty((rows, n * hl, q.shape[2]))
+    out.view(torch.uint8).view(rows, n, hl, -1).copy_(stacked.permute(1, 0, 2, 3))
+    return out
+
+
 def topk_all_gather_merge(scores: Tensor, ids: Tensor, k: int,
                           group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """Collective top-K path: all_gather of the ``(score, id)`` pairs, then

@@ -74,6 +74,18 @@ def _query_release(inbox, workspace):
     return None
 
 
+@register_fake("sdcp::query_all_gather_heads")
+def _query_all_gather_heads(q, workspace):
+    n = _registry.world_size(workspace)
+    t, h, w = q.shape
+    return q.new_empty((t, n * h, w))
+
+
+@register_fake("sdcp::query_all_gather_heads_out")
+def _query_all_gather_heads_out(q, workspace, out):
+    return None
+
+
 # Peer ops publish into other ranks' memory: never dead code, even when the
 # caller drops the result on this rank.
 PEER_OPS = (
@@ -84,6 +96,8 @@ PEER_OPS = (
     torch.ops.sdcp.query_gather.default,
     torch.ops.sdcp.query_publish.default,
     torch.ops.sdcp.query_release.default,
+    torch.ops.sdcp.query_all_gather_heads.default,
+    torch.ops.sdcp.query_all_gather_heads_out.default,
 )
 for _op in PEER_OPS:
     torch.fx.node.has_side_effect(_op)

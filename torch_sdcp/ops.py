@@ -14,6 +14,9 @@ from torch_sdcp._checks import check_choice
 ROPE_STYLES = ("interleaved", "neox")
 LSE_BASES = ("e", "2")
 QUERY_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+#: What query_all_gather_heads moves: dtypes whose all-ones element is NaN, so
+#: the sentinel of the data-as-flag buffers is never a value (docs/PROTOCOL.md).
+QUERY_GATHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def rope_is_neox(rope_style: str) -> bool:
@@ -80,8 +83,9 @@ def topk_merge(scores: Tensor, ids: Tensor, workspace: int, k: int) -> Tensor:
 def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                  q_scale: Optional[Tensor], workspace: int, *, rope_style: str = "interleaved",
                  out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Produce this rank's head shard into every consumer's inbox; returns the
-    gathered [T, N * H_loc, Dn + R] (head = src_rank * H_loc + h)."""
+    """Produce this rank's head shard into every peer's buffer and its own
+    heads into the result; returns the gathered [T, N * H_loc, Dn + R]
+    (head = src_rank * H_loc + h)."""
     return torch.ops.sdcp.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace,
                                        rope_is_neox(rope_style), out_dtype)
 
@@ -89,13 +93,27 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
 def query_publish(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                   q_scale: Optional[Tensor], workspace: int, *, rope_style: str = "interleaved",
                   out_dtype: torch.dtype = torch.bfloat16) -> None:
-    """As query_gather, but the gathered query stays in this rank's inbox for a
-    zero-copy reader, which must call query_release when it is done."""
+    """As query_gather, but the gathered query stays in this rank's inbox (the
+    view buffer) for a zero-copy reader, which must call query_release when it
+    is done."""
     torch.ops.sdcp.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace,
                                  rope_is_neox(rope_style), out_dtype)
 
 
 def query_release(inbox: Tensor, workspace: int) -> None:
-    """The reader of ``inbox`` (this rank's inbox view) is done with it:
-    producers may store the next call's query into it."""
+    """The reader of ``inbox`` (the first T rows of this rank's inbox, the
+    view of the last query_publish) is done with it: its rows are re-filled
+    and producers may store the next view call's query into it."""
     torch.ops.sdcp.query_release(inbox, workspace)
+
+
+def query_all_gather_heads(q: Tensor, workspace: int) -> Tensor:
+    """A query produced elsewhere, ``q [T, H_loc, W]`` on every rank ->
+    ``[T, N * H_loc, W]`` (head = src_rank * H_loc + h), through a query
+    workspace; every non-NaN value bit-exact, NaN stays NaN."""
+    return torch.ops.sdcp.query_all_gather_heads(q, workspace)
+
+
+def query_all_gather_heads_out(q: Tensor, workspace: int, out: Tensor) -> None:
+    """As query_all_gather_heads, written into caller-owned ``out``."""
+    torch.ops.sdcp.query_all_gather_heads_out(q, workspace, out)

@@ -6,8 +6,8 @@ collective paths engines run today (the fallback and the benchmark baseline)
 are in :mod:`torch_sdcp.collective`.
 
 - Token ownership: ``token_owner``, ``token_local_index``, ``token_global_index``.
-- Query: ``query_rope_quant_ref`` (bit-identical to ``torch.ops.sdcp.query_rope_quant``)
-  and ``query_gathered_layout``.
+- Query: ``query_rope_quant_ref`` (bit-identical to ``torch.ops.sdcp.query_rope_quant``),
+  ``query_gathered_layout`` and ``query_all_gather_heads_ref``.
 - Top-K: ``topk_select_ref`` (bit-identical to ``torch.ops.sdcp.topk_select``, order
   included) and ``topk_merge_ref``.
 - Output/LSE: ``lse_combine_ref`` (fp32), ``lse_combine_ref64`` (fp64) and
@@ -34,6 +34,7 @@ __all__ = [
     "token_global_index",
     "query_rope_quant_ref",
     "query_gathered_layout",
+    "query_all_gather_heads_ref",
     "topk_select_ref",
     "topk_merge_ref",
     "lse_combine_ref",
@@ -185,6 +186,29 @@ def query_gathered_layout(per_rank_outputs: Sequence[Tensor]) -> Tensor:
               f"shape {list(t.shape)}")
         check_dtype(t, f"per_rank_outputs[{r}]", first.dtype)
     return torch.cat(list(per_rank_outputs), dim=1)
+
+
+#: The data-as-flag sentinel word and its rewrites (csrc/lamport.h): an aligned
+#: 32-bit word of all-ones bytes (a NaN in every dtype the query buffers move)
+#: arrives as four float8 0x7F NaNs or as two bf16/fp16 (one fp32) quiet NaNs.
+SENTINEL_WORD = 0xFFFFFFFF
+CANONICAL_FP8_WORD = 0x7F7F7F7F
+CANONICAL_NAN_PAIR_WORD = 0x7FC07FC0
+
+
+def query_all_gather_heads_ref(per_rank_queries: Sequence[Tensor]) -> Tensor:
+    """What ``torch.ops.sdcp.query_all_gather_heads`` returns on every rank:
+    ``query_gathered_layout`` of the per-rank ``[T, H_loc, W]`` queries, with
+    every aligned 32-bit word equal to the sentinel (all-ones bytes, a NaN)
+    replaced by the canonical NaN word of the element size. Every non-NaN
+    value is bit-exact."""
+    gathered = query_gathered_layout(per_rank_queries)
+    check(gathered.numel() * gathered.element_size() % 4 == 0, "per_rank_queries", "whole 32-bit words",
+          f"{gathered.numel() * gathered.element_size()} bytes")
+    words = gathered.contiguous().view(torch.uint8).view(torch.int32)
+    canonical = CANONICAL_FP8_WORD if gathered.element_size() == 1 else CANONICAL_NAN_PAIR_WORD
+    words = torch.where(words == SENTINEL_WORD - 2**32, torch.tensor(canonical, dtype=torch.int32), words)
+    return words.view(torch.uint8).view(gathered.dtype).view(gathered.shape)
 
 
 # ---------------------------------------------------------------------------

@@ -750,32 +750,53 @@ def _check_query_inputs(ql_nope: object, q_pe: object) -> None:
 
 class QueryWorkspace(PeerWorkspace):
     """Query boundary: the fused RoPE/FP8 producer stores this rank's head shard
-    into every consumer's inbox [T, N*H_loc, nope+rope].
+    straight into every peer's memory; the gathered query is
+    ``[T, N*H_loc, nope+rope]`` (head ``src*H_loc + h``) on every rank.
 
-    Two ways to consume it: ``gather`` returns a fresh tensor (safe anywhere,
+    Three ways to use it: ``gather`` returns a fresh tensor (safe anywhere,
     torch.compile included); ``gather_view`` returns a zero-copy view of this
-    rank's inbox, valid until ``release()``. The inbox has one slot: no producer
-    stores the next call's query into it before every consumer has finished
-    with the last one (``gather`` acknowledges inside the call, a view's reader
-    by ``release()``), so a late reader never sees a torn or overwritten inbox.
+    rank's inbox, valid until ``release()``; ``all_gather_heads`` gathers a
+    query produced elsewhere (RoPE already applied, maybe quantised; no
+    producer), for example vLLM's.
 
-    Physical memory per rank: control + max_rows x N x local_heads x
-    (nope + rope) x element size, granularity-rounded.
+    Data-as-flag (docs/PROTOCOL.md, version 4). ``gather`` and
+    ``all_gather_heads`` use two rotating buffers of peer entries (a rank's own
+    heads go straight into the result). The view is one buffer at a fixed
+    address (a CUDA graph captures its reader with it) in the final layout: no
+    producer stores the next view call's query into it before this rank's
+    ``release()`` has re-filled the rows that were read and said so, so a late
+    reader never sees an overwritten view. Every non-NaN value arrives
+    bit-exact; an aligned 4-byte word of all-ones bytes (a NaN) arrives as the
+    canonical NaN word.
+
+    ``dtype``: bf16 or float8_e4m3fn for the producer; ``all_gather_heads``
+    also moves fp16, fp32 and float8_e5m2 (every dtype whose all-ones element
+    is NaN). ``rope_dim=0`` makes a workspace for ``all_gather_heads`` only
+    (heads of ``nope_dim`` elements).
+
+    Physical memory per rank: 4 KiB control + max_rows x N x local_heads x
+    (nope + rope) x element size (the view) + 2 x max_rows x (N - 1) x
+    local_heads x (nope + rope) x element size (the buffers) + 64 KiB tail,
+    granularity-rounded.
     """
 
     kind = WorkspaceKind.QUERY
     PARAMS = ("max_rows", "local_heads", "head_dim", "elem_bytes")
-    PARTS = ("inbox",)  # [row][src*H_loc + h][nope + rope]
+    # the view [row][src*H_loc + h][nope + rope]; buffer 0 [peer][row][h][nope + rope] (buffer 1 follows);
+    # bytes of one buffer
+    PARTS = ("inbox", "buffers", "buffer_bytes")
+    SENTINEL_FILLED = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, local_heads: int, nope_dim: int = 512,
                  rope_dim: int = 64, dtype: torch.dtype = torch.float8_e4m3fn, rope_style: str = "interleaved",
                  **kwargs):
-        check(dtype in ops.QUERY_DTYPES, "dtype", f"one of {ops.QUERY_DTYPES}", dtype)
+        check(dtype in ops.QUERY_GATHER_DTYPES, "dtype", f"one of {ops.QUERY_GATHER_DTYPES}", dtype)
         ops.rope_is_neox(rope_style)
         check_size_param(max_rows, "max_rows")
         check_size_param(local_heads, "local_heads")
         check_size_param(nope_dim, "nope_dim")
-        check(check_size_param(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
+        if not (type(rope_dim) is int and rope_dim == 0):  # 0: a workspace for all_gather_heads only
+            check(check_size_param(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
         self.dtype, self.rope_style = dtype, rope_style
         self.local_heads = local_heads
         self.nope_dim, self.rope_dim = nope_dim, rope_dim
@@ -786,8 +807,10 @@ class QueryWorkspace(PeerWorkspace):
 
     @property
     def inbox(self) -> Optional[Tensor]:
-        """This rank's whole inbox [max_rows, N*H_loc, nope+rope] (None in
-        collective mode). Read it only between gather_view() and release()."""
+        """This rank's whole inbox, the view buffer [max_rows, N*H_loc,
+        nope+rope] (None in collective mode). Read it only between
+        gather_view() and release(), and only the rows that gather_view()
+        returned (the rest holds the sentinel)."""
         if self.arena is None:
             return None
         width = self.nope_dim + self.rope_dim
@@ -863,8 +886,9 @@ class QueryWorkspace(PeerWorkspace):
             self._leave(held)
 
     def release(self) -> None:
-        """The reader of the last gather_view() is done: producers may reuse
-        this rank's inbox. Enqueued on the current stream (capturable)."""
+        """The reader of the last gather_view() is done: this rank's view rows
+        are re-filled and the producers told that they may store the next view
+        call's query. Enqueued on the current stream (capturable)."""
         held = self._enter("release")
         try:
             if self._open_view is None:
@@ -873,6 +897,32 @@ class QueryWorkspace(PeerWorkspace):
             view, self._open_view = self._open_view, None
             if self.peer and self._inbox_view is not None and view.data_ptr() == self._inbox_view.data_ptr():
                 self._check_stream()
-                ops.query_release(self._inbox_view, self.handle)
+                ops.query_release(view, self.handle)  # re-fills the rows the view had
+        finally:
+            self._leave(held)
+
+    def all_gather_heads(self, q: Tensor, out: Optional[Tensor] = None) -> Tensor:
+        """A query produced elsewhere, ``q [T, H_loc, nope+rope]`` of the
+        workspace dtype on every rank -> ``[T, N*H_loc, nope+rope]``, head
+        ``src*H_loc + h``: ``all_gather(q, dim=1)`` with every non-NaN value
+        bit-exact (an aligned 4-byte word of all-ones bytes, a NaN, arrives as
+        the canonical NaN word). Written into ``out`` when given (contiguous,
+        that shape and dtype, for example a view of larger storage), which is
+        returned. Rows above max_rows take the collective path."""
+        held = self._enter("all_gather_heads")
+        try:
+            if not torch.compiler.is_compiling():
+                self._check_no_open_view("all_gather_heads")
+            _require_tensor(q, "q", 3, "[T, H_loc, W]")
+            if q.dtype != self.dtype:
+                raise arg_error("q", f"dtype {self.dtype} (the dtype of this QueryWorkspace)", f"dtype {q.dtype}")
+            if out is not None and not isinstance(out, Tensor):
+                raise arg_error("out", "a Tensor or None", type(out).__name__)
+            if self._rows_fit(q.shape[0], "q"):
+                if out is None:
+                    return ops.query_all_gather_heads(q, self.handle)
+                ops.query_all_gather_heads_out(q, self.handle, out)
+                return out
+            return collective.all_gather_heads(q, self.group, out)
         finally:
             self._leave(held)

@@ -11,8 +11,9 @@ happens unless ``SDCP_VLLM=1``; then, on a vLLM version this module knows
   :func:`cp_lse_ag_out_rs`, ``a2a``: :func:`dcp_a2a_lse_reduce`, both with
   vLLM's exact signatures and masking) runs on ``OutputLSEWorkspace``;
 - ``vllm.v1.attention.ops.dcp.MLADCPManager._init_query_gather``: the query
-  gather on heads runs on ``ExchangeWorkspace`` plus a layout copy
-  (:func:`gather_query`);
+  gather on heads runs on ``QueryWorkspace.all_gather_heads`` (data-as-flag,
+  straight into the final layout; ``ExchangeWorkspace`` plus a layout copy for
+  a dtype without an all-ones NaN) (:func:`gather_query`);
 - ``vllm.model_executor.layers.sparse_attn_indexer._merge_dcp_topk_global``
   (and every module that imported it by name): the sparse indexer's top-K
   merge runs on ``TopKWorkspace`` (:func:`merge_dcp_topk_global`);
@@ -342,15 +343,34 @@ def _query_row_bytes(local_heads: int, width: int, dtype: torch.dtype) -> int:
     return local_heads * width * torch.empty((), dtype=dtype).element_size()
 
 
+def _query_direct(width: int, dtype: torch.dtype) -> bool:
+    """Whether the query gather runs on a QueryWorkspace (data-as-flag, final
+    layout, 1x bytes): a dtype whose all-ones element is NaN (vLLM passes
+    float8_e4m3fn or the model dtype) and heads of whole 16-byte vectors.
+    Anything else (float8_e4m3fnuz, raw bytes, odd widths) keeps the tagged
+    ExchangeWorkspace, which moves any bytes."""
+    from torch_sdcp import ops
+
+    return dtype in ops.QUERY_GATHER_DTYPES and width * torch.empty((), dtype=dtype).element_size() % 16 == 0
+
+
 def prepare_query_gather(group: Any, *, max_rows: int, local_heads: int, width: int, dtype: torch.dtype,
                          device: Any, num_ubatches: int = 1) -> bool:
     """Prepare the query-gather workspaces (one per micro-batch) for queries
-    ``[T <= max_rows, local_heads, width]`` of ``dtype``."""
-    from torch_sdcp.workspace import ExchangeWorkspace
+    ``[T <= max_rows, local_heads, width]`` of ``dtype``: ``QueryWorkspace``
+    (gather-only, no RoPE part), or ``ExchangeWorkspace`` where the dtype or
+    width rules it out (see :func:`gather_heads`)."""
+    from torch_sdcp.workspace import ExchangeWorkspace, QueryWorkspace
 
-    nbytes = max_rows * _query_row_bytes(local_heads, width, dtype)
-    return _prepare("query", group, (local_heads, width, dtype), device, max_rows, num_ubatches,
-                    lambda pg, rows, dev, opts: ExchangeWorkspace(pg, nbytes, **opts))
+    if _query_direct(width, dtype):
+        def make(pg, rows, dev, opts):
+            return QueryWorkspace(pg, rows, local_heads, nope_dim=width, rope_dim=0, dtype=dtype, **opts)
+    else:
+        nbytes = max_rows * _query_row_bytes(local_heads, width, dtype)
+
+        def make(pg, rows, dev, opts):
+            return ExchangeWorkspace(pg, nbytes, **opts)
+    return _prepare("query", group, (local_heads, width, dtype), device, max_rows, num_ubatches, make)
 
 
 def prepare_topk(group: Any, *, max_rows: int, k: int, candidates_per_rank: Optional[int] = None, device: Any,
@@ -504,19 +524,25 @@ def _storage(rows: int, heads: int, width: int, padded_num_heads: Optional[int],
 
 def gather_heads(workspace: Any, query: Tensor, padded_num_heads: Optional[int] = None) -> Tensor:
     """``[T, H_loc, W]`` on every rank -> ``[T, N*H_loc, W]``, head
-    ``src*H_loc + h``: bit-identical to ``all_gather(query, dim=1)``.
+    ``src*H_loc + h``: ``all_gather(query, dim=1)``, with ``padded_num_heads``
+    heads of storage per row when asked.
 
-    Today: a peer all-gather on ``workspace`` (an ``ExchangeWorkspace``,
-    raw bytes, rank-major ``[N, T, H_loc, W]``) and one layout copy into the
-    result (with ``padded_num_heads`` of storage per row when asked). This
-    function is the seam for a direct kernel that stores each rank's heads
-    straight into every consumer's final layout."""
+    On a ``QueryWorkspace`` (the dtypes whose all-ones element is NaN): one
+    data-as-flag kernel stores each rank's heads straight into every peer's
+    buffer and its own heads into the result; every non-NaN value is
+    bit-exact, and an aligned 4-byte word of all-ones bytes (a NaN) arrives as
+    the canonical NaN word. On an ``ExchangeWorkspace`` (any other dtype): a
+    tagged peer all-gather of the raw bytes (``[N, T, H_loc, W]``) and one
+    layout copy, bit-exact for every byte."""
+    from torch_sdcp.workspace import QueryWorkspace
+
     rows, local_heads, width = query.shape
+    out = _storage(rows, workspace.world_size * local_heads, width, padded_num_heads, query)
+    if isinstance(workspace, QueryWorkspace):
+        return workspace.all_gather_heads(query.contiguous(), out=out)
     raw = query.contiguous().view(torch.uint8)  # bytes: float8 and bf16 alike
     stacked = workspace.all_gather(raw)  # [N, T, H_loc, W * element size]
-    n = stacked.shape[0]
-    out = _storage(rows, n * local_heads, width, padded_num_heads, query)
-    out.view(torch.uint8).view(rows, n, local_heads, -1).copy_(stacked.permute(1, 0, 2, 3))
+    out.view(torch.uint8).view(rows, stacked.shape[0], local_heads, -1).copy_(stacked.permute(1, 0, 2, 3))
     return out
 
 
@@ -535,8 +561,9 @@ def _collective_gather_query(query: Tensor, cp_group: Any, padded_num_heads: Opt
 def gather_query(query: Tensor, cp_group: Any, padded_num_heads: Optional[int] = None,
                  fallback: Optional[Callable[[Tensor], Tensor]] = None) -> Tensor:
     """The MLA DCP query gather on heads: an already-roped (and possibly
-    FP8-quantised) ``query [T, H_loc, W]`` -> ``[T, N*H_loc, W]``,
-    bit-identical to ``cp_group.all_gather(query, dim=1)``; with
+    FP8-quantised) ``query [T, H_loc, W]`` -> ``[T, N*H_loc, W]``, equal to
+    ``cp_group.all_gather(query, dim=1)`` with every non-NaN value bit-exact
+    (see :func:`gather_heads`); with
     ``padded_num_heads`` the result's storage has that many heads per row.
     Rows above the prepared bound, or no prepared workspace, call
     ``fallback(query)`` (the manager's own ``_gather_query`` when patched
