@@ -390,22 +390,23 @@ __device__ __forceinline__ ulonglong2 poll_keys(const DeviceWorkspace& ws, const
   ulonglong2 v = ld_volatile_keys(p);
   if (v.x != kTopKSentinel && v.y != kTopKSentinel) return v;
   const uint64_t start = globaltimer_ns();
-  do {
-    if (globaltimer_ns() - start > ws.timeout_ns) lamport_timeout(ws, src, call);
+  for (;;) {  // as poll_vector: the abort word beside each load, a failure recorded and returned
+    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
     v = ld_volatile_keys(p);
-  } while (v.x == kTopKSentinel || v.y == kTopKSentinel);
-  return v;
+    if ((v.x != kTopKSentinel && v.y != kTopKSentinel) || !lamport_keep_waiting(ws, a, start, src, call, kWaitData))
+      return v;
+  }
 }
 
 __device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const uint64_t* p, int src, uint64_t call) {
   uint64_t v = ld_volatile_u64(p);
   if (v != kTopKSentinel) return v;
   const uint64_t start = globaltimer_ns();
-  do {
-    if (globaltimer_ns() - start > ws.timeout_ns) lamport_timeout(ws, src, call);
+  for (;;) {
+    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
     v = ld_volatile_u64(p);
-  } while (v == kTopKSentinel);
-  return v;
+    if (v != kTopKSentinel || !lamport_keep_waiting(ws, a, start, src, call, kWaitData)) return v;
+  }
 }
 
 // Grid: one block per row, at most one per SM (block b handles rows b, b +
