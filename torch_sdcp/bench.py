@@ -58,10 +58,12 @@ LEGEND = {
     "query": [
         ("collective", "sdcp::query_rope_quant (this library's fused RoPE + concat + FP8/bf16 producer kernel), "
                        "all_gather of the [T, H/N, 576] bytes (NCCL), one permute copy to [T, H, 576]"),
-        ("torch_sdcp", "sdcp::query_gather: the same producer math in one kernel that stores its head shard "
-                       "into every consumer's inbox (peer memory) and signals on the device; returns a fresh copy"),
-        ("torch_sdcp view", "sdcp::query_publish + query_release: as above, zero copy: the reader uses the "
-                            "inbox in place, then releases it"),
+        ("torch_sdcp", "sdcp::query_gather: the same producer math in one kernel, data-as-flag: stores its "
+                       "head shard into every peer's buffer (peer memory) and its own heads into the result, "
+                       "polls its own buffer as the peers' shards land; returns a fresh tensor"),
+        ("torch_sdcp view", "sdcp::query_publish + query_release: the producer stores into every rank's fixed "
+                            "view (final layout) after the previous view's release; the reader uses it in "
+                            "place; release re-fills it and acknowledges (two kernels per call)"),
     ],
     "topk": [
         ("collective", "pack (score, id) pairs, all_gather (NCCL), permute copies, sdcp::topk_select (this "
