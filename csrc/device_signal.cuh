@@ -1,8 +1,6 @@
-// Device-side signals (docs/DESIGN.md section 4): epochs advanced by the kernels,
-// slot = epoch % 2 (or one acknowledged slot), publish = all writers' stores
-// -> __syncthreads() -> one st.release.sys per destination flag, wait =
-// ld.acquire.sys spin on a local flag bounded by %globaltimer ->
-// __syncthreads(). docs/PROTOCOL.md has the argument.
+// A workspace as the CUDA kernels see it, and the basic device accesses the
+// data-as-flag protocol (lamport.cuh) and the query view's release flags are
+// built on. docs/PROTOCOL.md has the protocol and its argument.
 #pragma once
 
 #include "sdcp.h"
@@ -93,71 +91,6 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
-}
-
-// Reads this block's next epoch (every thread gets it). One writer per
-// counter: the block itself, in block_commit_epoch.
-__device__ __forceinline__ uint64_t block_next_epoch(const DeviceWorkspace& ws) {
-  __shared__ uint64_t next;
-  if (threadIdx.x == 0) next = *ws.epoch(blockIdx.x) + 1;
-  __syncthreads();
-  return next;
-}
-
-__device__ __forceinline__ void block_commit_epoch(const DeviceWorkspace& ws, uint64_t epoch) {
-  if (threadIdx.x == 0) *ws.epoch(blockIdx.x) = epoch;
-}
-
-// Thread s spins until flag `f` (written by peer s) holds at least `value`;
-// on timeout it reports rank, block, peer, what it awaited, slot and epoch and
-// traps, which fails the stream with an error the host sees.
-__device__ __forceinline__ void wait_flag(const DeviceWorkspace& ws, const uint64_t* f, int s, uint64_t value,
-                                          const char* what) {
-  if (ld_acquire_sys(f) >= value) return;
-  const uint64_t start = globaltimer_ns();
-  while (ld_acquire_sys(f) < value) {
-    if (globaltimer_ns() - start > ws.timeout_ns) {
-      printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d to %s (workspace %lld, slot %d, "
-             "epoch %llu, flag holds %llu); the peer stopped participating or calls differ between ranks\n",
-             ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, s, what, (long long)ws.handle, ws.slot_of(value),
-             (unsigned long long)value, (unsigned long long)ld_acquire_sys(f));
-      __trap();
-    }
-  }
-}
-
-// Every thread's stores so far are ordered before the flags this block sets in
-// every destination (thread d publishes to destination d).
-__device__ __forceinline__ void block_publish_all(const DeviceWorkspace& ws, uint64_t epoch) {
-  __syncthreads();
-  for (int d = threadIdx.x; d < ws.world; d += blockDim.x)
-    st_release_sys(ws.flag(d, ws.ready_set(epoch), ws.rank, blockIdx.x), epoch);
-}
-
-// Thread s waits for source s's publish of `epoch`, then the block barriers.
-__device__ __forceinline__ void block_wait_all(const DeviceWorkspace& ws, uint64_t epoch) {
-  for (int s = threadIdx.x; s < ws.world; s += blockDim.x)
-    wait_flag(ws, ws.flag(ws.rank, ws.ready_set(epoch), s, blockIdx.x), s, epoch, "publish");
-  __syncthreads();
-}
-
-// One-slot workspaces. After the block's reads of epoch `epoch` (and a
-// barrier), tell every writer that this rank is done with it.
-__device__ __forceinline__ void block_ack_all(const DeviceWorkspace& ws, uint64_t epoch) {
-  __syncthreads();
-  for (int d = threadIdx.x; d < ws.world; d += blockDim.x)
-    st_release_sys(ws.flag(d, kAckSet, ws.rank, blockIdx.x), epoch);
-}
-
-// Before writing epoch `epoch`: every reader has acknowledged `epoch - 1`.
-// The block's last warp polls, so that warps which arrive later (still
-// producing) overlap the wait.
-__device__ __forceinline__ void block_wait_acks(const DeviceWorkspace& ws, uint64_t epoch) {
-  const int first = blockDim.x > 32 ? static_cast<int>(blockDim.x) - 32 : 0;
-  for (int s = static_cast<int>(threadIdx.x) - first; s >= 0 && s < ws.world; s += 32)
-    wait_flag(ws, ws.flag(ws.rank, kAckSet, s, blockIdx.x), s, epoch - 1,
-              "finish reading (acknowledge) the previous epoch");
-  __syncthreads();
 }
 
 }  // namespace sdcp
