@@ -199,44 +199,42 @@ __device__ __forceinline__ const uint64_t* own_abort_word(const DeviceWorkspace&
   return &ws.lamport_control()->abort;
 }
 
+// The bounded poll every wait uses: `load()` until `landed(v)`, with this
+// rank's abort word loaded beside each retry (the slow path only); gives up,
+// recorded, on a timeout or an abort and returns the last value loaded.
+template <typename Load, typename Landed>
+__device__ __forceinline__ auto poll_until(const DeviceWorkspace& ws, Load load, Landed landed, int src,
+                                           uint64_t call, uint32_t wait) {
+  auto v = load();
+  if (landed(v)) return v;
+  const uint64_t start = globaltimer_ns();
+  for (;;) {
+    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
+    v = load();
+    if (landed(v) || !lamport_keep_waiting(ws, a, start, src, call, wait)) return v;
+  }
+}
+
 // Polls a 16-byte vector of a local buffer until no word is the sentinel (or
 // the wait gives up: then the vector may hold sentinel words).
 __device__ __forceinline__ uint4 poll_vector(const DeviceWorkspace& ws, const uint4* p, int src, uint64_t call,
                                              uint32_t wait = kWaitData) {
-  uint4 v = ld_volatile_v4(p);
-  if (!has_sentinel(v)) return v;
-  const uint64_t start = globaltimer_ns();
-  for (;;) {
-    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
-    v = ld_volatile_v4(p);
-    if (!has_sentinel(v) || !lamport_keep_waiting(ws, a, start, src, call, wait)) return v;
-  }
+  return poll_until(
+      ws, [&] { return ld_volatile_v4(p); }, [](const uint4& v) { return !has_sentinel(v); }, src, call, wait);
 }
 
 __device__ __forceinline__ uint32_t poll_word(const DeviceWorkspace& ws, const uint32_t* p, int src, uint64_t call,
                                               uint32_t wait = kWaitData) {
-  uint32_t v = ld_volatile_u32(p);
-  if (v != kSentinel) return v;
-  const uint64_t start = globaltimer_ns();
-  for (;;) {
-    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
-    v = ld_volatile_u32(p);
-    if (v != kSentinel || !lamport_keep_waiting(ws, a, start, src, call, wait)) return v;
-  }
+  return poll_until(
+      ws, [&] { return ld_volatile_u32(p); }, [](uint32_t v) { return v != kSentinel; }, src, call, wait);
 }
 
 // Polls a tagged 64-bit word until it carries `tag` in its high half.
 __device__ __forceinline__ uint32_t poll_tagged(const DeviceWorkspace& ws, const uint64_t* p, uint32_t tag, int src,
                                                 uint64_t call, uint32_t wait = kWaitData) {
-  uint64_t v = ld_volatile_u64(p);
-  if (static_cast<uint32_t>(v >> 32) == tag) return static_cast<uint32_t>(v);
-  const uint64_t start = globaltimer_ns();
-  for (;;) {
-    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
-    v = ld_volatile_u64(p);
-    if (static_cast<uint32_t>(v >> 32) == tag || !lamport_keep_waiting(ws, a, start, src, call, wait))
-      return static_cast<uint32_t>(v);
-  }
+  return static_cast<uint32_t>(poll_until(
+      ws, [&] { return ld_volatile_u64(p); }, [&](uint64_t v) { return static_cast<uint32_t>(v >> 32) == tag; }, src,
+      call, wait));
 }
 
 // ---- Call headers (lamport.h) ---------------------------------------------

@@ -387,26 +387,14 @@ __device__ __forceinline__ ulonglong2 ld_volatile_keys(const ulonglong2* p) {
 // element of the vector is single-copy atomic, so a landed key is whole.
 __device__ __forceinline__ ulonglong2 poll_keys(const DeviceWorkspace& ws, const ulonglong2* p, int src,
                                                 uint64_t call) {
-  ulonglong2 v = ld_volatile_keys(p);
-  if (v.x != kTopKSentinel && v.y != kTopKSentinel) return v;
-  const uint64_t start = globaltimer_ns();
-  for (;;) {  // as poll_vector: the abort word beside each load, a failure recorded and returned
-    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
-    v = ld_volatile_keys(p);
-    if ((v.x != kTopKSentinel && v.y != kTopKSentinel) || !lamport_keep_waiting(ws, a, start, src, call, kWaitData))
-      return v;
-  }
+  return poll_until(
+      ws, [&] { return ld_volatile_keys(p); },
+      [](const ulonglong2& v) { return v.x != kTopKSentinel && v.y != kTopKSentinel; }, src, call, kWaitData);
 }
 
 __device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const uint64_t* p, int src, uint64_t call) {
-  uint64_t v = ld_volatile_u64(p);
-  if (v != kTopKSentinel) return v;
-  const uint64_t start = globaltimer_ns();
-  for (;;) {
-    const uint64_t a = ld_volatile_u64(own_abort_word(ws));
-    v = ld_volatile_u64(p);
-    if (v != kTopKSentinel || !lamport_keep_waiting(ws, a, start, src, call, kWaitData)) return v;
-  }
+  return poll_until(
+      ws, [&] { return ld_volatile_u64(p); }, [](uint64_t v) { return v != kTopKSentinel; }, src, call, kWaitData);
 }
 
 // Grid: one block per row, at most one per SM (block b handles rows b, b +
