@@ -164,12 +164,12 @@ __device__ __forceinline__ uint4 canonical_vector(uint4 v, uint32_t c) {
 // on with the item unrotated and every later poll returns at once, so the
 // host raises at its next call or check() and the CUDA context survives.
 static __device__ __noinline__ void record_bad_position(const DeviceWorkspace& ws, uint64_t call, int row,
-                                                        int64_t pos, int64_t max_pos) {
+                                                        int64_t pos, int64_t max_pos, uint32_t wait) {
   LamportError e{};
   e.state = kReasonBadInput;
   e.block = blockIdx.x;
   e.peer = -1;
-  e.wait = kWaitData;
+  e.wait = wait;  // kWaitViewData: the record names the view buffer and view call
   e.call = call;
   e.field = static_cast<uint32_t>(row);
   const int64_t saturated = pos > INT32_MAX ? INT32_MAX : pos < INT32_MIN ? INT32_MIN : pos;
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads)
             if (!have_call) begin_call();
           },
           [&](int64_t pos) {
-            if (lane == 0) record_bad_position(ws, call, t, pos, items.a.max_pos);
+            if (lane == 0) record_bad_position(ws, call, t, pos, items.a.max_pos, kView ? kWaitViewData : kWaitData);
           });
       __syncwarp();
     }
