@@ -36,8 +36,11 @@ __device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t
 // (lane d for peer d) before any data, and checks every peer's header before
 // it polls data: for small exchanges that warp holds no words, so the check
 // runs beside the other warps' polls.
-__global__ void peer_all_gather_kernel(DeviceWorkspace ws, const uint8_t* x, uint8_t* out, int64_t nbytes,
-                                       int64_t source_bytes, bool aligned, int64_t header_offset, CallHeader hdr) {
+// The workspace is a grid constant (no per-thread local copy for the failure
+// paths, which take its address).
+__global__ void peer_all_gather_kernel(const __grid_constant__ DeviceWorkspace ws, const uint8_t* x, uint8_t* out,
+                                       int64_t nbytes, int64_t source_bytes, bool aligned, int64_t header_offset,
+                                       CallHeader hdr) {
   const uint64_t call = block_call_index(ws);
   const uint64_t tag = static_cast<uint64_t>(call_tag(call)) << 32;
   const int64_t words = (nbytes + 3) / 4;

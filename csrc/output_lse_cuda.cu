@@ -92,11 +92,13 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 // peer's next vectors while the current ones are combined), uses 32-bit
 // index arithmetic (64-bit division is a long software routine), and is
 // compiled per world size (kN; 0 = any) so that the per-shard LSEs and
-// weights stay in registers instead of local memory.
+// weights stay in registers instead of local memory. The workspace is a grid
+// constant: the failure paths take its address, which would otherwise make
+// every thread copy it into local memory at entry.
 template <typename scalar_t, int kN>
 __global__ void __launch_bounds__(kThreads)
-    output_lse_kernel(DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po, const float* pl, int rows,
-                      bool base2, scalar_t* out, float* out_lse, CallHeader hdr) {
+    output_lse_kernel(const __grid_constant__ DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po,
+                      const float* pl, int rows, bool base2, scalar_t* out, float* out_lse, CallHeader hdr) {
   using V = Vec<scalar_t>;
   constexpr int kShards = kN > 0 ? kN : kMaxDeviceWorld;
   pdl_wait_and_release();

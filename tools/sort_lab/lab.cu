@@ -52,6 +52,75 @@ __global__ void __launch_bounds__(T) sort_kernel(const float* scores, const int*
   STAMP(7);
 }
 
+
+// Merge path (as csrc/topk_cuda.cu's merge_two): the first nout keys of the
+// merge of a[0..la) and b[0..lb), both descending, a wins ties.
+template <int T>
+__device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, uint64_t* out, int nout,
+                          int min_per = 1) {
+  const int per = max(min_per, (nout + T - 1) / T);
+  const int q = static_cast<int>(threadIdx.x) * per;
+  if (q >= nout) return;
+  int lo = max(0, q - lb), hi = min(q, la);
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a[mid] >= b[q - 1 - mid]) lo = mid + 1; else hi = mid;
+  }
+  int i = lo, j = q - lo;
+  const int cnt = min(per, nout - q);
+  for (int x = 0; x < cnt; ++x) {
+    const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
+    out[q + x] = take_a ? a[i++] : b[j++];
+  }
+}
+
+// The peer merge of two ranks simulated by two blocks of one kernel on one
+// GPU (block r plays rank r, row r): sort, push the sorted keys into the
+// other block's inbox (16-byte plain stores, the keys are their own flag),
+// poll the own inbox (re-filling the sentinel), merge path, ids out. What it
+// leaves out: the NVLink crossing and the skew between two GPUs.
+template <int T, int PER, bool VEC_OUT>
+__global__ void __launch_bounds__(T) peer_sim_kernel(const float* scores, const int* ids, int n, uint64_t* inbox,
+                                                     int* out) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  STAMP(0);
+  const cur::SortSmem m = cur::sort_smem(smem, kN);
+  uint64_t* acc = reinterpret_cast<uint64_t*>(smem + cur::rank_sort_bytes(kN));
+  uint64_t* stage = acc + kN;
+  uint64_t* tmp = stage + kN;
+  const int r = blockIdx.x;
+  bk2::rank_sort<T, 2>(m, [&](int j) { return scores[r * n + j]; }, [&](int j) { return ids[r * n + j]; }, n, n, acc);
+  STAMP(6);
+  ulonglong2* peer = reinterpret_cast<ulonglong2*>(inbox + (1 - r) * n);
+  ulonglong2* mine = reinterpret_cast<ulonglong2*>(inbox + r * n);
+  for (int v = threadIdx.x; v < n / 2; v += T) peer[v] = reinterpret_cast<const ulonglong2*>(acc)[v];
+  STAMP(7);
+  for (int v = threadIdx.x; v < n / 2; v += T) {
+    ulonglong2 x;
+    do {
+      asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(x.x), "=l"(x.y) : "l"(mine + v) : "memory");
+    } while (x.x == ~uint64_t{0} || x.y == ~uint64_t{0});
+    reinterpret_cast<ulonglong2*>(stage)[v] = x;
+    mine[v] = make_ulonglong2(~uint64_t{0}, ~uint64_t{0});
+  }
+  __syncthreads();
+  STAMP(8);
+  merge_two<T>(acc, n, stage, n, tmp, n, PER);
+  __syncthreads();
+  STAMP(9);
+  if (VEC_OUT) {  // 4 ids per 16-byte store
+    for (int j = threadIdx.x; j < n / 4; j += T) {
+      const ulonglong2 a = reinterpret_cast<const ulonglong2*>(tmp)[2 * j];
+      const ulonglong2 b = reinterpret_cast<const ulonglong2*>(tmp)[2 * j + 1];
+      reinterpret_cast<int4*>(out + r * n)[j] =
+          make_int4(topk_key_id(a.x), topk_key_id(a.y), topk_key_id(b.x), topk_key_id(b.y));
+    }
+  } else {
+    for (int j = threadIdx.x; j < n; j += T) out[r * n + j] = topk_key_id(tmp[j]);
+  }
+  STAMP(10);
+}
+
 struct Variant {
   const char* name;
   void (*kernel)(const float*, const int*, int, int*);
@@ -206,6 +275,93 @@ int main(int argc, char** argv) {
       CK(cudaFree(ds));
       CK(cudaFree(di));
       CK(cudaFree(dout));
+    }
+  }
+
+  // The peer merge simulated on one GPU: 2 blocks (ranks), rows of 2048.
+  {
+    struct Sim {
+      const char* name;
+      void (*kernel)(const float*, const int*, int, uint64_t*, int*);
+    } sims[] = {{"sim_p2", peer_sim_kernel<1024, 2, false>}, {"sim_p4", peer_sim_kernel<1024, 4, false>},
+                {"sim_p8", peer_sim_kernel<1024, 8, false>}, {"sim_p16", peer_sim_kernel<1024, 16, false>},
+                {"sim_p8v", peer_sim_kernel<1024, 8, true>}, {"sim_p4v", peer_sim_kernel<1024, 4, true>}};
+    for (auto& sim : sims)
+      CK(cudaFuncSetAttribute(sim.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem + 2 * kN * 8)));
+    for (auto& sim : sims)
+    for (const char* kind : {"uniform", "normal"}) {
+      auto s = make_scores(kind, 2, kN, g);
+      std::vector<int> id(2 * kN);
+      std::vector<int> p(2 * kN);
+      for (int j = 0; j < 2 * kN; ++j) p[j] = j;
+      std::shuffle(p.begin(), p.end(), g);
+      for (int j = 0; j < 2 * kN; ++j) id[j] = p[j];
+      std::vector<uint64_t> k(2 * kN);
+      for (int j = 0; j < 2 * kN; ++j) k[j] = topk_key(s[j], id[j]);
+      std::sort(k.begin(), k.end(), [](uint64_t a, uint64_t b) { return a > b; });
+      float* ds;
+      int *di, *dout;
+      uint64_t* dinbox;
+      CK(cudaMalloc(&ds, s.size() * 4));
+      CK(cudaMalloc(&di, id.size() * 4));
+      CK(cudaMalloc(&dout, id.size() * 4));
+      CK(cudaMalloc(&dinbox, 2 * kN * 8));
+      CK(cudaMemset(dinbox, 0xFF, 2 * kN * 8));
+      CK(cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(di, id.data(), id.size() * 4, cudaMemcpyHostToDevice));
+      sim.kernel<<<2, 1024, smem + 2 * kN * 8>>>(ds, di, kN, dinbox, dout);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
+      std::vector<int> got(2 * kN);
+      CK(cudaMemcpy(got.data(), dout, got.size() * 4, cudaMemcpyDeviceToHost));
+      int bad = 0;
+      for (int r = 0; r < 2; ++r)
+        for (int j = 0; j < kN; ++j) bad += got[r * kN + j] != topk_key_id(k[j]);
+      if (bad) {
+        ++failures;
+        printf("FAIL %s kind=%s: %d wrong ids\n", sim.name, kind, bad);
+      }
+      cudaStream_t st;
+      CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+      for (int c = 0; c < 8; ++c) sim.kernel<<<2, 1024, smem + 2 * kN * 8, st>>>(ds, di, kN, dinbox, dout);
+      CK(cudaStreamEndCapture(st, &graph));
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int w = 0; w < 20; ++w) CK(cudaGraphLaunch(exec, st));
+      cudaEvent_t e0, e1;
+      CK(cudaEventCreate(&e0));
+      CK(cudaEventCreate(&e1));
+      std::vector<float> trials;
+      for (int tr = 0; tr < 7; ++tr) {
+        CK(cudaEventRecord(e0, st));
+        for (int rep = 0; rep < 100; ++rep) CK(cudaGraphLaunch(exec, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        trials.push_back(ms * 1000.f / 800.f);
+      }
+      std::sort(trials.begin(), trials.end());
+      long long h[16] = {0};
+      if (TRACE) {
+        sim.kernel<<<2, 1024, smem + 2 * kN * 8, st>>>(ds, di, kN, dinbox, dout);
+        CK(cudaStreamSynchronize(st));
+        CK(cudaMemcpyFromSymbol(h, g_stamps, sizeof(h)));
+      }
+      printf("%-10s %-8s %5d %9.2f  ", sim.name, kind, 1, trials[3]);
+      if (TRACE)
+        for (int i = 1; i < 11; ++i) printf(" %lld", h[i] ? h[i] - h[0] : -1);
+      printf("\n");
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(graph));
+      CK(cudaStreamDestroy(st));
+      CK(cudaFree(ds));
+      CK(cudaFree(di));
+      CK(cudaFree(dout));
+      CK(cudaFree(dinbox));
     }
   }
   return failures ? 1 : 0;

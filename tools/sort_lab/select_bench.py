@@ -3,8 +3,8 @@ owner's ordering step (2048 keys) and the collective path's selection over
 2 x 2048 gathered keys, k8 CUDA graphs, median of 7. Checks the first rows
 against a Python reference first. Run after the build step of
 tools/gpu_suite.sh: python3 tools/sort_lab/select_bench.py"""
+import os
 import statistics
-import sys
 
 import torch
 
@@ -39,7 +39,13 @@ def time_k8(fn, replays=100, trials=7):
 
 
 k = 2048
-print(f"{'rows':>5} {'kind':>8} {'own C=2048':>11} {'gathered 2x2048':>16}")
+# A one-rank group: topk_merge with no peer (the sort, the call index, the
+# ids out) against topk_select over the same row.
+store = torch.distributed.FileStore(f"/tmp/sdcp-select-bench-{os.getpid()}", 1)
+torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+ws = torch_sdcp.TopKWorkspace(torch.distributed.group.WORLD, 128, k, candidates_per_rank=k,
+                              device=torch.device("cuda"))
+print(f"{'rows':>5} {'kind':>8} {'own C=2048':>11} {'gathered 2x2048':>16} {'merge N=1':>10}")
 for t in (1, 32, 64, 128):
     g = torch.Generator().manual_seed(t)
     ids = (torch.randperm(t * k, generator=g).view(t, k) * 2).to(torch.int32).cuda()
@@ -55,4 +61,8 @@ for t in (1, 32, 64, 128):
         own = time_k8(lambda: ops.topk_select(s, ids, k))
         s2, i2 = s.repeat(1, 2), torch.cat([ids, ids + 1], 1)
         gathered = time_k8(lambda: ops.topk_select(s2, i2, k))
-        print(f"{t:>5} {kind:>8} {own:>11.2f} {gathered:>16.2f}", flush=True)
+        assert torch.equal(ws.merge(s, ids), got)
+        merged = time_k8(lambda: ws.merge(s, ids))
+        print(f"{t:>5} {kind:>8} {own:>11.2f} {gathered:>16.2f} {merged:>10.2f}", flush=True)
+ws.close()
+torch.distributed.destroy_process_group()
