@@ -397,6 +397,34 @@ __device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const ui
       ws, [&] { return ld_volatile_u64(p); }, [](uint64_t v) { return v != kTopKSentinel; }, src, call, kWaitData);
 }
 
+// Where rank `d` keeps peer `src`'s call header in the buffer of `call`.
+__device__ __forceinline__ uint4* topk_header(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call, int d,
+                                              int src) {
+  return reinterpret_cast<uint4*>(ws.buffer(d, call) + header_offset) + ws.peer_slot(src, d);
+}
+
+// Thread 0 of block 0 stores this rank's header into every peer's buffer
+// (nearest first) and checks every peer's header (polled, re-filled,
+// compared; a mismatch is recorded and aborts the workspace on every rank).
+// Not inlined: one thread of one block runs them, and inlined (or fused into
+// the key polls) they cost the owner sort registers (more spills in its
+// passes, measured with ptxas -v and the SASS).
+static __device__ __noinline__ void store_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
+                                                  CallHeader mine) {
+  for (int step = 1; step < ws.world; ++step) {
+    const int d = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
+    store_call_header(topk_header(ws, header_offset, call, d, ws.rank), mine);
+  }
+}
+
+static __device__ __noinline__ void check_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
+                                                  CallHeader mine) {
+  for (int step = 1; step < ws.world; ++step) {
+    const int src = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
+    check_call_header(ws, topk_header(ws, header_offset, call, ws.rank, src), mine, src, call);
+  }
+}
+
 // Grid: one block per row, at most one per SM (block b handles rows b, b +
 // gridDim.x, ...). For each row: sort the own candidates, push the best kk
 // keys into every peer's buffer (16-byte stores when kk is even), then merge
@@ -404,9 +432,21 @@ __device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const ui
 // at once) into the result, nearest peer first. A block waits only for the
 // same rows of its peers, which every block pushes before it waits, so the
 // grid need not be co-resident.
+//
+// Call headers (lamport.cuh): thread 0 of block 0 stores this rank's header
+// into every peer's buffer as soon as it knows the call, before the sort, and
+// checks the peers' headers after sorting its first row, before pushing and
+// before any wait for keys (which a peer with fewer rows may never send).
+// Every peer stored its header before its own sort, so the check normally
+// finds them landed and adds no step; a late peer only delays this block's
+// push to the time it started, long before it needs the keys. One thread
+// stores and checks, so that its fence before an abort word (lamport_record)
+// also orders its headers: a peer that meets the abort still finds this
+// rank's header and names both sides.
 __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws, TopKGeometry g, SmemPlan p,
                                                               const float* scores, const int32_t* ids, int64_t s0,
-                                                              int64_t i0, int rows, int c, int k, int32_t* out) {
+                                                              int64_t i0, int rows, int c, int k, int32_t* out,
+                                                              CallHeader hdr) {
   extern __shared__ __align__(16) uint8_t smem[];
   const uint64_t call = block_call_index(ws);
   const int n = ws.world, me = ws.rank;
@@ -415,12 +455,21 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
     return reinterpret_cast<uint64_t*>(ws.buffer(d, call) + g.inbox_offset) +
            (static_cast<int64_t>(ws.peer_slot(src, d)) * g.max_rows + t) * kk;
   };
+  const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
+  if (header_thread) store_headers(ws, g.header_offset, call, hdr);
+  if (rows == 0) {  // no keys: the headers alone
+    if (header_thread) check_headers(ws, g.header_offset, call, hdr);
+    block_finish_call(ws, call);
+    return;
+  }
   uint64_t* stage = reinterpret_cast<uint64_t*>(smem + p.stage);
   for (int t = blockIdx.x; t < rows; t += gridDim.x) {
+    const bool checks_header = header_thread && t == 0;  // block 0's first row
     // 1. Owner: the best kk keys of the row, in order.
     uint64_t* acc = block_select(
         smem, p, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, c, kk);
     uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
+    if (checks_header) check_headers(ws, g.header_offset, call, hdr);
     // 2. Push them into every peer's buffer (plain stores: the keys are their own flag).
     if (kk % 2 == 0) {
       const int vec = kk / 2;
@@ -528,12 +577,13 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   static std::array<std::atomic<int64_t>, 64> current{};
   set_smem(reinterpret_cast<const void*>(topk_merge_kernel), p.total, current, device, "scores",
            cat(cand, " candidates per rank and k = ", k).c_str());
-  // One block per row of this call (at least one: 0-row calls never get
-  // here), at most one per SM.
+  // One block per row of this call, at most one per SM; one for a call
+  // without rows (block 0 stores and checks the call headers).
   const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.rows, sm_count(device))));
   topk_merge_kernel<<<grid, kThreads, p.total, at::cuda::getCurrentCUDAStream().stream()>>>(
       device_workspace(ws), c.geo, p, scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0),
-      ids.stride(0), static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>());
+      ids.stride(0), static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>(),
+      c.header);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -120,7 +120,9 @@ def test_layout_names_the_cpp_layout():
     assert layouts[OutputLSEWorkspace].slot_bytes == out_bytes + lse_bytes + 256
     assert layouts[OutputLSEWorkspace].slots == 2
     assert part(TopKWorkspace, "keys_per_row") == 16 and layouts[TopKWorkspace].slots == 2
-    assert layouts[TopKWorkspace].slot_bytes == (world - 1) * 8 * 16 * 8 and layouts[TopKWorkspace].control_bytes == 4096
+    keys = (world - 1) * 8 * 16 * 8  # [peer][row][min(C, k)] 8-byte keys; then the 16-byte headers [peer], aligned
+    assert part(TopKWorkspace, "headers") == keys and layouts[TopKWorkspace].slot_bytes == keys + 256
+    assert layouts[TopKWorkspace].control_bytes == 4096
     # Query: the view [row][src*H_loc + h][576], then two buffers of peer entries.
     view, buffer = 8 * world * 4 * 576, (world - 1) * 8 * 4 * 576
     assert (part(QueryWorkspace, "inbox"), part(QueryWorkspace, "buffers"), part(QueryWorkspace, "buffer_bytes")) \

@@ -706,18 +706,22 @@ class TopKWorkspace(PeerWorkspace):
 
     Data-as-flag (docs/PROTOCOL.md): the buffers start as the sentinel (every
     byte 0xFF), which no 64-bit selection key can take; the consumer writes it
-    back as it takes each list.
+    back as it takes each list. Every call carries a call header, so ranks
+    whose calls differ raise on every rank, and an error inside a call
+    poisons the workspace on every rank.
 
-    Physical memory per rank: 4 KiB control + 2 buffers x (N - 1) x max_rows x
-    min(C, k) x 8 bytes + 64 KiB tail, granularity-rounded (DCP2, 128 rows,
-    C = k = 2048: 6 MiB with a 2 MiB granularity).
+    Physical memory per rank: 4 KiB control + 2 buffers x ((N - 1) x max_rows
+    x min(C, k) x 8 bytes + the call headers) + 64 KiB tail, granularity-rounded
+    (DCP2, 128 rows, C = k = 2048: 6 MiB with a 2 MiB granularity).
     """
 
     kind = WorkspaceKind.TOPK
     PARAMS = ("max_rows", "candidates_per_rank", "k")
-    # One entry per peer: a peer's sorted best keys [peer][row][min(C, k)]; min(C, k)
-    PARTS = ("keys", "keys_per_row")
+    # One entry per peer: a peer's sorted best keys [peer][row][min(C, k)]; min(C, k);
+    # call headers [peer][16 bytes]
+    PARTS = ("keys", "keys_per_row", "headers")
     SENTINEL_FILLED = True
+    POISON_ON_ERROR = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, k: int,
                  candidates_per_rank: Optional[int] = None, **kwargs):
@@ -738,6 +742,9 @@ class TopKWorkspace(PeerWorkspace):
             if self._rows_fit(scores.shape[0], "scores"):
                 return ops.topk_merge(scores, ids, self.handle, self.k)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 
