@@ -1,14 +1,15 @@
 // Top-K boundary, CUDA. Candidates become 64-bit keys (semantics.h, larger =
 // selected first), so a selection is a descending sort and the ids come out in
 // selection order. One block of 1024 threads per row:
-//   - bucket rank (rank_sort): a chunk of up to 2048 keys is split into
-//     buckets by value (the first pass on the float score between the row's
-//     finite min and max, one bucket per key; later passes on the 64-bit key
-//     between a bucket's min and max), with a shared-memory histogram, a block
-//     scan and a scatter. A bucket of at most kFinal keys is ranked by counting
-//     (full 64-bit compare); a larger one is split again, so every pass shrinks
-//     a bucket's key range by at least kFinal + 1 and ties (equal scores,
-//     ordered by id) cost no more than distinct scores;
+//   - bucket rank (rank_sort): a chunk of up to 2048 keys gets one pass of
+//     kBucketsPerKey buckets per key on the float score between the row's
+//     finite min and max (shared-memory histogram whose atomic gives each key
+//     its slot, one block scan); a key alone in its bucket is placed, the
+//     others are ranked by counting (full 64-bit compare) inside buckets of
+//     at most kFinal keys. A larger bucket (ties, or scores squeezed by an
+//     outlier) is split again on the 64-bit key between its min and max,
+//     every pass shrinking its range at least (kFinal + 1)-fold, so ties
+//     (equal scores, ordered by id) stay bounded too;
 //   - merge path (merge_two): two sorted lists merge in one pass, each thread
 //     finding its diagonal by binary search and writing its outputs.
 // topk_select sorts chunks of 2048 candidates and merges them one at a time.
@@ -36,7 +37,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 2 * kThreads;     // keys ranked together, 2 per thread
 constexpr int kPer = kChunk / kThreads;  // positions per thread in rank_sort
 constexpr int kFinal = 32;               // a bucket this small is ranked by counting
-constexpr int kMaxPasses = 24;           // 64 bits / log2(kFinal + 1) + the float pass, with room
+constexpr int kBucketsPerKey = 2;        // float buckets per key in rank_sort's pass
+constexpr int kMaxPasses = 24;           // splitting passes: 64 bits / log2(kFinal + 1), with room
 constexpr int64_t kMaxSortKeys = 16384;  // candidates per row of topk_select
 
 // ---------------------------------------------------------------------------
@@ -44,6 +46,8 @@ constexpr int64_t kMaxSortKeys = 16384;  // candidates per row of topk_select
 //   keys[2][n] u64 (ping-pong), bmin[n], bmax[n] u64 (a bucket's key range,
 //   at its first position), seg[2][n] u32 (the bucket of each position:
 //   start << 16 | size), cnt[n + 1], pos[n + 1] i32 (histogram / cursor, scan).
+// The float pass keeps its kBucketsPerKey * n counts in cnt/pos and starts in
+// bmin/bmax (static_asserts below).
 // A selection adds acc and tmp (the merged best keys so far), a chunk's
 // sorted output when there is more than one chunk, and the peer merge a
 // staging list for one peer's keys.
@@ -52,6 +56,8 @@ constexpr int64_t kMaxSortKeys = 16384;  // candidates per row of topk_select
 constexpr int64_t align16(int64_t x) { return (x + 15) & ~int64_t{15}; }
 
 int64_t rank_sort_bytes(int64_t n) { return 4 * n * 8 + 2 * n * 4 + 2 * align16((n + 1) * 4); }
+static_assert(kBucketsPerKey * 4 <= 2 * 4, "the float pass's counts fit in cnt and pos");
+static_assert(kBucketsPerKey * 4 <= 2 * 8, "the float pass's bucket starts fit in bmin and bmax");
 
 // Byte offsets into dynamic shared memory (host and device agree).
 struct SmemPlan {
@@ -166,49 +172,44 @@ __device__ __forceinline__ uint64_t warp_max(uint64_t v) {
   return v;
 }
 
-// Sorts the n <= kChunk keys key_at(0..n) descending and writes the first
-// min(n, limit) into out[]. Deterministic: equal keys are bitwise identical,
-// so their order among themselves cannot show.
-template <typename KeyAt>
-__device__ void rank_sort(const SortSmem& m, KeyAt key_at, int n, int limit, uint64_t* out) {
-  __shared__ uint32_t fin_min, fin_max;  // finite score range, as key high halves
+// Block-wide min and max of a 64-bit value per thread into *lo / *hi, for
+// keys whose bucket `st` is the same across the warp (positions of one bucket
+// are contiguous, so a large bucket usually fills whole warps): one atomic
+// pair per warp instead of one per key (a 64-bit shared atomic min/max is a
+// compare-and-swap loop).
+__device__ __forceinline__ void bucket_range_atomic(const SortSmem& m, bool active, int st, uint64_t x) {
+  const unsigned mask = __ballot_sync(0xffffffffu, active);
+  if (mask == 0xffffffffu && __all_sync(0xffffffffu, st == __shfl_sync(0xffffffffu, st, 0))) {
+    const uint64_t lo = warp_min(x), hi = warp_max(x);
+    if ((threadIdx.x & 31) == 0) {
+      atomicMin(reinterpret_cast<unsigned long long*>(&m.bmin[st]), static_cast<unsigned long long>(lo));
+      atomicMax(reinterpret_cast<unsigned long long*>(&m.bmax[st]), static_cast<unsigned long long>(hi));
+    }
+  } else if (active) {
+    atomicMin(reinterpret_cast<unsigned long long*>(&m.bmin[st]), static_cast<unsigned long long>(x));
+    atomicMax(reinterpret_cast<unsigned long long*>(&m.bmax[st]), static_cast<unsigned long long>(x));
+  }
+}
+
+// The rank of key v at position me inside the bucket [st, st + sz) of K:
+// the larger keys, plus the equal ones before it.
+__device__ __forceinline__ int rank_in_bucket(const uint64_t* K, int st, int sz, uint64_t v, int me) {
+  int r = 0;
+  for (int q = st; q < st + sz; ++q) {
+    const uint64_t y = K[q];
+    r += (y > v) || (y == v && q < me);
+  }
+  return r;
+}
+
+// The slow path of rank_sort: buckets above kFinal keys (ties, or scores
+// squeezed together by an outlier) are split again on the 64-bit key between
+// the bucket's min and max, each pass shrinking a bucket's range at least
+// (kFinal + 1)-fold, until every bucket is small or holds equal keys. Expects
+// keys[0] and seg[0] to hold every position and bmin/bmax the range of every
+// bucket above kFinal. Writes the first `limit` positions of out.
+__device__ void split_large_buckets(const SortSmem& m, int n, int limit, uint64_t* out) {
   const int tid = threadIdx.x;
-  if (tid == 0) {
-    fin_min = 0xFFFFFFFFu;
-    fin_max = 0;
-    m.bmin[0] = ~uint64_t{0};
-    m.bmax[0] = 0;
-  }
-  __syncthreads();
-  {
-    uint64_t lo = ~uint64_t{0}, hi = 0;
-    uint32_t flo = 0xFFFFFFFFu, fhi = 0;
-    for (int j = tid; j < n; j += kThreads) {
-      const uint64_t x = key_at(j);
-      m.keys[0][j] = x;
-      m.seg[0][j] = pack_seg(0, n);
-      lo = kmin(lo, x);
-      hi = kmax(hi, x);
-      const uint32_t h = static_cast<uint32_t>(x >> 32);
-      if (finite_hi(h)) {
-        flo = flo < h ? flo : h;
-        fhi = fhi > h ? fhi : h;
-      }
-    }
-    lo = warp_min(lo);
-    hi = warp_max(hi);
-    flo = static_cast<uint32_t>(warp_min(flo));
-    fhi = static_cast<uint32_t>(warp_max(fhi));
-    if ((tid & 31) == 0) {
-      atomicMin(reinterpret_cast<unsigned long long*>(&m.bmin[0]), static_cast<unsigned long long>(lo));
-      atomicMax(reinterpret_cast<unsigned long long*>(&m.bmax[0]), static_cast<unsigned long long>(hi));
-      atomicMin(&fin_min, flo);
-      atomicMax(&fin_max, fhi);
-    }
-  }
-  __syncthreads();
-  const double fmax = fin_min <= fin_max ? static_cast<double>(key_score(fin_max)) : 0.0;
-  const double fmin = fin_min <= fin_max ? static_cast<double>(key_score(fin_min)) : 0.0;
   int cur = 0;
   for (int pass = 0; pass < kMaxPasses; ++pass) {
     const uint64_t* K = m.keys[cur];
@@ -234,30 +235,15 @@ __device__ void rank_sort(const SortSmem& m, KeyAt key_at, int n, int limit, uin
     }
     if (!__syncthreads_or(any)) break;
     // 2. Histogram: a splitting bucket [st, st + sz) counts its sz sub-buckets
-    //    in cnt[st .. st + sz), larger keys in lower sub-buckets.
+    //    in cnt[st .. st + sz), larger keys in lower sub-buckets (the map is
+    //    monotone in the key, so order-preserving).
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       if (!split[i]) continue;
       const int st = seg_start(sg[i]), sz = seg_size(sg[i]);
-      int b;
-      if (pass == 0) {  // on the float score: uniform and clustered scores spread alike
-        const uint32_t h = static_cast<uint32_t>(x[i] >> 32);
-        if (h >= 0xFF800000u) {
-          b = 0;  // +inf
-        } else if (!finite_hi(h)) {
-          b = sz - 1;  // -inf, NaN, invalid
-        } else if (fmax == fmin) {
-          b = 1;
-        } else {
-          const double f = (fmax - static_cast<double>(key_score(h))) / (fmax - fmin) * (sz - 2);
-          b = 1 + min(sz - 3, static_cast<int>(f));
-        }
-      } else {  // on the 64-bit key inside the bucket's range (monotone, so order-preserving)
-        const uint64_t lo = m.bmin[st];
-        const double f = static_cast<double>(x[i] - lo) / (static_cast<double>(m.bmax[st] - lo) + 1.0) * sz;
-        b = sz - 1 - min(sz - 1, static_cast<int>(f));
-      }
-      idx[i] = st + b;
+      const uint64_t lo = m.bmin[st];
+      const double f = static_cast<double>(x[i] - lo) / (static_cast<double>(m.bmax[st] - lo) + 1.0) * sz;
+      idx[i] = st + sz - 1 - min(sz - 1, static_cast<int>(f));
       atomicAdd(&m.cnt[idx[i]], 1);
     }
     __syncthreads();
@@ -273,26 +259,23 @@ __device__ void rank_sort(const SortSmem& m, KeyAt key_at, int n, int limit, uin
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int j = tid + i * kThreads;
-      if (j >= n) continue;
       int dst = j;
-      uint32_t s2 = sg[i];
-      if (split[i]) {
+      uint32_t s2 = j < n ? sg[i] : 0;
+      if (j < n && split[i]) {
         const int st = m.pos[idx[i]];
         dst = st + atomicSub(&m.cnt[idx[i]], 1) - 1;
         s2 = pack_seg(st, m.pos[idx[i] + 1] - st);
       }
-      K2[dst] = x[i];
-      S2[dst] = s2;
-      if (seg_size(s2) > kFinal) {
-        atomicMin(reinterpret_cast<unsigned long long*>(&m.bmin[seg_start(s2)]), static_cast<unsigned long long>(x[i]));
-        atomicMax(reinterpret_cast<unsigned long long*>(&m.bmax[seg_start(s2)]), static_cast<unsigned long long>(x[i]));
+      if (j < n) {
+        K2[dst] = x[i];
+        S2[dst] = s2;
       }
+      bucket_range_atomic(m, j < n && seg_size(s2) > kFinal, seg_start(s2), j < n ? x[i] : 0);
     }
     __syncthreads();
     cur ^= 1;
   }
-  // 4. Rank inside each bucket: the keys of the bucket above mine, plus the
-  //    equal ones before me. A bucket still larger than kFinal holds equal
+  // 4. Rank inside each bucket. A bucket still larger than kFinal holds equal
   //    keys (or, past kMaxPasses, is counted all the same).
   const uint64_t* K = m.keys[cur];
   const uint32_t* S = m.seg[cur];
@@ -301,16 +284,175 @@ __device__ void rank_sort(const SortSmem& m, KeyAt key_at, int n, int limit, uin
     const int st = seg_start(sg), sz = seg_size(sg);
     if (st >= limit) continue;
     const uint64_t x = K[j];
-    int r = j - st;
-    if (sz > 1 && (sz <= kFinal || m.bmin[st] != m.bmax[st])) {
-      r = 0;
-      for (int q = st; q < st + sz; ++q) {
-        const uint64_t y = K[q];
-        r += (y > x) || (y == x && q < j);
-      }
-    }
+    const int r = (sz > 1 && (sz <= kFinal || m.bmin[st] != m.bmax[st])) ? rank_in_bucket(K, st, sz, x, j) : j - st;
     if (st + r < limit) out[st + r] = x;
   }
+}
+
+// Sorts the n <= kChunk keys topk_key(score_at(j), id_at(j)) descending and
+// writes the first min(n, limit) into out[]; ends with a barrier.
+// Deterministic: equal keys are bitwise identical, so their order among
+// themselves cannot show.
+//
+// One pass of a bucket rank on the float score: kBucketsPerKey buckets per
+// key between the row's finite min and max (+inf first, -inf / NaN / invalid
+// last), the slot inside a bucket from the histogram atomic, one block scan,
+// then each key is either alone in its bucket (its place is final) or ranked
+// by counting among the <= kFinal keys of its bucket. Uniform and clustered
+// scores alike leave buckets of a few keys. A bucket above kFinal sends the
+// whole row through split_large_buckets.
+//
+// Shared memory: the bucket counts live in cnt/pos and the bucket starts in
+// bmin/bmax (both free until the slow path, which reads the bucket starts
+// before it overwrites them).
+template <typename ScoreAt, typename IdAt>
+__device__ void rank_sort(const SortSmem& m, ScoreAt score_at, IdAt id_at, int n, int limit, uint64_t* out) {
+  constexpr int kB = kPer * kBucketsPerKey;  // buckets per thread in the scan
+  __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps];
+  __shared__ int warp_sum[kWarps];
+  int* bcnt = m.cnt;                             // [n * kBucketsPerKey]
+  int* bstart = reinterpret_cast<int*>(m.bmin);  // [n * kBucketsPerKey]
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nb = n * kBucketsPerKey;
+  // 1. Load every input first (independent loads in flight together).
+  float sc[kPer];
+  int32_t id[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int j = tid + i * kThreads;
+    sc[i] = j < n ? score_at(j) : 0.f;
+    id[i] = j < n ? id_at(j) : -1;
+  }
+#pragma unroll
+  for (int i = 0; i < kB; ++i) {
+    if (tid * kB + i < nb) bcnt[tid * kB + i] = 0;
+  }
+  // 2. The finite score range, as key high halves.
+  uint64_t x[kPer];
+  uint32_t lo = 0xFFFFFFFFu, hi = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    x[i] = topk_key(sc[i], id[i]);
+    const uint32_t h = static_cast<uint32_t>(x[i] >> 32);
+    if (tid + i * kThreads < n && finite_hi(h)) {
+      lo = min(lo, h);
+      hi = max(hi, h);
+    }
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  if (lane == 0) {
+    warp_lo[warp] = lo;
+    warp_hi[warp] = hi;
+  }
+  __syncthreads();
+  lo = __reduce_min_sync(0xffffffffu, lane < kWarps ? warp_lo[lane] : 0xFFFFFFFFu);
+  hi = __reduce_max_sync(0xffffffffu, lane < kWarps ? warp_hi[lane] : 0u);
+  // 3. Histogram. The bucket map is monotone (larger score, lower bucket):
+  //    fp32 subtraction and scaling round monotonically, and an overflow to
+  //    +inf lands in the last finite bucket. A row of <= kFinal keys is one bucket.
+  const bool one_bucket = n <= kFinal;
+  const float top = key_score(hi);
+  const float scale = lo < hi ? static_cast<float>(static_cast<double>(nb - 2) /
+                                                   (static_cast<double>(top) - static_cast<double>(key_score(lo))))
+                              : 0.f;
+  int b[kPer], slot[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (tid + i * kThreads >= n) continue;
+    const uint32_t h = static_cast<uint32_t>(x[i] >> 32);
+    if (one_bucket || h >= 0xFF800000u) b[i] = 0;  // +inf first
+    else if (!finite_hi(h)) b[i] = nb - 1;         // -inf, NaN, invalid
+    else b[i] = 1 + min(nb - 3, static_cast<int>((top - key_score(h)) * scale));
+    slot[i] = atomicAdd(&bcnt[b[i]], 1);
+  }
+  __syncthreads();
+  // 4. Exclusive scan of the counts into bstart (thread tid owns buckets tid * kB ..).
+  {
+    int c[kB], sum = 0;
+#pragma unroll
+    for (int i = 0; i < kB; ++i) {
+      c[i] = tid * kB + i < nb ? bcnt[tid * kB + i] : 0;
+      sum += c[i];
+    }
+    int incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sum[warp] = incl;
+    __syncthreads();
+    int w = lane < kWarps ? warp_sum[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    const int before = __shfl_sync(0xffffffffu, w, (warp + 31) & 31);
+    int run = (warp > 0 ? before : 0) + incl - sum;
+#pragma unroll
+    for (int i = 0; i < kB; ++i) {
+      if (tid * kB + i < nb) bstart[tid * kB + i] = run;
+      run += c[i];
+    }
+  }
+  __syncthreads();
+  // 5. A key alone in its bucket is placed; the others are scattered by
+  //    bucket for the rank.
+  uint64_t* K = m.keys[0];
+  uint32_t* S = m.seg[0];
+  bool large = false;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (tid + i * kThreads >= n) continue;
+    const int st = bstart[b[i]], sz = bcnt[b[i]];
+    if (sz == 1) {
+      if (st < limit) out[st] = x[i];
+    } else {
+      K[st + slot[i]] = x[i];
+      S[st + slot[i]] = pack_seg(st, sz);
+      large |= sz > kFinal;
+    }
+  }
+  if (!__syncthreads_or(large)) {
+    // 6. Rank inside buckets of 2 .. kFinal keys.
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (tid + i * kThreads >= n) continue;
+      const int st = bstart[b[i]], sz = bcnt[b[i]];
+      if (sz == 1 || st >= limit) continue;
+      const int r = rank_in_bucket(K, st, sz, x[i], st + slot[i]);
+      if (st + r < limit) out[st + r] = x[i];
+    }
+    __syncthreads();
+    return;
+  }
+  // Slow path: every position into keys[0] / seg[0], the range of every large
+  // bucket, then the splitting passes.
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (tid + i * kThreads >= n) continue;
+    const int st = bstart[b[i]];
+    if (bcnt[b[i]] == 1) {
+      K[st] = x[i];
+      S[st] = pack_seg(st, 1);
+    }
+  }
+  __syncthreads();  // bstart (in bmin) is read; bmin/bmax become the bucket ranges
+  for (int j = tid; j < n; j += kThreads) {
+    m.bmin[j] = ~uint64_t{0};
+    m.bmax[j] = 0;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int j = tid + i * kThreads;
+    const uint32_t sg = j < n ? S[j] : 0;
+    bucket_range_atomic(m, j < n && seg_size(sg) > kFinal, seg_start(sg), j < n ? K[j] : 0);
+  }
+  __syncthreads();
+  split_large_buckets(m, n, limit, out);
   __syncthreads();
 }
 
@@ -336,18 +478,19 @@ __device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, 
 
 // The best min(m, keep) keys of key_at(0..m) in order, sorted by chunks of
 // kChunk that are merged one at a time. Returns where they are (acc or tmp).
-template <typename KeyAt>
-__device__ uint64_t* block_select(uint8_t* smem, const SmemPlan& p, KeyAt key_at, int m, int keep) {
+template <typename ScoreAt, typename IdAt>
+__device__ uint64_t* block_select(uint8_t* smem, const SmemPlan& p, ScoreAt score_at, IdAt id_at, int m, int keep) {
   uint64_t* acc = reinterpret_cast<uint64_t*>(smem + p.acc);
   uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + p.tmp);
   const SortSmem s = sort_smem(smem + p.sort, p.sort_n);
   const int first = min(m, kChunk);
-  rank_sort(s, key_at, first, keep, acc);
+  rank_sort(s, score_at, id_at, first, keep, acc);
   int len = min(first, keep);
   for (int base = kChunk; base < m; base += kChunk) {
     uint64_t* chunk = reinterpret_cast<uint64_t*>(smem + p.chunk_out);
     const int c = min(kChunk, m - base);
-    rank_sort(s, [&](int j) { return key_at(base + j); }, c, keep, chunk);
+    rank_sort(
+        s, [&](int j) { return score_at(base + j); }, [&](int j) { return id_at(base + j); }, c, keep, chunk);
     const int nout = min(len + min(c, keep), keep);
     merge_two(acc, len, chunk, min(c, keep), tmp, nout);
     __syncthreads();
@@ -367,7 +510,7 @@ __global__ void __launch_bounds__(kThreads) topk_select_kernel(SmemPlan p, const
   const int take = min(m, k);
   if (m > 0) {
     const uint64_t* best = block_select(
-        smem, p, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, m, k);
+        smem, p, [&](int j) { return scores[t * s0 + j]; }, [&](int j) { return ids[t * i0 + j]; }, m, k);
     for (int pos = threadIdx.x; pos < take; pos += kThreads) o[pos] = topk_key_id(best[pos]);
   }
   for (int pos = take + threadIdx.x; pos < k; pos += kThreads) o[pos] = -1;
@@ -448,7 +591,12 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
                                                               int64_t i0, int rows, int c, int k, int32_t* out,
                                                               CallHeader hdr) {
   extern __shared__ __align__(16) uint8_t smem[];
-  const uint64_t call = block_call_index(ws);
+  // The inputs are the previous kernel's outputs: wait for it (programmatic
+  // launch) before loading them, and read the call index only once the first
+  // row is sorted, so the counter load overlaps the sort's input loads.
+  pdl_wait_and_release();
+  uint64_t call = 0;
+  bool have_call = false;
   const int n = ws.world, me = ws.rank;
   const int kk = static_cast<int>(g.keys_per_row);  // min(c, k)
   auto inbox = [&](int d, int src, int t) {
@@ -467,7 +615,11 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
     const bool checks_header = header_thread && t == 0;  // block 0's first row
     // 1. Owner: the best kk keys of the row, in order.
     uint64_t* acc = block_select(
-        smem, p, [&](int j) { return topk_key(scores[t * s0 + j], ids[t * i0 + j]); }, c, kk);
+        smem, p, [&](int j) { return scores[t * s0 + j]; }, [&](int j) { return ids[t * i0 + j]; }, c, kk);
+    if (!have_call) {
+      call = block_call_index(ws);
+      have_call = true;
+    }
     uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
     if (checks_header) check_headers(ws, g.header_offset, call, hdr);
     // 2. Push them into every peer's buffer (plain stores: the keys are their own flag).
@@ -514,6 +666,7 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
     for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
     __syncthreads();  // the next row reuses the shared memory
   }
+  if (!have_call) call = block_call_index(ws);
   block_finish_call(ws, call);
 }
 
