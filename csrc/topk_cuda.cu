@@ -547,25 +547,52 @@ __device__ __forceinline__ uint4* topk_header(const DeviceWorkspace& ws, int64_t
 }
 
 // Thread 0 of block 0 stores this rank's header into every peer's buffer
-// (nearest first) and checks every peer's header (polled, re-filled,
-// compared; a mismatch is recorded and aborts the workspace on every rank).
-// Not inlined: one thread of one block runs them, and inlined (or fused into
-// the key polls) they cost the owner sort registers (more spills in its
-// passes, measured with ptxas -v and the SASS).
+// (nearest first); for a call without rows (`alone`) it also checks every
+// peer's header (polled, re-filled, compared; a mismatch is recorded and
+// aborts the workspace on every rank). Not inlined: one thread of one block
+// runs it, and inlined it costs the owner sort registers.
 static __device__ __noinline__ void store_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
-                                                  CallHeader mine) {
+                                                  CallHeader mine, bool alone) {
   for (int step = 1; step < ws.world; ++step) {
     const int d = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
     store_call_header(topk_header(ws, header_offset, call, d, ws.rank), mine);
   }
-}
-
-static __device__ __noinline__ void check_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
-                                                  CallHeader mine) {
-  for (int step = 1; step < ws.world; ++step) {
+  for (int step = 1; alone && step < ws.world; ++step) {
     const int src = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
     check_call_header(ws, topk_header(ws, header_offset, call, ws.rank, src), mine, src, call);
   }
+}
+
+// Peer `src`'s call header, whose first load `hv` the caller issued together
+// with its first key load: polled if it has not landed, re-filled, compared.
+// False when the wait gave up or the headers differ (recorded, and the
+// workspace aborted on every rank): later polls then return at once.
+__device__ __forceinline__ bool take_header(const DeviceWorkspace& ws, uint4* h, uint4 hv, const CallHeader& mine,
+                                            int src, uint64_t call) {
+  if (has_sentinel(hv)) hv = poll_vector(ws, h, src, call, kWaitHeader);
+  if (has_sentinel(hv)) hv = ld_volatile_v4(h);  // gave up on an abort: the header may have landed since
+  *h = sentinel_vector();
+  return !has_sentinel(hv) && header_matches(ws, hv, mine, src, call);
+}
+
+// Thread 0's first poll of a peer's keys in block 0's first row, fused with
+// the peer's header: both loads in flight at once (no added step when both
+// landed), the header compared before the keys are waited for (a peer with
+// fewer rows may never send them).
+__device__ __forceinline__ ulonglong2 poll_keys_with_header(const DeviceWorkspace& ws, const ulonglong2* p, uint4* h,
+                                                            const CallHeader& mine, int src, uint64_t call) {
+  const uint4 hv = ld_volatile_v4(h);
+  const ulonglong2 v = ld_volatile_keys(p);
+  if (!take_header(ws, h, hv, mine, src, call)) return v;
+  return v.x != kTopKSentinel && v.y != kTopKSentinel ? v : poll_keys(ws, p, src, call);
+}
+
+__device__ __forceinline__ uint64_t poll_key_with_header(const DeviceWorkspace& ws, const uint64_t* p, uint4* h,
+                                                         const CallHeader& mine, int src, uint64_t call) {
+  const uint4 hv = ld_volatile_v4(h);
+  const uint64_t v = ld_volatile_u64(p);
+  if (!take_header(ws, h, hv, mine, src, call)) return v;
+  return v != kTopKSentinel ? v : poll_key(ws, p, src, call);
 }
 
 // Grid: one block per row, at most one per SM (block b handles rows b, b +
@@ -577,19 +604,18 @@ static __device__ __noinline__ void check_headers(const DeviceWorkspace& ws, int
 // grid need not be co-resident.
 //
 // Call headers (lamport.cuh): thread 0 of block 0 stores this rank's header
-// into every peer's buffer as soon as it knows the call, before the sort, and
-// checks the peers' headers after sorting its first row, before pushing and
-// before any wait for keys (which a peer with fewer rows may never send).
-// Every peer stored its header before its own sort, so the check normally
-// finds them landed and adds no step; a late peer only delays this block's
-// push to the time it started, long before it needs the keys. One thread
-// stores and checks, so that its fence before an abort word (lamport_record)
-// also orders its headers: a peer that meets the abort still finds this
-// rank's header and names both sides.
+// into every peer's buffer as soon as it knows the call (after its first
+// sort, before the keys), and checks peer s's header with its first poll of
+// s's keys in its first row, the header load issued beside the first key
+// vector (no added step when both landed). A call without rows runs
+// topk_headers_kernel instead (a branch for it here costs the sort registers).
+// One thread stores and checks, so that its fence before an abort word
+// (lamport_record) also orders its headers: a peer that meets the abort still
+// finds this rank's header and names both sides.
 __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws, TopKGeometry g, SmemPlan p,
                                                               const float* scores, const int32_t* ids, int64_t s0,
                                                               int64_t i0, int rows, int c, int k, int32_t* out,
-                                                              CallHeader hdr) {
+                                                              const __grid_constant__ CallHeader hdr) {
   extern __shared__ __align__(16) uint8_t smem[];
   // The inputs are the previous kernel's outputs: wait for it (programmatic
   // launch) before loading them, and read the call index only once the first
@@ -604,12 +630,6 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
            (static_cast<int64_t>(ws.peer_slot(src, d)) * g.max_rows + t) * kk;
   };
   const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
-  if (header_thread) store_headers(ws, g.header_offset, call, hdr);
-  if (rows == 0) {  // no keys: the headers alone
-    if (header_thread) check_headers(ws, g.header_offset, call, hdr);
-    block_finish_call(ws, call);
-    return;
-  }
   uint64_t* stage = reinterpret_cast<uint64_t*>(smem + p.stage);
   for (int t = blockIdx.x; t < rows; t += gridDim.x) {
     const bool checks_header = header_thread && t == 0;  // block 0's first row
@@ -619,9 +639,9 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
     if (!have_call) {
       call = block_call_index(ws);
       have_call = true;
+      if (header_thread) store_headers(ws, g.header_offset, call, hdr, false);  // before the keys
     }
     uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
-    if (checks_header) check_headers(ws, g.header_offset, call, hdr);
     // 2. Push them into every peer's buffer (plain stores: the keys are their own flag).
     if (kk % 2 == 0) {
       const int vec = kk / 2;
@@ -643,12 +663,17 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
       if (kk % 2 == 0) {
         for (int v = threadIdx.x; v < kk / 2; v += kThreads) {
           ulonglong2* q = reinterpret_cast<ulonglong2*>(in) + v;
-          reinterpret_cast<ulonglong2*>(stage)[v] = poll_keys(ws, q, src, call);
+          reinterpret_cast<ulonglong2*>(stage)[v] =
+              checks_header && v == 0 ? poll_keys_with_header(ws, q, topk_header(ws, g.header_offset, call, me, src), hdr,
+                                                              src, call)
+                                      : poll_keys(ws, q, src, call);
           *q = make_ulonglong2(kTopKSentinel, kTopKSentinel);
         }
       } else {
         for (int i = threadIdx.x; i < kk; i += kThreads) {
-          stage[i] = poll_key(ws, in + i, src, call);
+          stage[i] = checks_header && i == 0
+                         ? poll_key_with_header(ws, in, topk_header(ws, g.header_offset, call, me, src), hdr, src, call)
+                         : poll_key(ws, in + i, src, call);
           in[i] = kTopKSentinel;
         }
       }
@@ -667,6 +692,15 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(DeviceWorkspace ws
     __syncthreads();  // the next row reuses the shared memory
   }
   if (!have_call) call = block_call_index(ws);
+  block_finish_call(ws, call);
+}
+
+// A call without rows: the call headers alone (stored, then each peer's
+// checked), so that the call still waits for every peer's call of the same
+// index and a peer with rows sees the difference.
+__global__ void __launch_bounds__(32) topk_headers_kernel(DeviceWorkspace ws, int64_t header_offset, CallHeader hdr) {
+  const uint64_t call = block_call_index(ws);
+  if (threadIdx.x == 0) store_headers(ws, header_offset, call, hdr, true);
   block_finish_call(ws, call);
 }
 
@@ -721,6 +755,13 @@ int sm_count(int device) {
 void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tensor& ids) {
   const Workspace& ws = *c.ws;
   check_device_world(ws);
+  if (c.rows == 0) {
+    const c10::cuda::CUDAGuard guard(scores.device());
+    topk_headers_kernel<<<1, 32, 0, at::cuda::getCurrentCUDAStream().stream()>>>(device_workspace(ws),
+                                                                                   c.geo.header_offset, c.header);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   const int64_t cand = c.geo.candidates_per_rank, kk = c.geo.keys_per_row, k = c.geo.k;
   SDCP_CHECK_ARG(cand <= kMaxSortKeys, "scores", "at most " << kMaxSortKeys << " candidates per rank on CUDA", cand);
   const c10::cuda::CUDAGuard guard(scores.device());
@@ -730,9 +771,8 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   static std::array<std::atomic<int64_t>, 64> current{};
   set_smem(reinterpret_cast<const void*>(topk_merge_kernel), p.total, current, device, "scores",
            cat(cand, " candidates per rank and k = ", k).c_str());
-  // One block per row of this call, at most one per SM; one for a call
-  // without rows (block 0 stores and checks the call headers).
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.rows, sm_count(device))));
+  // One block per row of this call, at most one per SM.
+  const int grid = static_cast<int>(std::min<int64_t>(c.rows, sm_count(device)));
   topk_merge_kernel<<<grid, kThreads, p.total, at::cuda::getCurrentCUDAStream().stream()>>>(
       device_workspace(ws), c.geo, p, scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0),
       ids.stride(0), static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>(),
