@@ -15,8 +15,6 @@ void topk_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
                         ", got ", k));
   // Data-as-flag: each owner pushes its best min(C, k) keys per row into
   // every peer's buffer; its own list never travels.
-  l.protocol = Protocol::kLamport;
-  l.blocks = 1;
   l.slots = kLamportBuffers;
   const int64_t inbox = align_up(checked_mul({n - 1, rows, std::min(c, k), 8}, "max_rows"), kAlign);
   l.part_offset[0] = 0;                 // inbox [peer][row][keys_per_row]

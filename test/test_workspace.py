@@ -91,7 +91,7 @@ def test_workspace_argument_errors_and_teardown():
 def test_layout_names_the_cpp_layout():
     import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
     from torch_sdcp.workspace import (ExchangeWorkspace, OutputLSEWorkspace, QueryWorkspace, TopKWorkspace,
-                                      WorkspaceKind, workspace_layout)
+                                      WorkspaceKind, WorkspaceLayout, workspace_layout)
 
     assert {k.name: int(k) for k in WorkspaceKind} == {"EXCHANGE": 0, "OUTPUT_LSE": 1, "TOPK": 2, "QUERY": 3}
     world = 2
@@ -103,6 +103,13 @@ def test_layout_names_the_cpp_layout():
         layout = layouts[cls] = workspace_layout(cls.kind, p, world)
         assert layout.region_bytes == torch.ops.sdcp.workspace_nbytes(int(cls.kind), p, world)
         assert layout.data_offset == layout.control_bytes and len(layout.part_offsets) == 4
+        # The op's flat list, in the field order of WorkspaceLayout (the C++ side's
+        # [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset x 4]).
+        flat = torch.ops.sdcp.workspace_layout(int(cls.kind), p, world)
+        assert flat == [layout.control_bytes, layout.data_offset, layout.slots, layout.slot_bytes,
+                        layout.region_bytes, *layout.part_offsets]
+    assert WorkspaceLayout._fields == ("control_bytes", "data_offset", "slots", "slot_bytes", "region_bytes",
+                                       "part_offsets")
 
     def part(cls, name):
         return layouts[cls].part_offsets[cls.PARTS.index(name)]

@@ -124,13 +124,12 @@ class WorkspaceKind(enum.IntEnum):
 
 class WorkspaceLayout(NamedTuple):
     """One rank's region as the C++ side lays it out (csrc/sdcp.h), identical
-    on every rank: control (an epoch and the flags of each of ``blocks`` flag
-    blocks) in ``[0, control_bytes)``, then ``slots`` data slots of
+    on every rank: control (the data-as-flag call counters and abort word,
+    4 KiB) in ``[0, control_bytes)``, then ``slots`` data slots of
     ``slot_bytes`` from ``data_offset``; ``region_bytes`` includes the tail pad,
     before granularity rounding. ``part_offsets`` are the family's values inside
     one slot; each workspace class names them in ``PARTS``."""
 
-    blocks: int
     control_bytes: int
     data_offset: int
     slots: int
@@ -181,7 +180,7 @@ class PeerWorkspace:
 
     ``backend``: "cuda", "host" or "auto". ``timeout_s`` bounds every wait of
     the device (or host) signals, and every step of creation and teardown; a
-    timeout names rank, peer and slot/epoch or buffer/call. Default: ``SDCP_TIMEOUT_S`` when
+    timeout names rank, peer, buffer and call. Default: ``SDCP_TIMEOUT_S`` when
     set, else DEFAULT_TIMEOUT_S (300 s); accepted: a number of seconds in
     [1 ms, 24 h]. With ``fallback=True`` a group that fails the peer-memory
     capability gate gets a workspace in collective mode instead of an error
@@ -468,7 +467,7 @@ class PeerWorkspace:
             if self._captured:
                 raise RuntimeError(
                     f"torch_sdcp: argument 'max_rows': cannot resize {type(self).__name__} on rank {self.rank} "
-                    f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses and epochs; create "
+                    f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses; create "
                     "a new workspace and capture again")
             params = list(self.params)
             params[index] = max_rows
