@@ -126,10 +126,16 @@ static __device__ __noinline__ void lamport_record(const DeviceWorkspace& ws, La
   const uint32_t prev = atomicCAS(&c->error_claim, 0u, want);
   if (prev != 0u && !(want == 2u && prev == 1u && atomicCAS(&c->error_claim, 1u, 2u) == 1u)) return;
   if (e.state == kReasonTimeout)
-    printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d's %s (workspace %lld, buffer %d, "
+    printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d%s (workspace %lld, %s %d, "
            "call %llu); the peer stopped participating, skipped the call, took the collective path, or calls "
            "differ between ranks\n", ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, e.peer,
-           e.wait == kWaitHeader ? "call header" : "data", (long long)ws.handle, (int)(e.call % kLamportBuffers),
+           e.wait == kWaitViewRelease ? " to release the previous view call"
+                                      : lamport_wait_is_header(e.wait) ? "'s call header" : "'s data",
+           (long long)ws.handle, lamport_wait_is_view(e.wait) ? "view buffer, view call" : "buffer",
+           lamport_wait_is_view(e.wait) ? (int)e.call : (int)(e.call % kLamportBuffers), (unsigned long long)e.call);
+  else if (e.state == kReasonBadInput)
+    printf("torch_sdcp: bad input: rank %d block %d: positions[%u] = %d is outside [0, %u) (workspace %lld, call "
+           "%llu)\n", ws.rank, blockIdx.x, e.field, (int)e.mine, e.theirs, (long long)ws.handle,
            (unsigned long long)e.call);
   else if (e.state == kReasonMismatch)
     printf("torch_sdcp: call mismatch: rank %d block %d, peer %d, header field %u: this rank 0x%08x, the peer "
@@ -356,14 +362,17 @@ inline bool lamport_pdl(int device) {
   return c == 2;
 }
 
-// Launches a data-as-flag kernel (its first step is block_call_index, which
-// waits for the previous kernel where the launch is programmatic).
+// Launches a data-as-flag kernel with `shared_bytes` of dynamic shared memory
+// (the kernel's first step is pdl_wait_and_release, directly or in
+// block_call_index: it waits for the previous kernel where the launch is
+// programmatic).
 template <typename... KernelArgs, typename... Args>
-void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, cudaStream_t stream, int device,
-                    Args&&... args) {
+void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, size_t shared_bytes, cudaStream_t stream,
+                    int device, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -371,6 +380,13 @@ void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, cudaSt
   config.attrs = attribute;
   config.numAttrs = lamport_pdl(device) ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Without dynamic shared memory.
+template <typename... KernelArgs, typename... Args>
+void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, cudaStream_t stream, int device,
+                    Args&&... args) {
+  launch_lamport(kernel, grid, threads, size_t{0}, stream, device, std::forward<Args>(args)...);
 }
 
 }  // namespace sdcp

@@ -51,13 +51,22 @@ enum LamportReason : uint32_t {
   kReasonMismatch = 2,   // a peer's call header differs from this rank's
   kReasonError = 3,      // a call raised on that rank after it was entered (bad input, ...)
   kReasonPeerAbort = 4,  // record only: a peer's abort word was seen
+  kReasonBadInput = 5,   // a kernel met an input it cannot use (query: a position outside the cache; field = row,
+                         // mine = the position saturated to int32, theirs = the cache rows)
 };
 
 // What a wait was for (LamportError::wait).
 enum LamportWait : uint32_t {
   kWaitData = 0,    // a payload, LSE or tagged word
   kWaitHeader = 1,  // the call header (the peer has not entered the call)
+  // The query's zero-copy view (one fixed buffer, its own view call index):
+  kWaitViewData = 2,     // a peer's rows in the view
+  kWaitViewHeader = 3,   // a peer's call header of the view call
+  kWaitViewRelease = 4,  // a peer's release of the previous view call (its reader finished)
 };
+
+SDCP_LAMPORT_HD bool lamport_wait_is_view(uint32_t wait) { return wait >= kWaitViewData && wait <= kWaitViewRelease; }
+SDCP_LAMPORT_HD bool lamport_wait_is_header(uint32_t wait) { return wait == kWaitHeader || wait == kWaitViewHeader; }
 
 // The most blocks of a data-as-flag grid (lamport_grid caps grids at this).
 constexpr int kLamportBlocks = 384;

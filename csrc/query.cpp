@@ -18,20 +18,22 @@ void query_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) 
   TORCH_CHECK_VALUE(checked_mul({dim, eb}, "head_dim") % 4 == 0, cat("torch_sdcp: argument 'head_dim': expected ",
                     "heads of a multiple of 4 bytes (the signalling word), got ", dim, " elements of ", eb, " bytes"));
   // One slot: the view, then the two rotating buffers of the copying ops
-  // (their own index; see QueryGeometry).
+  // (their own index; see QueryGeometry), then the call headers.
   l.slots = 1;
   const int64_t view = align_up(checked_mul({rows, n, hl, dim, eb}, "max_rows"), kAlign);
   const int64_t buffer = align_up(checked_mul({n - 1, rows, hl, dim, eb}, "max_rows"), kAlign);
-  l.part_offset[0] = 0;       // view [row][src*H_loc + h][dim]
-  l.part_offset[1] = view;    // buffer 0 [peer][row][h][dim]; buffer 1 follows
-  l.part_offset[2] = buffer;  // bytes of one buffer
-  l.slot_bytes = view + checked_mul({kLamportBuffers, buffer}, "max_rows");
+  const int64_t headers = view + checked_mul({kLamportBuffers, buffer}, "max_rows");
+  l.part_offset[0] = 0;        // view [row][src*H_loc + h][dim]
+  l.part_offset[1] = view;     // buffer 0 [peer][row][h][dim]; buffer 1 follows
+  l.part_offset[2] = buffer;   // bytes of one buffer
+  l.part_offset[3] = headers;  // call headers [buffer 0, buffer 1, view][peer][16 bytes]
+  l.slot_bytes = headers + align_up((kQueryViewHeaders + 1) * (n - 1) * kHeaderFields * 4, kAlign);
 }
 
 QueryGeometry QueryGeometry::of(const Workspace& ws) {
   const auto& p = ws.params;
   const auto& o = ws.layout.part_offset;
-  return {p[0], p[1], p[2], p[3], o[0], o[1], o[2], query_canonical(p[3])};
+  return {p[0], p[1], p[2], p[3], o[0], o[1], o[2], o[3], query_canonical(p[3])};
 }
 
 QueryShape check_query_inputs(const at::Tensor& ql_nope, const at::Tensor& q_pe,
@@ -111,7 +113,7 @@ HeadsCall prepare_all_gather_heads(const at::Tensor& q, int64_t workspace, const
   SDCP_CHECK_ARG(sentinel_dtype(q.scalar_type()), "q",
                  "dtype bfloat16, float16, float32, float8_e4m3fn or float8_e5m2 (a NaN of all-ones bytes)",
                  "dtype " << q.scalar_type());
-  HeadsCall c{resolve_workspace(workspace, WorkspaceKind::kQuery, q), {}, q.size(0)};
+  HeadsCall c{resolve_workspace(workspace, WorkspaceKind::kQuery, q), {}, q.size(0), {}};
   c.geo = QueryGeometry::of(*c.ws);
   const QueryGeometry& g = c.geo;
   SDCP_CHECK_ARG(c.rows <= g.max_rows, "q", "at most max_rows = " << g.max_rows << " rows",

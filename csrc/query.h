@@ -34,11 +34,13 @@ static_assert(kQueryControlOffset + sizeof(QueryControl) <= 4096, "QueryControl 
 //   the view       [max_rows][src * local_heads + h][head_dim] (final layout, fixed address)
 //   two buffers    [peer_slot(src, dst)][max_rows][local_heads][head_dim] each
 //                  (peer entries only: a rank's own heads never travel)
+//   call headers   [buffer 0, buffer 1, view][peer_slot(src, dst)][16 bytes] (lamport.h)
 struct QueryGeometry {
   int64_t max_rows, local_heads, head_dim, elem_bytes;
   int64_t view_offset;     // inside the slot
   int64_t buffers_offset;  // buffer 0; buffer 1 follows at buffer_bytes
   int64_t buffer_bytes;
+  int64_t header_offset;   // the call headers, inside the slot
   uint32_t canonical;      // what a sentinel word of the payload is rewritten to
   int64_t item_bytes() const { return head_dim * elem_bytes; }
   int64_t entry_bytes() const { return max_rows * local_heads * item_bytes(); }  // one peer's entry
@@ -59,6 +61,23 @@ inline QueryControl* query_control(const Workspace& ws, int64_t r) {
 inline uint8_t* query_view(const Workspace& ws, const QueryGeometry& g, int64_t r) {
   return ws.slot_data(r, 0) + g.view_offset;
 }
+// The header set of the view (after the two rotating buffers' sets).
+constexpr int64_t kQueryViewHeaders = kLamportBuffers;
+// Rank dst's header entry for source src: set `which` is call % 2 for the
+// copying calls, kQueryViewHeaders for the view.
+inline uint32_t* query_header(const Workspace& ws, const QueryGeometry& g, int64_t dst, int64_t src, int64_t which) {
+  return reinterpret_cast<uint32_t*>(ws.slot_data(dst, 0) + g.header_offset) +
+         (which * (ws.world_size - 1) + peer_slot(src, dst, ws.world_size)) * kHeaderFields;
+}
+
+// The header flags of a query call: the op (1 query_gather, 2
+// query_all_gather_heads, 3 query_publish), then for the producer bit 2 neox
+// RoPE and bit 3 a q_scale (workspace.cpp names them in a mismatch).
+enum QueryOp : uint32_t { kQueryGatherOp = 1, kQueryHeadsOp = 2, kQueryPublishOp = 3 };
+inline uint32_t query_call_flags(QueryOp op, bool neox = false, bool scaled = false) {
+  return op | (neox ? 4u : 0u) | (scaled ? 8u : 0u);
+}
+
 // Rank dst's entry for source src in the rotating buffer of call `call`.
 inline uint8_t* query_entry(const Workspace& ws, const QueryGeometry& g, int64_t dst, int64_t src, uint64_t call) {
   return ws.slot_data(dst, 0) + g.buffers_offset + static_cast<int64_t>(call % kLamportBuffers) * g.buffer_bytes +
@@ -76,6 +95,7 @@ struct QueryCall {
   QueryGeometry geo;
   QueryShape shape;
   std::optional<at::Tensor> out;
+  CallHeader header;  // rows, the output dtype, query_call_flags, the geometry hash
 };
 
 QueryCall prepare_query_call(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
@@ -88,6 +108,7 @@ struct HeadsCall {
   std::shared_ptr<const Workspace> ws;
   QueryGeometry geo;
   int64_t rows;
+  CallHeader header;  // rows, q's dtype, query_call_flags, the geometry hash
 };
 
 HeadsCall prepare_all_gather_heads(const at::Tensor& q, int64_t workspace, const at::Tensor& out);
@@ -106,8 +127,9 @@ ReleaseCall prepare_query_release(const at::Tensor& view, int64_t workspace);
 //   GatherLaunch(call, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, view)
 //   HeadsLaunch(call, q, out)
 //   ReleaseLaunch(call, view)
-// A call of 0 rows launches nothing and advances no index (on every rank: the
-// rules require the same shapes everywhere).
+// Every call carries a call header (lamport.h), compared by each consumer. A
+// call of 0 rows launches nothing and advances no index (a peer with rows
+// then waits for this rank's header and times out, naming the header).
 template <auto ProduceLaunch>
 at::Tensor query_rope_quant_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
@@ -122,7 +144,9 @@ template <auto GatherLaunch>
 at::Tensor query_gather_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                            const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
                            int64_t workspace, bool neox, at::ScalarType out_dtype) {
-  const QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, true);
+  QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, true);
+  c.header = make_call_header(c.shape.rows, static_cast<int64_t>(out_dtype),
+                              query_call_flags(kQueryGatherOp, neox, q_scale.has_value()), c.ws->geometry_hash);
   if (c.shape.rows > 0) GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, false);
   return *c.out;
 }
@@ -131,13 +155,17 @@ template <auto GatherLaunch>
 void query_publish_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                       const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
                       bool neox, at::ScalarType out_dtype) {
-  const QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, false);
+  QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, false);
+  c.header = make_call_header(c.shape.rows, static_cast<int64_t>(out_dtype),
+                              query_call_flags(kQueryPublishOp, neox, q_scale.has_value()), c.ws->geometry_hash);
   if (c.shape.rows > 0) GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, true);
 }
 
 template <auto HeadsLaunch>
 void query_all_gather_heads_out_op(const at::Tensor& q, int64_t workspace, at::Tensor& out) {
-  const HeadsCall c = prepare_all_gather_heads(q, workspace, out);
+  HeadsCall c = prepare_all_gather_heads(q, workspace, out);
+  c.header = make_call_header(c.rows, static_cast<int64_t>(q.scalar_type()), query_call_flags(kQueryHeadsOp),
+                              c.ws->geometry_hash);
   if (c.rows > 0) HeadsLaunch(c, q, out);
 }
 

@@ -10,8 +10,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <chrono>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -93,26 +91,29 @@ void store_words(uint32_t* dst, const uint32_t* src, int64_t count, uint32_t can
   for (int64_t i = 0; i < count; ++i) __atomic_store_n(dst + i, canonical_word(src[i], canonical), __ATOMIC_RELAXED);
 }
 
-// A bounded wait of the view path; the timeout names the rank, the peer, what
-// was awaited, the view buffer and the view call.
-template <typename Ready>
-void view_spin(const Workspace& ws, int64_t src, uint64_t call, const char* what, Ready ready) {
-  if (ready()) return;
-  const auto start = std::chrono::steady_clock::now();
-  const auto limit = std::chrono::nanoseconds(ws.timeout_ns);
-  for (uint64_t spins = 0;; ++spins) {
-    if (ready()) return;
-    if (spins > 64) std::this_thread::yield();
-    if ((spins & 255) == 0 && std::chrono::steady_clock::now() - start > limit) {
-      TORCH_CHECK(false, cat("torch_sdcp: timeout: rank ", ws.rank, " waited ", ws.timeout_ns / 1e9, " s for peer ",
-                  src, what, " (", kind_name(ws.kind), " workspace ", ws.handle, ", view buffer, view call ",
-                  call, "); the peer stopped participating or calls differ between ranks"));
-    }
-  }
+// host_compare_call_header for the view: the record names the view buffer and view call.
+void view_compare_call_header(const Workspace& ws, int64_t src, uint64_t call, const CallHeader& mine,
+                              const CallHeader& theirs) {
+  const uint32_t f = call_header_mismatch(mine, theirs);
+  if (f == kHeaderFields) return;
+  LamportError e{};
+  e.state = kReasonMismatch;
+  e.block = -1;
+  e.peer = static_cast<int32_t>(src);
+  e.wait = kWaitViewHeader;
+  e.call = call;
+  e.field = f;
+  e.mine = mine.w[f];
+  e.theirs = theirs.w[f];
+  e.aborter = -1;
+  host_fail(ws, e);
 }
 
 // The items [rows][H_loc][W] of this rank, as 32-bit words, into the
-// destinations of one call (docs/PROTOCOL.md, version 4).
+// destinations of one call (docs/PROTOCOL.md, version 4). Every destination
+// gets this rank's call header before the payload, and every peer's header is
+// taken and compared before its payload (a mismatch raises on both sides,
+// naming both; the rank with more rows does not wait for rows never sent).
 //  copy (query_gather, query_all_gather_heads_out): every peer's entry in the
 //    rotating buffer of this call and this rank's heads of `out`; then each
 //    peer's entry is taken from the local buffer as it lands (re-filling the
@@ -120,8 +121,10 @@ void view_spin(const Workspace& ws, int64_t src, uint64_t call, const char* what
 //  view (query_publish): once every peer has released the last view call,
 //    this rank's heads of every rank's view (its own included); then wait
 //    until every peer's heads have landed in the local view.
-void fan_out(const Workspace& ws, const QueryGeometry& g, int64_t rows, const uint32_t* src, uint32_t* out,
-             bool view) {
+// Every wait is host_spin's: bounded, honouring the abort word, and a failure
+// aborts the workspace on every rank.
+void fan_out(const Workspace& ws, const QueryGeometry& g, const CallHeader& header, int64_t rows, const uint32_t* src,
+             uint32_t* out, bool view) {
   const int64_t n = ws.world_size, me = ws.rank;
   const int64_t row_words = g.local_heads * g.item_bytes() / 4;  // one rank's heads of one row
   auto at_row = [&](uint8_t* base, int64_t t, int64_t s) {  // [row][src*H_loc + h] layout
@@ -129,8 +132,10 @@ void fan_out(const Workspace& ws, const QueryGeometry& g, int64_t rows, const ui
   };
   if (!view) {
     const uint64_t call = host_call_index(ws);
+    const int64_t set = static_cast<int64_t>(call % kLamportBuffers);
     for (int64_t d = 0; d < n; ++d) {
       if (d == me) continue;
+      host_store_call_header(query_header(ws, g, d, me, set), header);  // before the data it describes
       auto* entry = reinterpret_cast<uint32_t*>(query_entry(ws, g, d, me, call));
       store_words(entry, src, rows * row_words, g.canonical);
     }
@@ -138,6 +143,7 @@ void fan_out(const Workspace& ws, const QueryGeometry& g, int64_t rows, const ui
       store_words(out + (t * n + me) * row_words, src + t * row_words, row_words, g.canonical);
     for (int64_t s = 0; s < n; ++s) {
       if (s == me) continue;
+      host_check_call_header(ws, s, call, query_header(ws, g, me, s, set), header);
       auto* entry = reinterpret_cast<uint32_t*>(query_entry(ws, g, me, s, call));
       for (int64_t t = 0; t < rows; ++t)
         host_take_payload(ws, s, call, entry + t * row_words, row_words, out + (t * n + s) * row_words);
@@ -149,18 +155,29 @@ void fan_out(const Workspace& ws, const QueryGeometry& g, int64_t rows, const ui
   const uint64_t call = __atomic_load_n(&mine->view_call, __ATOMIC_RELAXED);
   for (int64_t d = 0; d < n; ++d) {
     if (d == me) continue;
-    view_spin(ws, d, call, " to release the previous view call",
-              [&] { return __atomic_load_n(&mine->released[d], __ATOMIC_ACQUIRE) >= call; });
+    host_spin(ws, d, call, [&] { return __atomic_load_n(&mine->released[d], __ATOMIC_ACQUIRE) >= call; },
+              kWaitViewRelease);
   }
-  for (int64_t d = 0; d < n; ++d)
+  for (int64_t d = 0; d < n; ++d) {
+    if (d != me) host_store_call_header(query_header(ws, g, d, me, kQueryViewHeaders), header);
     for (int64_t t = 0; t < rows; ++t)
       store_words(at_row(query_view(ws, g, d), t, me), src + t * row_words, row_words, g.canonical);
+  }
   for (int64_t s = 0; s < n; ++s) {
     if (s == me) continue;
+    // The view's header, as host_check_call_header takes it, with the view's wait kinds.
+    uint32_t* h = query_header(ws, g, me, s, kQueryViewHeaders);
+    CallHeader theirs;
+    for (uint32_t f = 0; f < kHeaderFields; ++f) {
+      host_spin(ws, s, call, [&] { return __atomic_load_n(h + f, __ATOMIC_ACQUIRE) != kSentinel; }, kWaitViewHeader);
+      theirs.w[f] = __atomic_load_n(h + f, __ATOMIC_RELAXED);
+      __atomic_store_n(h + f, kSentinel, __ATOMIC_RELAXED);
+    }
+    view_compare_call_header(ws, s, call, header, theirs);
     for (int64_t t = 0; t < rows; ++t) {
       const uint32_t* w = at_row(query_view(ws, g, me), t, s);
       for (int64_t i = 0; i < row_words; ++i)
-        view_spin(ws, s, call, "'s data", [&] { return __atomic_load_n(w + i, __ATOMIC_ACQUIRE) != kSentinel; });
+        host_spin(ws, s, call, [&] { return __atomic_load_n(w + i, __ATOMIC_ACQUIRE) != kSentinel; }, kWaitViewData);
     }
   }
 }
@@ -172,13 +189,13 @@ void gather_cpu(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor&
   const QueryShape& s = c.shape;
   auto local = at::empty({s.rows, s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
   rope_quant_cpu(s, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, local);
-  fan_out(*c.ws, c.geo, s.rows, static_cast<const uint32_t*>(local.data_ptr()),
+  fan_out(*c.ws, c.geo, c.header, s.rows, static_cast<const uint32_t*>(local.data_ptr()),
           view ? nullptr : static_cast<uint32_t*>(c.out->data_ptr()), view);
 }
 
 void all_gather_heads_cpu(const HeadsCall& c, const at::Tensor& q, at::Tensor& out) {
-  fan_out(*c.ws, c.geo, c.rows, static_cast<const uint32_t*>(q.data_ptr()), static_cast<uint32_t*>(out.data_ptr()),
-          false);
+  fan_out(*c.ws, c.geo, c.header, c.rows, static_cast<const uint32_t*>(q.data_ptr()),
+          static_cast<uint32_t*>(out.data_ptr()), false);
 }
 
 // The reader of the view is done: re-fill the peers' heads of its rows with

@@ -28,7 +28,8 @@ struct ProducerArgs {
   const void* cache;
   const float* scale;  // nullptr: 1.0
   int64_t nope_s0, nope_s1, pe_s0, pe_s1, pos_s0;
-  int64_t rows, heads, nope_dim, rope_dim, max_pos;
+  int64_t max_pos;
+  int rows, heads, nope_dim, rope_dim;  // 32-bit: checked on the host (producer_args)
   bool pos64, cache_f32, neox;
   bool vec_nope;  // nope rows are 16-byte aligned and a multiple of 8 elements
 };
@@ -39,91 +40,114 @@ __device__ __forceinline__ out_t convert_out(float v, float scale) {
   else return static_cast<out_t>(v);
 }
 
-// Produces item (t, h) into `dst` (its first element). Called by a whole warp.
+// Eight converted elements as one shared-memory store (8 or 16 bytes).
 template <typename out_t>
-__device__ void produce_item(const ProducerArgs& a, int64_t t, int64_t h, out_t* dst) {
+__device__ __forceinline__ void store8(out_t* dst, const out_t (&v)[8]) {
+  if constexpr (sizeof(out_t) == 1) {
+    uint2 w;
+    memcpy(&w, v, 8);
+    *reinterpret_cast<uint2*>(dst) = w;
+  } else {
+    uint4 w;
+    memcpy(&w, v, 16);
+    *reinterpret_cast<uint4*>(dst) = w;
+  }
+}
+
+// Produces item (t, h) into `dst` (its first element). Called by a whole warp
+// (convergent). The position and this lane's first nope vector are loaded
+// first, then `loaded()` runs (the call index: its load overlaps theirs); the
+// cache row, which depends on the position, is loaded after. A position
+// outside the cache goes to `bad_position(pos)` (warp-uniform) and the item is
+// produced unrotated (no row of the cache is read).
+template <typename out_t, typename Loaded, typename BadPosition>
+__device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h, out_t* dst, Loaded&& loaded,
+                                             BadPosition&& bad_position) {
   const int lane = threadIdx.x & 31;
-  const float scale = a.scale ? *a.scale : 1.0f;
+  const int64_t pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
+                              : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
-  if (a.vec_nope) {  // 8 elements per lane step: one 16-byte load
-    for (int64_t d = lane * 8; d < a.nope_dim; d += 32 * 8) {
-      uint4 raw = *reinterpret_cast<const uint4*>(n + d);
+  const int d0 = lane * 8;
+  uint4 first = make_uint4(0, 0, 0, 0);
+  if (a.vec_nope && d0 < a.nope_dim) first = *reinterpret_cast<const uint4*>(n + d0);
+  const float scale = a.scale ? *a.scale : 1.0f;
+  loaded();
+  if (a.vec_nope) {  // 8 elements per lane step: one 16-byte load, one 8- or 16-byte shared store
+    for (int d = d0; d < a.nope_dim; d += 32 * 8) {
+      const uint4 raw = d == d0 ? first : *reinterpret_cast<const uint4*>(n + d);
       const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(&raw);
       out_t v[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = convert_out<out_t>(static_cast<float>(x[e]), scale);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) dst[d + e] = v[e];
+      store8(dst + d, v);
     }
   } else {
-    for (int64_t d = lane; d < a.nope_dim; d += 32) {
-      dst[d] = convert_out<out_t>(static_cast<float>(n[d]), scale);
-    }
+    for (int d = lane; d < a.nope_dim; d += 32) dst[d] = convert_out<out_t>(static_cast<float>(n[d]), scale);
   }
-  int64_t pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
-                        : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
-  if (pos < 0 || pos >= a.max_pos) {
-    if (lane == 0) printf("torch_sdcp: positions[%lld] = %lld is outside [0, %lld)\n", (long long)t, (long long)pos,
-                          (long long)a.max_pos);
-    __trap();
-  }
-  const int64_t half = a.rope_dim / 2;
+  const bool good = pos >= 0 && pos < a.max_pos;
+  if (!good) bad_position(pos);
+  const int half = a.rope_dim / 2;
   const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
-  for (int64_t j = lane; j < half; j += 32) {
-    float co, si;
-    if (a.cache_f32) {
-      const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
-      co = c[j];
-      si = c[half + j];
-    } else {
-      const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
-      co = static_cast<float>(c[j]);
-      si = static_cast<float>(c[half + j]);
+  for (int j = lane; j < half; j += 32) {
+    float co = 1.0f, si = 0.0f;
+    if (good) {
+      if (a.cache_f32) {
+        const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
+        co = c[j];
+        si = c[half + j];
+      } else {
+        const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
+        co = static_cast<float>(c[j]);
+        si = static_cast<float>(c[half + j]);
+      }
     }
-    const int64_t i0 = a.neox ? j : 2 * j, i1 = a.neox ? j + half : 2 * j + 1;
+    const int i0 = a.neox ? j : 2 * j, i1 = a.neox ? j + half : 2 * j + 1;
     const float x0 = static_cast<float>(q[i0]), x1 = static_cast<float>(q[i1]);
     dst[a.nope_dim + i0] = convert_out<out_t>(rope_first(x0, x1, co, si), scale);
     dst[a.nope_dim + i1] = convert_out<out_t>(rope_second(x0, x1, co, si), scale);
   }
 }
 
+// The local producer has no workspace, hence no error record: a bad position
+// prints and traps (the CUDA context fails).
 template <typename out_t>
 __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
-  const int64_t items = a.rows * a.heads, width = a.nope_dim + a.rope_dim;
-  for (int64_t i = blockIdx.x * kWarps + threadIdx.x / 32; i < items; i += gridDim.x * kWarps) {
-    produce_item<out_t>(a, i / a.heads, i % a.heads, out + i * width);
+  const int items = a.rows * a.heads, width = a.nope_dim + a.rope_dim;
+  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < items; i += gridDim.x * kWarps) {
+    const int t = i / a.heads;
+    produce_item<out_t>(a, t, i - t * a.heads, out + static_cast<int64_t>(i) * width, [] {}, [&](int64_t pos) {
+      if ((threadIdx.x & 31) == 0)
+        printf("torch_sdcp: positions[%d] = %lld is outside [0, %lld)\n", t, (long long)pos, (long long)a.max_pos);
+      __trap();
+    });
   }
 }
 
-// Bytes of one produced item, staged per warp in shared memory.
+// Bytes of one produced item, staged per warp in dynamic shared memory.
 constexpr int kMaxItemBytes = 2048;
 
 // The items of one call, (row, local head) i = t * H_loc + h, as 16-byte vectors.
 // Produced: the fused RoPE / quantisation, once per item into the warp's stage.
 template <typename out_t>
 struct Produced {
-  static constexpr int kStageVecs = kMaxItemBytes / 16;
+  using Out = out_t;
+  static constexpr bool kStaged = true;
   ProducerArgs a;
-  __device__ __forceinline__ const uint4* item(int64_t i, uint4* stage) const {
-    produce_item<out_t>(a, i / a.heads, i % a.heads, reinterpret_cast<out_t*>(stage));
-    __syncwarp();
-    return stage;
-  }
 };
 
 // Given: a query produced elsewhere, q [T, H_loc, W] packed.
 struct Given {
-  static constexpr int kStageVecs = 1;
+  using Out = uint8_t;
+  static constexpr bool kStaged = false;
   const uint4* q;
-  int64_t nvec;
-  __device__ __forceinline__ const uint4* item(int64_t i, uint4*) const { return q + i * nvec; }
 };
 
-// What a kernel needs of the workspace geometry (QueryGeometry) and the call.
+// What a kernel needs of the workspace geometry (QueryGeometry) and the call;
+// every index in vectors fits in 32 bits (check_query_range).
 struct DeviceQuery {
-  int64_t rows, local_heads, nvec;  // nvec: 16-byte vectors per item
-  int64_t entry_vecs;               // vectors of one peer's entry in a rotating buffer
-  int64_t view_offset, buffers_offset, buffer_bytes;
+  int rows, local_heads, nvec;  // nvec: 16-byte vectors per item
+  int entry_vecs;               // vectors of one peer's entry in a rotating buffer
+  int64_t view_offset, buffers_offset, buffer_bytes, header_offset;
   uint32_t canonical;
 };
 
@@ -135,50 +159,72 @@ __device__ __forceinline__ uint4 canonical_vector(uint4 v, uint32_t c) {
   return make_uint4(canonical_word(v.x, c), canonical_word(v.y, c), canonical_word(v.z, c), canonical_word(v.w, c));
 }
 
-// The view call this kernel runs (every thread of the block gets it).
-__device__ __forceinline__ uint64_t block_view_call(const DeviceWorkspace& ws) {
-  __shared__ uint64_t call;
-  if (threadIdx.x == 0) call = *reinterpret_cast<volatile uint64_t*>(&control_of(ws, ws.rank)->view_call);
-  __syncthreads();
-  return call;
+// A bad position in a workspace call: recorded (kReasonBadInput, lamport.h)
+// and the workspace aborted on every rank, as a timeout is; the kernel goes
+// on with the item unrotated and every later poll returns at once, so the
+// host raises at its next call or check() and the CUDA context survives.
+static __device__ __noinline__ void record_bad_position(const DeviceWorkspace& ws, uint64_t call, int row,
+                                                        int64_t pos, int64_t max_pos, uint32_t wait) {
+  LamportError e{};
+  e.state = kReasonBadInput;
+  e.block = blockIdx.x;
+  e.peer = -1;
+  e.wait = wait;  // kWaitViewData: the record names the view buffer and view call
+  e.call = call;
+  e.field = static_cast<uint32_t>(row);
+  const int64_t saturated = pos > INT32_MAX ? INT32_MAX : pos < INT32_MIN ? INT32_MIN : pos;
+  e.mine = static_cast<uint32_t>(static_cast<int32_t>(saturated));
+  e.theirs = static_cast<uint32_t>(max_pos > UINT32_MAX ? UINT32_MAX : max_pos);
+  e.aborter = -1;
+  lamport_record(ws, e, true);
 }
 
-// Reports a wait of the view path that ran out of time and traps.
-static __device__ __noinline__ void view_timeout(const DeviceWorkspace& ws, int src, uint64_t call, const char* what) {
-  printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d%s (workspace %lld, view buffer, view "
-         "call %llu); the peer stopped participating or calls differ between ranks\n",
-         ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, src, what, (long long)ws.handle, (unsigned long long)call);
-  __trap();
+// A view header that differs from this rank's: a call mismatch of the view
+// (the record names the view buffer and view call).
+static __device__ __noinline__ void view_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
+                                                  uint32_t mine, uint32_t theirs) {
+  LamportError e{};
+  e.state = kReasonMismatch;
+  e.block = blockIdx.x;
+  e.peer = src;
+  e.wait = kWaitViewHeader;
+  e.call = call;
+  e.field = field;
+  e.mine = mine;
+  e.theirs = theirs;
+  e.aborter = -1;
+  lamport_record(ws, e, true);
 }
 
-// Before storing view call `call` into the peers' views: every peer has
-// released call - 1 (re-filled its view and said so). The block's last warp
-// polls, one lane per peer, while the other warps produce their first item.
-__device__ __forceinline__ void block_wait_released(const DeviceWorkspace& ws, uint64_t call) {
-  const int first = blockDim.x > 32 ? static_cast<int>(blockDim.x) - 32 : 0;
-  const QueryControl* c = control_of(ws, ws.rank);
-  for (int s = static_cast<int>(threadIdx.x) - first; s >= 0 && s < ws.world; s += 32) {
-    if (s == ws.rank || ld_acquire_sys(&c->released[s]) >= call) continue;
-    const uint64_t start = globaltimer_ns();
-    while (ld_acquire_sys(&c->released[s]) < call)
-      if (globaltimer_ns() - start > ws.timeout_ns) view_timeout(ws, s, call, " to release the previous view call");
-  }
-  __syncthreads();
+// Takes peer `src`'s call header at `h`, whose first load `hv` the caller
+// issued with its first data loads: polls it if it had not landed, writes the
+// sentinel back and compares (a mismatch is recorded and aborts the
+// workspace: every poll then gives up at once).
+template <bool kView>
+__device__ __forceinline__ void land_header(const DeviceWorkspace& ws, uint4* h, uint4 hv, const CallHeader& mine,
+                                            int src, uint64_t call) {
+  constexpr uint32_t kWait = kView ? kWaitViewHeader : kWaitHeader;
+  if (has_sentinel(hv)) hv = poll_vector(ws, h, src, call, kWait);
+  if (has_sentinel(hv)) hv = ld_volatile_v4(h);  // gave up on an abort: the header may have landed since
+  *h = sentinel_vector();
+  if (has_sentinel(hv)) return;
+  const CallHeader theirs{{hv.x, hv.y, hv.z, hv.w}};
+  const uint32_t f = call_header_mismatch(mine, theirs);
+  if (f == kHeaderFields) return;
+  // Words selected, not indexed by f: an indexed header would live in local memory.
+  auto word = [f](const CallHeader& c) { return f == 0 ? c.w[0] : f == 1 ? c.w[1] : f == 2 ? c.w[2] : c.w[3]; };
+  if constexpr (kView) view_mismatch(ws, src, call, f, word(mine), word(theirs));
+  else lamport_mismatch(ws, src, call, f, word(mine), word(theirs));
 }
 
-// Polls a vector of the local view until no word is the sentinel.
-__device__ __forceinline__ void poll_view(const DeviceWorkspace& ws, const uint4* p, int src, uint64_t call) {
-  if (!has_sentinel(ld_volatile_v4(p))) return;
-  const uint64_t start = globaltimer_ns();
-  while (has_sentinel(ld_volatile_v4(p)))
-    if (globaltimer_ns() - start > ws.timeout_ns) view_timeout(ws, src, call, "'s data");
-}
+// Vectors per lane kept in flight (loads issued together, then used).
+constexpr int kUnroll = 4;
 
 // One call. Block b owns the items [begin, end) of the same partition on
-// every rank (rows and H_loc agree), stores them before it waits, and waits
-// only for the peers' copies of its own items, which the peers' block b
-// stores before it waits: the grid is sized to the items and need not be
-// co-resident.
+// every rank (rows and H_loc agree: the call header checks it), stores them
+// before it waits, and waits only for the peers' copies of its own items,
+// which the peers' block b stores before it waits: the grid is sized to the
+// items and need not be co-resident.
 //  kView == false (query_gather, query_all_gather_heads_out): this rank's
 //    heads go straight into `out`, every peer's copy into its entry of the
 //    rotating buffer `call % 2`; the peers' copies are polled, copied into
@@ -186,61 +232,193 @@ __device__ __forceinline__ void poll_view(const DeviceWorkspace& ws, const uint4
 //  kView == true (query_publish): after every peer released the last view
 //    call, this rank's heads go into every rank's view (its own included);
 //    the peers' copies are polled in place and stay for the reader.
-template <typename Items, bool kView>
-__global__ void __launch_bounds__(kThreads) query_kernel(DeviceWorkspace ws, DeviceQuery q, Items items, uint4* out) {
-  __shared__ __align__(16) uint4 stage[kWarps][Items::kStageVecs];
-  const uint64_t call = kView ? block_view_call(ws) : block_call_index(ws);
-  const int n = ws.world, me = ws.rank, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t hl = q.local_heads, nvec = q.nvec, total = q.rows * hl;
-  const int64_t per_block = (total + gridDim.x - 1) / gridDim.x;
-  const int64_t begin = min(total, blockIdx.x * per_block), end = min(total, begin + per_block);
-  auto view_of = [&](int r) { return reinterpret_cast<uint4*>(ws.slot_data(r, 0) + q.view_offset); };
-  auto entry = [&](int dst, int src) {  // [row][h] of src in dst's buffer of this call
+// Call headers: block 0's last warp, lane d for peer d, stores this rank's
+// header before any payload and takes the peers' with its first data loads
+// (or alone at the end, if it owns no item).
+//
+// At a few rows the call is one warp's chain of dependent steps, so (as in
+// output_lse_kernel) the index arithmetic is 32-bit (64-bit division is a
+// software routine), the world size is a template parameter (kN; 0 = any) so
+// the peer loops unroll, the first inputs are loaded before the call index
+// is read, and each lane keeps kUnroll loads in flight. `ws` is a grid
+// constant: the failure paths take its address without a local copy.
+template <typename Items, bool kView, int kN>
+__global__ void __launch_bounds__(kThreads)
+    query_kernel(const __grid_constant__ DeviceWorkspace ws, const DeviceQuery q, const Items items, uint4* out,
+                 const CallHeader hdr) {
+  extern __shared__ __align__(16) uint4 stage_all[];
+  constexpr int kMaxN = kN > 0 ? kN : kMaxDeviceWorld;
+  pdl_wait_and_release();
+  const int n = kN > 0 ? kN : ws.world, me = ws.rank, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int hl = q.local_heads, nvec = q.nvec, total = q.rows * hl;
+  const int grid = static_cast<int>(gridDim.x);
+  const int per_block = (total + grid - 1) / grid;
+  const int begin = min(total, static_cast<int>(blockIdx.x) * per_block), end = min(total, begin + per_block);
+  const int first = begin + warp;
+  uint4* const stage = stage_all + (Items::kStaged ? warp * nvec : 0);
+  const bool header_warp = blockIdx.x == 0 && warp == kWarps - 1;
+  const bool header_lane = header_warp && lane < n && lane != me;
+  // The view call: every thread loads it (one load per warp); it changes only
+  // in query_release, a later kernel. The copying calls read the call index
+  // lazily, once the first inputs are in flight.
+  uint64_t call = 0;
+  if constexpr (kView) call = *reinterpret_cast<volatile uint64_t*>(&control_of(ws, me)->view_call);
+  bool have_call = kView;
+  // [row][src * H_loc + h]: item i = t * H_loc + h of source s.
+  auto gathered = [&](int i, int s) {
+    const int t = i / hl;
+    return (t * n + s) * hl + (i - t * hl);
+  };
+  auto entry = [&](int dst, int src) {  // src's entry in dst's rotating buffer of this call
     return reinterpret_cast<uint4*>(ws.slot_data(dst, 0) + q.buffers_offset +
                                     static_cast<int64_t>(call % kLamportBuffers) * q.buffer_bytes) +
-           ws.peer_slot(src, dst) * q.entry_vecs;
+           static_cast<int64_t>(ws.peer_slot(src, dst)) * q.entry_vecs;
   };
-  // Item i of source s in the gathered layout [row][s * H_loc + h].
-  auto gathered = [&](int64_t i, int s) { return ((i / hl) * n + s) * hl + i % hl; };
-
-  // 1. Store this rank's items.
-  const int64_t first = begin + warp;
-  const uint4* x = nullptr;
-  if constexpr (kView) {
-    if (first < end) x = items.item(first, stage[warp]);
-    block_wait_released(ws, call);
-  }
-  for (int64_t i = first; i < end; i += kWarps) {
-    if (!kView || i != first) x = items.item(i, stage[warp]);
-    const int64_t mine = gathered(i, me) * nvec;
-    for (int64_t v = lane; v < nvec; v += 32) {
-      const uint4 val = canonical_vector(x[v], q.canonical);
-      if constexpr (kView) {
-        for (int d = 0; d < n; ++d) view_of(d)[mine + v] = val;
-      } else {
-        out[mine + v] = val;
-        for (int d = 0; d < n; ++d)
-          if (d != me) entry(d, me)[i * nvec + v] = val;
+  auto view_of = [&](int r) { return reinterpret_cast<uint4*>(ws.slot_data(r, 0) + q.view_offset); };
+  auto header = [&](int dst, int src) {
+    const int set = kView ? static_cast<int>(kQueryViewHeaders) : static_cast<int>(call % kLamportBuffers);
+    return reinterpret_cast<uint4*>(ws.slot_data(dst, 0) + q.header_offset) + set * (n - 1) + ws.peer_slot(src, dst);
+  };
+  auto begin_call = [&] {  // copying calls: the call index, then this rank's headers before any payload
+    call = block_call_index(ws);
+    have_call = true;
+    if (header_lane) store_call_header(header(lane, me), hdr);
+  };
+  // Produces item i into the warp's stage (Produced only).
+  auto produce = [&](int i) {
+    if constexpr (Items::kStaged) {
+      const int t = i / hl;
+      produce_item(
+          items.a, t, i - t * hl, reinterpret_cast<typename Items::Out*>(stage),
+          [&] {
+            if (!have_call) begin_call();
+          },
+          [&](int64_t pos) {
+            if (lane == 0) record_bad_position(ws, call, t, pos, items.a.max_pos, kView ? kWaitViewData : kWaitData);
+          });
+      __syncwarp();
+    }
+  };
+  // Stores item i (its vectors at x: the stage, or the input) into every destination.
+  auto store = [&](int i, const uint4* x) {
+    const int mine = gathered(i, me) * nvec;
+    for (int base = 0; base < nvec; base += 32 * kUnroll) {
+      uint4 buf[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v < nvec) buf[u] = x[v];
+      }
+      if (!have_call) begin_call();  // while the first inputs are in flight
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = base + u * 32 + lane;
+        if (v >= nvec) continue;
+        const uint4 val = canonical_vector(buf[u], q.canonical);
+        if constexpr (kView) {
+#pragma unroll
+          for (int d = 0; d < kMaxN; ++d)
+            if (d < n) view_of(d)[mine + v] = val;
+        } else {
+          out[mine + v] = val;
+#pragma unroll
+          for (int d = 0; d < kMaxN; ++d)
+            if (d < n && d != me) entry(d, me)[static_cast<int64_t>(i) * nvec + v] = val;
+        }
       }
     }
     __syncwarp();  // the stage is rewritten by the next item
+  };
+
+  // 1. Store this rank's items.
+  if constexpr (kView) {
+    // The first item is produced while the last warp waits for the releases
+    // (one lane per peer); a wait that gave up stores nothing, since a peer's
+    // reader may still read its view.
+    if (first < end) produce(first);
+    bool gave_up = false;
+    if (threadIdx.x == 0) {  // a peer's abort that no poll may meet
+      const uint64_t a = ld_volatile_u64(own_abort_word(ws));
+      if (a != 0) {
+        lamport_give_up(ws, -1, call, a, kWaitViewData);
+        gave_up = true;
+      }
+    }
+    if (warp == kWarps - 1) {
+      const QueryControl* c = control_of(ws, me);
+      for (int s = lane; s < n; s += 32) {
+        if (s == me) continue;
+        const uint64_t got = poll_until(
+            ws, [&] { return ld_acquire_sys(&c->released[s]); }, [&](uint64_t v) { return v >= call; }, s, call,
+            kWaitViewRelease);
+        gave_up = gave_up || got < call;
+      }
+    }
+    if (__syncthreads_or(gave_up)) return;
+    if (header_lane) store_call_header(header(lane, me), hdr);
+    for (int i = first; i < end; i += kWarps) {
+      if (i != first) produce(i);
+      store(i, stage);
+    }
+  } else {
+    for (int i = first; i < end; i += kWarps) {
+      if constexpr (Items::kStaged) {
+        produce(i);
+        store(i, stage);
+      } else {
+        store(i, items.q + static_cast<int64_t>(i) * nvec);
+      }
+    }
+    if (!have_call) begin_call();
   }
 
   // 2. Wait for the peers' copies of the same items, (peer, vector) pairs
-  //    flattened over the lanes.
-  const int64_t pairs = (n - 1) * nvec;
-  for (int64_t i = first; i < end; i += kWarps) {
-    for (int64_t p = lane; p < pairs; p += 32) {
-      const int s = static_cast<int>((me + 1 + p / nvec) % n);
-      const int64_t v = p % nvec;
-      if constexpr (kView) {
-        poll_view(ws, view_of(me) + gathered(i, s) * nvec + v, s, call);
-      } else {
-        uint4* src = entry(me, s) + i * nvec + v;
-        out[gathered(i, s) * nvec + v] = poll_vector(ws, src, s, call);
-        *src = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
+  //    flattened over the lanes, kUnroll loads in flight per lane. The header
+  //    lanes take the peers' headers with their first loads.
+  const int pairs = (n - 1) * nvec;
+  const uint4 sentinel4 = sentinel_vector();
+  // This lane's first pair: peer index k0 (0 .. n-2), vector v0; later pairs step by 32.
+  const int k0 = lane / nvec, v0 = lane - k0 * nvec;
+  bool header_pending = header_lane;
+  for (int i = first; i < end; i += kWarps) {
+    int k = k0, v = v0;
+    for (int base = 0; base < pairs; base += 32 * kUnroll) {
+      uint4 got[kUnroll];
+      uint4* at[kUnroll];
+      int src[kUnroll];
+      int64_t to[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int s = me + 1 + k < n ? me + 1 + k : me + 1 + k - n;
+        src[u] = s;
+        if (base + u * 32 + lane < pairs) {
+          const int g = gathered(i, s) * nvec + v;
+          at[u] = kView ? view_of(me) + g : entry(me, s) + static_cast<int64_t>(i) * nvec + v;
+          to[u] = g;
+          got[u] = ld_volatile_v4(at[u]);
+        }
+        for (v += 32; v >= nvec; v -= nvec) ++k;
+      }
+      if (header_pending) {  // its load issued beside the first data loads
+        header_pending = false;
+        uint4* h = header(me, lane);
+        land_header<kView>(ws, h, ld_volatile_v4(h), hdr, lane, call);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (base + u * 32 + lane >= pairs) continue;
+        const uint4 val =
+            has_sentinel(got[u]) ? poll_vector(ws, at[u], src[u], call, kView ? kWaitViewData : kWaitData) : got[u];
+        if constexpr (!kView) {
+          out[to[u]] = val;
+          *at[u] = sentinel4;
+        }
       }
     }
+  }
+  if (header_pending) {  // the header warp owns no item
+    uint4* h = header(me, lane);
+    land_header<kView>(ws, h, ld_volatile_v4(h), hdr, lane, call);
   }
   if constexpr (!kView) block_finish_call(ws, call);
 }
@@ -250,18 +428,21 @@ __global__ void __launch_bounds__(kThreads) query_kernel(DeviceWorkspace ws, Dev
 // (one release store per peer, after a system fence that orders every block's
 // re-fill before it) and advances the view call. The fences wait for local
 // stores only, and the kernel runs after the reader, off the producers'
-// critical path.
-__global__ void __launch_bounds__(kThreads) query_release_kernel(DeviceWorkspace ws, DeviceQuery q) {
+// critical path. Launched programmatically: it waits for the reader (the
+// previous kernel) before it re-fills anything.
+__global__ void __launch_bounds__(kThreads) query_release_kernel(const __grid_constant__ DeviceWorkspace ws,
+                                                                 const DeviceQuery q) {
+  pdl_wait_and_release();
   const int n = ws.world, me = ws.rank;
-  const int64_t head_vecs = q.local_heads * q.nvec;  // one source's heads of one row
-  const int64_t per_row = (n - 1) * head_vecs, total = q.rows * per_row;
+  const int head_vecs = q.local_heads * q.nvec;  // one source's heads of one row
+  const int per_row = (n - 1) * head_vecs, total = q.rows * per_row;
   uint4* view = reinterpret_cast<uint4*>(ws.slot_data(me, 0) + q.view_offset);
-  const uint4 sentinel = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
-  for (int64_t x = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; x < total;
-       x += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = x / per_row, r = x % per_row;
-    const int s = static_cast<int>((me + 1 + r / head_vecs) % n);
-    view[(t * n + s) * head_vecs + r % head_vecs] = sentinel;
+  const uint4 sentinel = sentinel_vector();
+  const int stride = static_cast<int>(gridDim.x * blockDim.x);
+  for (int x = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); x < total; x += stride) {
+    const int t = x / per_row, r = x - t * per_row, k = r / head_vecs;
+    const int s = me + 1 + k < n ? me + 1 + k : me + 1 + k - n;
+    view[(t * n + s) * head_vecs + (r - k * head_vecs)] = sentinel;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -278,10 +459,23 @@ __global__ void __launch_bounds__(kThreads) query_release_kernel(DeviceWorkspace
   }
 }
 
-DeviceQuery device_query(const QueryGeometry& g, int64_t rows) {
+// The kernels index vectors with 32-bit ints: the largest index is a vector
+// of the view, [max_rows][N * H_loc][nvec] (the rotating buffers, the headers
+// and a call's output are smaller).
+void check_query_range(const Workspace& ws, const QueryGeometry& g) {
+  const int64_t view_vecs = g.max_rows * ws.world_size * g.local_heads * (g.item_bytes() / 16);
+  SDCP_CHECK_ARG(view_vecs < (int64_t{1} << 31), "max_rows, local_heads, head_dim",
+                 "a view of fewer than 2**31 16-byte vectors (the CUDA kernels' 32-bit indexing)",
+                 g.max_rows << " rows x " << ws.world_size << " ranks x " << g.local_heads << " heads x "
+                            << g.item_bytes() << " bytes");
+}
+
+DeviceQuery device_query(const Workspace& ws, const QueryGeometry& g, int64_t rows) {
+  check_query_range(ws, g);
   const int64_t nvec = g.item_bytes() / 16;
-  return {rows, g.local_heads, nvec, g.max_rows * g.local_heads * nvec, g.view_offset, g.buffers_offset,
-          g.buffer_bytes, g.canonical};
+  return {static_cast<int>(rows), static_cast<int>(g.local_heads), static_cast<int>(nvec),
+          static_cast<int>(g.max_rows * g.local_heads * nvec), g.view_offset, g.buffers_offset, g.buffer_bytes,
+          g.header_offset, g.canonical};
 }
 
 // The kernels move items as 16-byte vectors; a produced item is staged in at
@@ -307,10 +501,14 @@ ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
   a.pe_s0 = q_pe.stride(0);
   a.pe_s1 = q_pe.stride(1);
   a.pos_s0 = positions.stride(0);
-  a.rows = s.rows;
-  a.heads = s.heads;
-  a.nope_dim = s.nope;
-  a.rope_dim = s.rope;
+  // Items (row, head) and offsets inside an item are 32-bit in the kernels.
+  SDCP_CHECK_ARG(s.rows * s.heads < (int64_t{1} << 30) && s.width() < (int64_t{1} << 30), "ql_nope",
+                 "fewer than 2**30 (row, head) items and elements per head (the CUDA kernels' 32-bit indexing)",
+                 s.rows << " rows x " << s.heads << " heads of " << s.width() << " elements");
+  a.rows = static_cast<int>(s.rows);
+  a.heads = static_cast<int>(s.heads);
+  a.nope_dim = static_cast<int>(s.nope);
+  a.rope_dim = static_cast<int>(s.rope);
   a.max_pos = cache.size(0);
   a.pos64 = positions.scalar_type() == at::kLong;
   a.cache_f32 = cache.scalar_type() == at::kFloat;
@@ -337,25 +535,41 @@ void rope_quant_cuda(const QueryShape& s, const at::Tensor& ql_nope, const at::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Launches query_kernel<Items, kView, kN> with the world size as a template
+// parameter where it is 2, 4 or 8 (0: any), programmatically (launch_lamport).
+template <typename Items, bool kView>
+void launch_query(const Workspace& ws, int grid, size_t shared_bytes, int device, const DeviceQuery& dq,
+                  const Items& items, uint4* out, const CallHeader& header) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto go = [&](auto kernel) {
+    launch_lamport(kernel, grid, kThreads, shared_bytes, stream, device, device_workspace(ws), dq, items, out, header);
+  };
+  switch (ws.world_size) {
+    case 2: go(query_kernel<Items, kView, 2>); break;
+    case 4: go(query_kernel<Items, kView, 4>); break;
+    case 8: go(query_kernel<Items, kView, 8>); break;
+    default: go(query_kernel<Items, kView, 0>);
+  }
+}
+
 // Launches the gather kernel (copying), or the publish kernel (view).
 void gather_cuda(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                  const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
                  at::ScalarType out_dtype, bool view) {
   const Workspace& ws = *c.ws;
-  check_device_world(ws);
+  check_device_world(ws);  // the header lanes are one warp
   check_item_bytes(c.geo, "ql_nope, q_pe", true);
   const c10::cuda::CUDAGuard guard(ql_nope.device());
-  auto stream = at::cuda::getCurrentCUDAStream();
   const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, c.shape);
-  const auto dws = device_workspace(ws);
-  const auto dq = device_query(c.geo, c.shape.rows);
-  // One warp per item; at least one block.
+  const auto dq = device_query(ws, c.geo, c.shape.rows);
+  // One warp per item; at least one block. Each warp stages one item.
   const int grid = lamport_grid(c.shape.rows * c.shape.heads, kWarps, ql_nope.get_device());
+  const size_t stage = static_cast<size_t>(kWarps) * c.geo.item_bytes();
   auto* out = c.out ? static_cast<uint4*>(c.out->data_ptr()) : nullptr;
   auto launch = [&](auto items) {
     using Items = decltype(items);
-    if (view) query_kernel<Items, true><<<grid, kThreads, 0, stream>>>(dws, dq, items, nullptr);
-    else query_kernel<Items, false><<<grid, kThreads, 0, stream>>>(dws, dq, items, out);
+    if (view) launch_query<Items, true>(ws, grid, stage, ql_nope.get_device(), dq, items, nullptr, c.header);
+    else launch_query<Items, false>(ws, grid, stage, ql_nope.get_device(), dq, items, out, c.header);
   };
   if (out_dtype == at::kFloat8_e4m3fn) launch(Produced<c10::Float8_e4m3fn>{a});
   else launch(Produced<c10::BFloat16>{a});
@@ -374,11 +588,10 @@ void all_gather_heads_cuda(const HeadsCall& c, const at::Tensor& q, at::Tensor& 
   check_aligned(q, "q");
   check_aligned(out, "out");
   const c10::cuda::CUDAGuard guard(q.device());
-  const auto dq = device_query(c.geo, c.rows);
+  const auto dq = device_query(ws, c.geo, c.rows);
   const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, q.get_device());
-  query_kernel<Given, false><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      device_workspace(ws), dq, Given{static_cast<const uint4*>(q.data_ptr()), dq.nvec},
-      static_cast<uint4*>(out.data_ptr()));
+  launch_query<Given, false>(ws, grid, 0, q.get_device(), dq, Given{static_cast<const uint4*>(q.data_ptr())},
+                             static_cast<uint4*>(out.data_ptr()), c.header);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -387,11 +600,12 @@ void release_cuda(const ReleaseCall& c, const at::Tensor& view) {
   check_device_world(ws);
   check_item_bytes(c.geo, "inbox", false);
   const c10::cuda::CUDAGuard guard(view.device());
-  const auto dq = device_query(c.geo, c.rows);
+  const auto dq = device_query(ws, c.geo, c.rows);
   // One thread per re-filled vector; at least one block (it acknowledges).
   const int grid = lamport_grid(c.rows * (ws.world_size - 1) * c.geo.local_heads * dq.nvec, kThreads,
                                 view.get_device());
-  query_release_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(device_workspace(ws), dq);
+  launch_lamport(query_release_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), view.get_device(),
+                 device_workspace(ws), dq);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -158,6 +158,16 @@ std::string hex32(uint32_t v) {
   return buf;
 }
 
+// The query's header flags (query_call_flags in query.h): the op, and for the
+// producer its RoPE style and whether it quantised with a scale.
+std::string query_flags_text(uint32_t v) {
+  static const char* ops[] = {"an unknown op", "query_gather", "query_all_gather_heads", "query_publish"};
+  std::string s = ops[v & 3u];
+  if ((v & 3u) == 1u || (v & 3u) == 3u)
+    s += cat(" (", (v & 4u) ? "neox" : "interleaved", " RoPE, ", (v & 8u) ? "with" : "without", " q_scale)");
+  return s;
+}
+
 // One side of a mismatch, in the words of the workspace's family.
 std::string header_value(const Workspace& ws, uint32_t field, uint32_t v) {
   switch (field) {
@@ -170,6 +180,7 @@ std::string header_value(const Workspace& ws, uint32_t field, uint32_t v) {
     case kHeaderFlags:
       if (ws.kind == WorkspaceKind::kOutputLSE) return cat("lse base ", v ? "2" : "e");
       if (ws.kind == WorkspaceKind::kExchange) return cat("x of shape hash ", hex32(v));
+      if (ws.kind == WorkspaceKind::kQuery) return query_flags_text(v);
       return cat("flags ", hex32(v));
     default:
       return cat("a workspace of geometry hash ", hex32(v), " (kind, world size and parameters)");
@@ -181,6 +192,7 @@ const char* reason_text(uint32_t reason) {
     case kReasonTimeout: return "it timed out waiting for a peer";
     case kReasonMismatch: return "its call differs from a peer's (call mismatch)";
     case kReasonError: return "a call raised an error on that rank after the call was entered";
+    case kReasonBadInput: return "a kernel on that rank met bad input (a position outside cos_sin_cache)";
     default: return "unknown reason";
   }
 }
@@ -188,6 +200,8 @@ const char* reason_text(uint32_t reason) {
 std::string call_text(uint64_t call) { return call == ~uint64_t{0} ? std::string("unknown") : std::to_string(call); }
 
 std::string where(const Workspace& ws, const LamportError& e) {
+  if (lamport_wait_is_view(e.wait))  // the query's view: one buffer, its own call index
+    return cat(kind_name(ws.kind), " workspace ", ws.handle, ", view buffer, view call ", call_text(e.call));
   return cat(kind_name(ws.kind), " workspace ", ws.handle, ", buffer ",
              e.call == ~uint64_t{0} ? std::string("unknown") : std::to_string(e.call % kLamportBuffers), ", call ",
              call_text(e.call));
@@ -195,16 +209,26 @@ std::string where(const Workspace& ws, const LamportError& e) {
 
 std::string block_text(const LamportError& e) { return e.block >= 0 ? cat(" block ", e.block) : std::string(); }
 
-const char* wait_text(uint32_t wait) { return wait == kWaitHeader ? "call header" : "data"; }
+const char* wait_text(uint32_t wait) { return lamport_wait_is_header(wait) ? "call header" : "data"; }
+
+// "peer 1's data", "peer 1 to release the previous view call"
+std::string waited_for(int64_t peer, uint32_t wait) {
+  if (wait == kWaitViewRelease) return cat("peer ", peer, " to release the previous view call");
+  return cat("peer ", peer, "'s ", wait_text(wait));
+}
 
 }  // namespace
 
 std::string describe_lamport_error(const Workspace& ws, const LamportError& e) {
   switch (e.state) {
     case kReasonTimeout:
-      return cat("timeout: rank ", ws.rank, block_text(e), " waited ", ws.timeout_ns / 1e9, " s for peer ", e.peer,
-                 "'s ", wait_text(e.wait), " (", where(ws, e), "); ",
-                 e.wait == kWaitHeader
+      if (e.wait == kWaitViewRelease)
+        return cat("timeout: rank ", ws.rank, block_text(e), " waited ", ws.timeout_ns / 1e9, " s for ",
+                   waited_for(e.peer, e.wait), " (", where(ws, e), "); the peer stopped participating, its reader "
+                   "of the last view did not finish, or it did not call release()");
+      return cat("timeout: rank ", ws.rank, block_text(e), " waited ", ws.timeout_ns / 1e9, " s for ",
+                 waited_for(e.peer, e.wait), " (", where(ws, e), "); ",
+                 lamport_wait_is_header(e.wait)
                      ? "the peer did not enter this call: it stopped participating, skipped the call, or took the "
                        "collective path (rows > max_rows) while this rank took the peer path"
                      : "the peer stopped participating, skipped the call, took the collective path (rows > "
@@ -219,11 +243,19 @@ std::string describe_lamport_error(const Workspace& ws, const LamportError& e) {
     }
     case kReasonError:
       return cat("rank ", ws.rank, " abandoned a call (", where(ws, e), ") after an error was raised in it");
+    case kReasonBadInput: {
+      const bool saturated = e.mine == 0x7FFFFFFFu || e.mine == 0x80000000u;
+      return cat("bad input on rank ", ws.rank, block_text(e), " (", where(ws, e), "): argument 'positions': ",
+                 "expected values in [0, ", e.theirs, ") (the rows of cos_sin_cache), got ",
+                 saturated ? (static_cast<int32_t>(e.mine) < 0 ? "a value below " : "a value of at least ") : "",
+                 static_cast<int32_t>(e.mine), " at row ", e.field,
+                 "; positions are checked on the device only (a host check would synchronise the stream)");
+    }
     case kReasonPeerAbort: {
       std::string s = cat("peer ", e.aborter, " aborted: ", reason_text(e.abort_reason));
       if (e.peer >= 0)
-        s += cat("; rank ", ws.rank, block_text(e), " waited for peer ", e.peer, "'s ", wait_text(e.wait), " (",
-                 where(ws, e), ")");
+        s += cat("; rank ", ws.rank, block_text(e), " waited for ", waited_for(e.peer, e.wait), " (", where(ws, e),
+                 ")");
       else
         s += cat(" (", kind_name(ws.kind), " workspace ", ws.handle, ")");
       return s;

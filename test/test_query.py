@@ -313,8 +313,9 @@ def test_workspace_fits_the_target_at_128_rows():
     # 576 = 4.5 MiB) and two buffers of peer entries only (2 x 128 x 32 x 576
     # = 4.5 MiB), 4 KiB of control and the 64 KiB tail: 9.07 MiB, 10 MiB
     # after rounding to a 2 MiB granularity (the target: 16 MiB).
+    # The call headers: [buffer 0, buffer 1, view][peer][16 bytes], 256-byte aligned.
     nbytes = torch.ops.sdcp.workspace_nbytes(3, [128, 32, 576, 1], 2)
-    assert nbytes == 128 * 64 * 576 + 2 * 128 * 32 * 576 + 4096 + 64 * 1024
+    assert nbytes == 128 * 64 * 576 + 2 * 128 * 32 * 576 + 256 + 4096 + 64 * 1024
     assert -(-nbytes // 2**21) * 2**21 <= 10 * 2**20 <= 16 * 2**20
 
 
@@ -523,10 +524,12 @@ def test_rank_that_stops_is_named_host(mode):
         own = f"timeout: rank {rank} waited 1 s for peer {world - 1}" in msg
         relayed = "aborted: it timed out" in msg and f"rank {rank} waited for peer {world - 1}" in msg
         assert own or relayed, msg
-        if mode == "view":  # the peers' data of the view call it never made
-            assert f"'s data (query workspace" in msg and f"view buffer, view call {stop_after}" in msg, msg
+        # The call header of the call it never made (or, relayed, a peer's data wait).
+        assert "'s call header (query workspace" in msg or "'s data (query workspace" in msg, msg
+        if mode == "view":
+            assert f"view buffer, view call {stop_after}" in msg, msg
         else:  # the copying calls
-            assert f"'s data (query workspace" in msg and f"buffer {stop_after % 2}, call {stop_after})" in msg, msg
+            assert f"buffer {stop_after % 2}, call {stop_after})" in msg, msg
 
 
 def _stop_cuda_worker(rank, world):
@@ -561,7 +564,9 @@ def _stop_cuda_worker(rank, world):
             elapsed = time.monotonic() - start
             ctypes.CDLL(None).fflush(None)  # the kernel's printf went to C stdout, this rank's log
             log = open(os.readlink("/proc/self/fd/1")).read()
-            assert f"timeout: rank {rank} block" in log and f"for peer {world - 1}'s data" in log, log[-2000:]
+            assert f"timeout: rank {rank} block" in log, log[-2000:]
+            # Whichever wait ran out first: the peer's call header or its data.
+            assert f"for peer {world - 1}'s data" in log or f"for peer {world - 1}'s call header" in log, log[-2000:]
             assert "buffer 1, call 1)" in log, log[-2000:]
             assert "poisoned" in str(e), str(e)
             assert elapsed < 5.0, elapsed
@@ -667,20 +672,280 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
             f = torch.compile(ws.all_gather_heads, fullgraph=True)
             assert torch.equal(f(q).cpu().view(torch.int16), want.view(torch.int16))
             assert torch.equal(ops.query_all_gather_heads(q[:0], ws.handle).cpu(), want[:0])  # 0 rows: no call
-            with pytest.raises(ValueError, match="'q'.*dtype torch.bfloat16"):
-                ws.all_gather_heads(q.half())
-            with pytest.raises(ValueError, match="'q'.*NaN of all-ones bytes"):
+            with pytest.raises(ValueError, match="'q'.*NaN of all-ones bytes"):  # the op alone: nothing poisons
                 ops.query_all_gather_heads(q.view(torch.int16), ws.handle)
-            with pytest.raises(ValueError, match="'q'.*size 4 at dim 1"):
-                ws.all_gather_heads(q[:, :2])
-            with pytest.raises(ValueError, match="'out'.*shape"):
-                ws.all_gather_heads(q, out=out[:2])
             # Above max_rows: the collective path, same result.
             (big,) = _poisoned_queries(1, 9, 4, 64, torch.bfloat16, seed=3)
             assert torch.equal(ws.all_gather_heads(big.to(device)).cpu().view(torch.int16), big.view(torch.int16))
+        # An argument error inside a call poisons the workspace (a peer may already wait in the call).
+        for bad, match in ((lambda ws: ws.all_gather_heads(q.half()), "'q'.*dtype torch.bfloat16"),
+                           (lambda ws: ws.all_gather_heads(q[:, :2]), "'q'.*size 4 at dim 1"),
+                           (lambda ws: ws.all_gather_heads(q, out=out[:2]), "'out'.*shape")):
+            with torch_sdcp.QueryWorkspace(world1, 8, 4, nope_dim=64, rope_dim=0, dtype=torch.bfloat16,
+                                           device=torch.device(device),
+                                           backend="cuda" if device == "cuda" else "host") as ws:
+                with pytest.raises(ValueError, match=match):
+                    bad(ws)
+                assert ws.poisoned
+                with pytest.raises(RuntimeError, match="is poisoned"):
+                    ws.all_gather_heads(q)
     with pytest.raises(ValueError, match="'dtype'"):
         torch_sdcp.QueryWorkspace(world1, 8, 4, dtype=torch.uint8, backend="host")
     with pytest.raises(ValueError, match="'rope_dim'.*even"):
         torch_sdcp.QueryWorkspace(world1, 8, 4, rope_dim=3, backend="host")
     with pytest.raises(ValueError, match="'head_dim'.*multiple of 4 bytes"):
         torch_sdcp.QueryWorkspace(world1, 8, 4, nope_dim=6, rope_dim=0, backend="host")
+
+
+# ---------------------------------------------------------------------------
+# Per-call agreement, poisoning and aborts: every query call carries a call
+# header (rows, dtype, op, geometry); a mismatch raises on every rank naming
+# both sides, an error inside a call poisons the workspace and aborts the
+# peers. On CUDA the kernels record and return: the host raises at check().
+# ---------------------------------------------------------------------------
+
+
+def _rel_setup(rank, device):
+    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else dict(backend="host")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    return dev, dev.get("device", torch.device("cpu"))
+
+
+def _rel_query(t, seed, where, h=2, nope=28, rope=4):  # 32 fp8 bytes per head: whole 16-byte vectors
+    return [x.to(where) for x in make_query(t, h, nope=nope, rope=rope, max_pos=16, seed=seed)]
+
+
+def _expect_failure(ws, device, call, match):
+    """The call fails on this rank with `match`: at once on the host backend,
+    at the next check() on CUDA (the kernel records and returns)."""
+    import time
+
+    t0 = time.monotonic()
+    if device == "cuda":
+        call()
+        torch.cuda.synchronize()  # the kernels end at once: nobody waits out the timeout
+        with pytest.raises(RuntimeError, match=match):
+            ws.check()
+    else:
+        with pytest.raises(RuntimeError, match=match):
+            call()
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(RuntimeError, match=f"on rank {ws.rank} is poisoned: .*re-create the workspace"):
+        ws.check()
+    assert ws.poisoned
+
+
+def _query_mismatch_worker(rank, world, device):
+    import re
+
+    import torch_sdcp
+
+    dev, where = _rel_setup(rank, device)
+    scale = torch.tensor([0.5]).to(where)
+    rows = (2, 3)[rank]
+
+    def gather(ws):
+        return ws.gather(*_rel_query(rows, rank, where), scale)
+
+    def heads(ws):
+        return ws.all_gather_heads(ops.query_rope_quant(*_rel_query(rows, rank, where), scale,
+                                                        out_dtype=torch.float8_e4m3fn))
+
+    def view(ws):
+        return ws.gather_view(*_rel_query(rows, rank, where), scale)
+
+    both = "rank 0 called with 2 rows, rank 1 with 3 rows"
+    cases = [  # (rank 0's call, rank 1's call, expected text)
+        (gather, gather, r"call mismatch \(query workspace \d+, buffer 1, call 1\): " + re.escape(both)),
+        (heads, heads, r"call mismatch \(query workspace \d+, buffer 1, call 1\): " + re.escape(both)),
+        (view, view, r"call mismatch \(query workspace \d+, view buffer, view call 1\): " + re.escape(both)),
+    ]
+    for call0, call1, match in cases:
+        with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60, **dev) as ws:
+            good = _rel_query(2, 10 + rank, where)
+            if call0 is view:  # a good call first: the workspace works
+                ws.gather_view(*good, scale)
+                ws.release()
+            else:
+                ws.gather(*good, scale)
+            _expect_failure(ws, device, lambda: (call0, call1)[rank](ws), match)
+    # Different ops on the two ranks, same rows.
+    with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60, **dev) as ws:
+        q = _rel_query(2, rank, where)
+        op = ((lambda: ws.gather(*q, scale)) if rank == 0 else
+              (lambda: ws.all_gather_heads(ops.query_rope_quant(*q, scale, out_dtype=torch.float8_e4m3fn))))
+        _expect_failure(ws, device, op, "call mismatch .*rank 0 called with query_gather \\(interleaved RoPE, with "
+                        "q_scale\\), rank 1 with query_all_gather_heads")
+    # The dtype: the op checks element sizes only, the header carries the dtype.
+    with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=32, rope_dim=0, dtype=torch.bfloat16, timeout_s=60,
+                                   **dev) as ws:
+        q = torch.ones(2, 2, 32, dtype=(torch.bfloat16, torch.float16)[rank], device=where)
+        _expect_failure(ws, device, lambda: ops.query_all_gather_heads(q, ws.handle),
+                        "call mismatch .*rank 0 called with dtype BFloat16, rank 1 with dtype Half")
+    # Re-created workspaces work.
+    with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60, **dev) as ws:
+        inputs = [_rel_query(2, 20 + r, "cpu") for r in range(world)]
+        for x in inputs[1:]:
+            x[2], x[3] = inputs[0][2], inputs[0][3]
+        got = ws.gather(*[x.to(where) for x in inputs[rank]], scale).cpu()
+        assert torch.equal(as_bytes(got), as_bytes(_expected(inputs, scale.cpu(), "interleaved", torch.float8_e4m3fn)))
+        ws.check()
+    if device == "cuda":
+        assert torch.ones(4, device=where).sum().item() == 4.0  # the context is alive
+    return True
+
+
+def test_query_mismatched_calls_raise_on_every_rank_naming_both_sides():
+    assert run_workers(_query_mismatch_worker, 2, args=("host",), timeout=240) == [True, True]
+
+
+def _query_caught_error_worker(rank, world, device, mode):
+    """Rank 0 makes a call that raises after it was entered (bad input),
+    catches it and carries on: its next call raises "poisoned"; rank 1, waiting
+    in that call, raises at once naming rank 0's abort."""
+    import time
+
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    dev, where = _rel_setup(rank, device)
+    scale = torch.tensor([0.5]).to(where)
+    ws = torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=120, **dev)
+    q = _rel_query(2, rank, where)
+
+    def call(args):
+        if mode == "view":
+            ws.gather_view(*args, scale)
+            ws.release()
+        elif mode == "heads":
+            ws.all_gather_heads(ops.query_rope_quant(*args[:4], scale, out_dtype=torch.float8_e4m3fn)
+                                if args[1].dtype == torch.bfloat16 else args[0])
+        else:
+            ws.gather(*args, scale)
+
+    call(q)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 is waiting in its call by now
+        bad = [q[0], q[1].float(), q[2], q[3]]  # q_pe of the wrong dtype: raised inside the call
+        with pytest.raises((ValueError, RuntimeError), match="'q_pe'|'q'"):
+            call(bad)
+        with pytest.raises(RuntimeError, match="on rank 0 is poisoned"):
+            call(q)  # carries on: refused
+    else:
+        t0 = time.monotonic()
+        match = "peer 0 aborted: a call raised an error on that rank"
+        if device == "cuda":
+            call(q)
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                call(q)
+        assert time.monotonic() - t0 < 30  # at once, not after the 120 s timeout
+    assert ws.poisoned
+    with pytest.raises(RuntimeError, match="is poisoned"):
+        ws.check()
+    ws.close()
+    return True
+
+
+@pytest.mark.parametrize("mode", ["gather", "heads", "view"])
+def test_query_caught_error_poisons_and_aborts_the_peer(mode):
+    assert run_workers(_query_caught_error_worker, 2, args=("host", mode), timeout=180) == [True, True]
+
+
+def _query_bad_position_worker(rank, world, device):
+    """A position outside cos_sin_cache on rank 0: the host backend raises at
+    once (ValueError, naming the row); CUDA records it in the kernel (no trap)
+    and raises at the next check(). Either way rank 1 learns rank 0's abort."""
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    dev, where = _rel_setup(rank, device)
+    scale = torch.tensor([0.5]).to(where)
+    ws = torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=120, **dev)
+    q = _rel_query(2, rank, where)
+    ws.gather(*q, scale)
+    if rank == 0:
+        q[2] = torch.tensor([3, 99], dtype=q[2].dtype, device=where)
+        if device == "cuda":
+            ws.gather(*q, scale)
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match=r"bad input on rank 0 block 0 \(query workspace \d+, buffer 1, "
+                                                   r"call 1\): argument 'positions': expected values in \[0, 16\) "
+                                                   r".*got 99 at row 1"):
+                ws.check()
+        else:
+            with pytest.raises(ValueError, match=r"'positions'.*99 at row 1"):
+                ws.gather(*q, scale)
+    else:
+        match = "peer 0 aborted: a (kernel on that rank met bad input|call raised an error on that rank)"
+        if device == "cuda":
+            ws.gather(*q, scale)
+            torch.cuda.synchronize()
+            ws.gather(*q, scale)  # learns a peer's abort at the latest in its next kernel
+            torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=match):
+            ws.check() if device == "cuda" else ws.gather(*q, scale)
+    dist.barrier()
+    assert ws.poisoned
+    ws.close()
+    if device == "cuda":
+        assert torch.ones(4, device=where).sum().item() == 4.0  # no trap: the context is alive
+    return True
+
+
+def test_query_bad_position_poisons_and_aborts_the_peer():
+    assert run_workers(_query_bad_position_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _query_creation_agreement_worker(rank, world, device):
+    import torch_sdcp
+    from torch_sdcp.peer.plan import RankMismatchError
+
+    dev, where = _rel_setup(rank, device)
+    cases = [
+        (lambda: torch_sdcp.QueryWorkspace(None, 4, 2 + 2 * rank, **dev), r"'local_heads' \(rank 0: 2, rank 1: 4\)"),
+        (lambda: torch_sdcp.QueryWorkspace(None, 4, 2, rope_style=("interleaved", "neox")[rank], **dev),
+         r"'rope_style' \(rank 0: 'interleaved', rank 1: 'neox'\)"),
+        (lambda: torch_sdcp.QueryWorkspace(None, 4, 2, dtype=(torch.float8_e4m3fn, torch.bfloat16)[rank], **dev),
+         r"'dtype' \(rank 0: 'torch.float8_e4m3fn', rank 1: 'torch.bfloat16'\)"),
+    ]
+    for make, match in cases:
+        with pytest.raises(RankMismatchError, match=f"expected the same value on every rank.*{match}"):
+            make()
+    with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, **dev) as ws:  # still in step
+        ws.gather(*_rel_query(2, rank, where), torch.tensor([0.5]).to(where))
+        ws.check()
+        assert not ws.poisoned
+    return True
+
+
+def test_query_creation_compares_the_geometry_across_ranks():
+    assert run_workers(_query_creation_agreement_worker, 2, args=("host",), timeout=120) == [True, True]
+
+
+@requires_gpus(2)
+def test_query_cuda_mismatched_calls_raise_on_every_rank():
+    assert run_workers(_query_mismatch_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+@pytest.mark.parametrize("mode", ["gather", "heads", "view"])
+def test_query_cuda_caught_error_poisons_and_aborts_the_peer(mode):
+    assert run_workers(_query_caught_error_worker, 2, args=("cuda", mode), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_query_cuda_bad_position_is_reported_not_trapped():
+    assert run_workers(_query_bad_position_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_query_cuda_creation_compares_the_geometry_across_ranks():
+    assert run_workers(_query_creation_agreement_worker, 2, args=("cuda",), timeout=300) == [True, True]

@@ -130,11 +130,13 @@ def test_layout_names_the_cpp_layout():
     keys = (world - 1) * 8 * 16 * 8  # [peer][row][min(C, k)] 8-byte keys; then the 16-byte headers [peer], aligned
     assert part(TopKWorkspace, "headers") == keys and layouts[TopKWorkspace].slot_bytes == keys + 256
     assert layouts[TopKWorkspace].control_bytes == 4096
-    # Query: the view [row][src*H_loc + h][576], then two buffers of peer entries.
+    # Query: the view [row][src*H_loc + h][576], then two buffers of peer entries, then the call headers
+    # [buffer 0, buffer 1, view][peer][16 bytes], aligned to 256.
     view, buffer = 8 * world * 4 * 576, (world - 1) * 8 * 4 * 576
-    assert (part(QueryWorkspace, "inbox"), part(QueryWorkspace, "buffers"), part(QueryWorkspace, "buffer_bytes")) \
-        == (0, view, buffer)
-    assert layouts[QueryWorkspace].slot_bytes == view + 2 * buffer and layouts[QueryWorkspace].slots == 1
+    assert (part(QueryWorkspace, "inbox"), part(QueryWorkspace, "buffers"), part(QueryWorkspace, "buffer_bytes"),
+            part(QueryWorkspace, "headers")) == (0, view, buffer, view + 2 * buffer)
+    headers = -(-3 * (world - 1) * 16 // 256) * 256
+    assert layouts[QueryWorkspace].slot_bytes == view + 2 * buffer + headers and layouts[QueryWorkspace].slots == 1
     assert layouts[QueryWorkspace].control_bytes == 4096
 
 

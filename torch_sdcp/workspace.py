@@ -789,9 +789,10 @@ class QueryWorkspace(PeerWorkspace):
     kind = WorkspaceKind.QUERY
     PARAMS = ("max_rows", "local_heads", "head_dim", "elem_bytes")
     # the view [row][src*H_loc + h][nope + rope]; buffer 0 [peer][row][h][nope + rope] (buffer 1 follows);
-    # bytes of one buffer
-    PARTS = ("inbox", "buffers", "buffer_bytes")
+    # bytes of one buffer; call headers [buffer 0, buffer 1, view][peer][16 bytes]
+    PARTS = ("inbox", "buffers", "buffer_bytes", "headers")
     SENTINEL_FILLED = True
+    POISON_ON_ERROR = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, local_heads: int, nope_dim: int = 512,
                  rope_dim: int = 64, dtype: torch.dtype = torch.float8_e4m3fn, rope_style: str = "interleaved",
@@ -837,9 +838,11 @@ class QueryWorkspace(PeerWorkspace):
 
     def _check_no_open_view(self, what: str) -> None:
         if self._open_view is not None:
-            raise RuntimeError(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by the "
-                               "last gather_view() is still open; call release() once its reader is done, "
-                               "before producing the next query")
+            refusal = RuntimeError(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by "
+                                   "the last gather_view() is still open; call release() once its reader is done, "
+                                   "before producing the next query")
+            refusal._sdcp_refusal = True  # refused before the call touched the workspace: no poisoning
+            raise refusal
 
     def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                q_scale: Optional[Tensor] = None) -> Tensor:
@@ -850,6 +853,9 @@ class QueryWorkspace(PeerWorkspace):
             if not torch.compiler.is_compiling():
                 self._check_no_open_view("gather")
             return self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 
@@ -888,6 +894,9 @@ class QueryWorkspace(PeerWorkspace):
                 view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
             self._open_view = view
             return view
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 
@@ -898,12 +907,17 @@ class QueryWorkspace(PeerWorkspace):
         held = self._enter("release")
         try:
             if self._open_view is None:
-                raise RuntimeError(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
-                                   "(gather_view() was not called, or release() was already called)")
+                refusal = RuntimeError(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
+                                       "(gather_view() was not called, or release() was already called)")
+                refusal._sdcp_refusal = True  # nothing was touched: no poisoning
+                raise refusal
             view, self._open_view = self._open_view, None
             if self.peer and self._inbox_view is not None and view.data_ptr() == self._inbox_view.data_ptr():
                 self._check_stream()
                 ops.query_release(view, self.handle)  # re-fills the rows the view had
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 
@@ -930,5 +944,8 @@ class QueryWorkspace(PeerWorkspace):
                 ops.query_all_gather_heads_out(q, self.handle, out)
                 return out
             return collective.all_gather_heads(q, self.group, out)
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
