@@ -20,23 +20,11 @@ struct DeviceWorkspace {
   uint64_t timeout_ns;
   int32_t rank;
   int32_t world;
-  int32_t blocks;
-  int32_t slots;
   // Data-as-flag workspaces: this rank's error record in host-mapped memory
   // (lamport.h), or null (a timeout then traps).
   LamportError* error;
 
   __device__ __forceinline__ uint8_t* region(int r) const { return base + r * stride; }
-  __device__ __forceinline__ uint64_t* epoch(int block) const {
-    return reinterpret_cast<uint64_t*>(region(rank)) + block;
-  }
-  // flags[set][src][block] in rank r's region.
-  __device__ __forceinline__ uint64_t* flag(int r, int set, int src, int block) const {
-    return reinterpret_cast<uint64_t*>(region(r) + 8 * blocks) + (set * world + src) * blocks + block;
-  }
-  // Data slot and "ready" flag set of epoch e (Workspace::slot_of / ready_set).
-  __device__ __forceinline__ int slot_of(uint64_t e) const { return slots == 2 ? static_cast<int>(e & 1) : 0; }
-  __device__ __forceinline__ int ready_set(uint64_t e) const { return slots == 2 ? static_cast<int>(e & 1) : 0; }
   __device__ __forceinline__ uint8_t* slot_data(int r, int slot) const {
     return region(r) + data_offset + slot * slot_bytes;
   }
@@ -65,8 +53,6 @@ inline DeviceWorkspace device_workspace(const Workspace& ws) {
   d.timeout_ns = static_cast<uint64_t>(ws.timeout_ns);
   d.rank = static_cast<int32_t>(ws.rank);
   d.world = static_cast<int32_t>(ws.world_size);
-  d.blocks = static_cast<int32_t>(ws.layout.blocks);
-  d.slots = static_cast<int32_t>(ws.layout.slots);
   d.error = ws.error_device;
   return d;
 }

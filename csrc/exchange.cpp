@@ -7,8 +7,6 @@ namespace sdcp {
 
 void exchange_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
   check_params(p, 1, "max_bytes_per_rank");
-  l.protocol = Protocol::kLamport;
-  l.blocks = 1;
   l.slots = kLamportBuffers;
   // Buffer [peer slot][word]: tagged 64-bit words of kTaggedPayload bytes.
   const int64_t words = (p[0] + kTaggedPayload - 1) / kTaggedPayload;

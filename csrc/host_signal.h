@@ -9,7 +9,7 @@
 
 namespace sdcp {
 
-// ---- Data-as-flag (Protocol::kLamport) on the host backend ---------------
+// ---- Data-as-flag on the host backend --------------------------------------
 
 // The call index of this rank's next call (one writer: this rank).
 inline uint64_t host_call_index(const Workspace& ws) {

@@ -14,7 +14,5 @@ constexpr int kMaxDeviceWorld = 16;
 constexpr int64_t kAlign = 256;
 // Library kernels (cuBLAS) may read up to 64 KiB past a buffer they are given.
 constexpr int64_t kTailPad = 64 * 1024;
-// Flag set 1 of a one-slot workspace: "rank src has finished reading epoch e".
-constexpr int kAckSet = 1;
 
 }  // namespace sdcp

@@ -15,8 +15,6 @@ void output_lse_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout
   TORCH_CHECK_VALUE(heads % n == 0, cat("torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
                     n, ", got ", heads));
   const int64_t hl = heads / n;
-  l.protocol = Protocol::kLamport;
-  l.blocks = 1;
   l.slots = kLamportBuffers;
   // One entry per peer: this rank's own shard is read in place from partial_out.
   const int64_t out_bytes = align_up(checked_mul({n - 1, rows, hl, dim, eb}, "max_rows"), kAlign);

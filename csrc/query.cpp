@@ -17,8 +17,6 @@ void query_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) 
                     "(float8, bf16/fp16 or fp32), got ", eb));
   TORCH_CHECK_VALUE(checked_mul({dim, eb}, "head_dim") % 4 == 0, cat("torch_sdcp: argument 'head_dim': expected ",
                     "heads of a multiple of 4 bytes (the signalling word), got ", dim, " elements of ", eb, " bytes"));
-  l.protocol = Protocol::kLamport;
-  l.blocks = 1;
   // One slot: the view, then the two rotating buffers of the copying ops
   // (their own index; see QueryGeometry), then the call headers.
   l.slots = 1;

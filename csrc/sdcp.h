@@ -81,16 +81,12 @@ void check_params(const std::vector<int64_t>& params, size_t n, const char* what
 // handle; ops resolve the handle, so torch never sees peer memory as an
 // argument.
 //
-// Region layout (identical on every rank):
-//   [0, control_bytes)        control: epoch[blocks] then flags[2][N][blocks]
-//                             (Protocol::kFlags), or a LamportControl
+// Region layout (identical on every rank; docs/PROTOCOL.md, version 4):
+//   [0, control_bytes)        a LamportControl (call counters, abort word),
+//                             padded to 4 KiB; a family may keep its own
+//                             control words after it (QueryControl)
 //   [control_bytes, ...)      the family's data, `slots` slots (1 or 2)
-// Flags are uint64 words with one writer each: flags[set][src][block] in the
-// destination's region is written by rank src only. Epochs are local.
-// Two-slot kinds use flag set e % 2 for "epoch e is ready" (docs/PROTOCOL.md);
-// one-slot kinds use set 0 for "ready" and set 1 for "rank src has finished
-// reading epoch e" (an acknowledgement the writer waits for before reusing
-// the slot).
+//   then the tail pad (kTailPad)
 // ---------------------------------------------------------------------------
 
 enum class WorkspaceKind : int64_t {
@@ -102,19 +98,12 @@ enum class WorkspaceKind : int64_t {
 
 const char* kind_name(WorkspaceKind kind);
 
-// How a workspace's data paths signal (docs/PROTOCOL.md).
-enum class Protocol : int64_t {
-  kFlags = 0,    // per-block epochs, release/acquire flags, acknowledgements (top-K)
-  kLamport = 1,  // data-as-flag: sentinel or tagged words, one call index (exchange, Output/LSE, query)
-};
-
+// Every family signals with data-as-flag (docs/PROTOCOL.md, version 4).
 struct WorkspaceLayout {
-  Protocol protocol = Protocol::kFlags;
-  int64_t blocks = 1;         // flag blocks (fixed grid of the family kernels)
-  int64_t control_bytes = 0;  // epoch + flags, aligned
+  int64_t control_bytes = 0;  // the LamportControl, aligned to 4 KiB
   int64_t slot_bytes = 0;     // one data slot
   int64_t data_offset = 0;    // == control_bytes
-  int64_t slots = 2;          // data slots: 2 (epoch parity) or 1 (acknowledged)
+  int64_t slots = 2;          // data slots: 2 (the buffers, by call index) or 1 (query: view and buffers in one)
   int64_t region_bytes = 0;   // control + slots + tail pad (before granularity rounding)
   // Family-specific values, named by each family's Geometry struct
   // (ExchangeGeometry, OutputLSEGeometry, TopKGeometry, QueryGeometry).
@@ -156,17 +145,6 @@ struct Workspace {
     return reinterpret_cast<uint8_t*>(base + static_cast<uintptr_t>(r * stride));
   }
   LamportControl* lamport(int64_t r) const { return reinterpret_cast<LamportControl*>(region(r)); }
-  uint64_t* epochs(int64_t r) const {
-    return reinterpret_cast<uint64_t*>(region(r));
-  }
-  // flags[set][src][block] inside rank r's region.
-  uint64_t* flag(int64_t r, int64_t set, int64_t src, int64_t block) const {
-    auto* f = reinterpret_cast<uint64_t*>(region(r) + 8 * layout.blocks);
-    return f + (set * world_size + src) * layout.blocks + block;
-  }
-  // The data slot and the "ready" flag set of epoch e.
-  int64_t slot_of(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
-  int64_t ready_set(uint64_t e) const { return layout.slots == 2 ? static_cast<int64_t>(e & 1) : 0; }
   uint8_t* slot_data(int64_t r, int64_t slot) const {
     return region(r) + layout.data_offset + slot * layout.slot_bytes;
   }

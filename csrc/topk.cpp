@@ -15,17 +15,17 @@ void topk_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
                         ", got ", k));
   // Data-as-flag: each owner pushes its best min(C, k) keys per row into
   // every peer's buffer; its own list never travels.
-  l.protocol = Protocol::kLamport;
-  l.blocks = 1;
   l.slots = kLamportBuffers;
+  const int64_t inbox = align_up(checked_mul({n - 1, rows, std::min(c, k), 8}, "max_rows"), kAlign);
   l.part_offset[0] = 0;                 // inbox [peer][row][keys_per_row]
   l.part_offset[1] = std::min(c, k);    // keys per row
-  l.slot_bytes = align_up(checked_mul({n - 1, rows, std::min(c, k), 8}, "max_rows"), kAlign);
+  l.part_offset[2] = inbox;             // call headers [peer][16 bytes] (lamport.h)
+  l.slot_bytes = inbox + align_up((n - 1) * kHeaderFields * 4, kAlign);
 }
 
 TopKGeometry TopKGeometry::of(const Workspace& ws) {
   const auto& p = ws.params;
-  return {p[0], p[1], p[2], ws.layout.part_offset[1], ws.layout.part_offset[0]};
+  return {p[0], p[1], p[2], ws.layout.part_offset[1], ws.layout.part_offset[0], ws.layout.part_offset[2]};
 }
 
 at::Tensor prepare_topk_select(const at::Tensor& scores, const at::Tensor& ids, int64_t k) {
@@ -55,6 +55,8 @@ TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids
   SDCP_CHECK_ARG(scores.size(1) == c.geo.candidates_per_rank, "scores",
                  "candidates_per_rank = " << c.geo.candidates_per_rank << " columns", scores.size(1));
   SDCP_CHECK_ARG(k == c.geo.k, "k", "the workspace's k = " << c.geo.k, k);
+  // The flags word is unused: k and C are parameters, in the geometry hash.
+  c.header = make_call_header(c.rows, static_cast<int64_t>(scores.scalar_type()), 0u, c.ws->geometry_hash);
   return c;
 }
 

@@ -9,11 +9,13 @@ namespace sdcp {
 // Workspace params [max_rows, candidates_per_rank, k] and the inbox layout of
 // one data-as-flag buffer, decoded once: one entry per peer (peer_slot(src,
 // dst)), each the peer's best min(C, k) candidates per row as sorted 64-bit
-// selection keys (semantics.h), [peer][max_rows][keys_per_row].
+// selection keys (semantics.h), [peer][max_rows][keys_per_row], then the call
+// headers [peer][16 bytes] (lamport.h).
 struct TopKGeometry {
   int64_t max_rows = 0, candidates_per_rank = 0, k = 0;
-  int64_t keys_per_row = 0;  // min(candidates_per_rank, k)
-  int64_t inbox_offset = 0;  // inside a buffer
+  int64_t keys_per_row = 0;   // min(candidates_per_rank, k)
+  int64_t inbox_offset = 0;   // inside a buffer
+  int64_t header_offset = 0;  // call headers [peer][kHeaderFields words], inside a buffer
   static TopKGeometry of(const Workspace& ws);
 };
 
@@ -35,7 +37,8 @@ struct TopKMergeCall {
   std::shared_ptr<const Workspace> ws;
   TopKGeometry geo;
   int64_t rows = 0;
-  at::Tensor out;  // [T, k] int32
+  at::Tensor out;     // [T, k] int32
+  CallHeader header;  // what this call is (rows, scores dtype, geometry; lamport.h)
 };
 
 TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k);
@@ -52,10 +55,10 @@ at::Tensor topk_select_op(const at::Tensor& scores, const at::Tensor& ids, int64
 template <auto MergeLaunch>
 at::Tensor topk_merge_op(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k) {
   const TopKMergeCall c = prepare_topk_merge(scores, ids, workspace, k);
-  // A call without rows leaves the workspace alone (the call index too): it
-  // would wait for no peer data, and the buffer-reuse argument needs every
-  // call to see each peer's data of the same call (docs/PROTOCOL.md).
-  if (c.rows > 0) MergeLaunch(c, scores, ids);
+  // A call without rows runs too: it stores and checks the call headers, so
+  // it still waits for each peer's call of the same index (the buffer-reuse
+  // argument, docs/PROTOCOL.md) and a peer with rows sees the difference.
+  MergeLaunch(c, scores, ids);
   return c.out;
 }
 

@@ -42,10 +42,11 @@ void select_cpu(const at::Tensor& scores, const at::Tensor& ids, int64_t k, at::
   });
 }
 
-// Data-as-flag (lamport.h): each owner sorts its rows once and pushes its
-// best kk keys per row into every peer's buffer; each consumer takes the
-// peers' lists from its local buffer as they land (writing the sentinel
-// back) and merges them with its own.
+// Data-as-flag (lamport.h): each owner stores its call header into every
+// peer's buffer, sorts its rows once and pushes its best kk keys per row
+// after it; each consumer checks a peer's header, then takes its lists from
+// the local buffer as they land (writing the sentinel back) and merges them
+// with its own.
 void merge_cpu(const TopKMergeCall& c, const at::Tensor& scores, const at::Tensor& ids) {
   const Workspace& ws = *c.ws;
   const TopKGeometry& g = c.geo;
@@ -57,6 +58,11 @@ void merge_cpu(const TopKMergeCall& c, const at::Tensor& scores, const at::Tenso
   auto inbox = [&](int64_t d, int64_t s) {
     return reinterpret_cast<uint64_t*>(ws.slot_data(d, buf) + g.inbox_offset) + peer_slot(s, d, n) * g.max_rows * kk;
   };
+  auto header = [&](int64_t d, int64_t s) {
+    return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.header_offset) + peer_slot(s, d, n) * kHeaderFields;
+  };
+  for (int64_t d = 0; d < n; ++d)  // before the keys it describes
+    if (d != me) host_store_call_header(header(d, me), c.header);
   // 1. Owner: the best kk keys of every row, in order, pushed to every peer.
   std::vector<uint64_t> own(rows * kk), keys(cand);
   const float* s = scores.data_ptr<float>();
@@ -76,6 +82,8 @@ void merge_cpu(const TopKMergeCall& c, const at::Tensor& scores, const at::Tenso
   int64_t len = kk;  // keys per row in acc
   for (int64_t step = 1; step < n; ++step) {
     const int64_t src = (me + step) % n;
+    // The header first: a mismatch fails here, before waiting for rows the peer may not send.
+    host_check_call_header(ws, src, call, header(me, src), c.header);
     uint64_t* in = inbox(me, src);
     for (int64_t i = 0; i < rows * kk; ++i) {
       host_spin(ws, src, call, [&] { return __atomic_load_n(in + i, __ATOMIC_ACQUIRE) != kTopKSentinel; });

@@ -547,6 +547,33 @@ __device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const ui
       ws, [p] { return ld_volatile_u64(p); }, [](uint64_t v) { return v != kTopKSentinel; }, src, call, kWaitData);
 }
 
+// Where rank `d` keeps peer `src`'s call header in the buffer of `call`.
+__device__ __forceinline__ uint4* topk_header(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call, int d,
+                                              int src) {
+  return reinterpret_cast<uint4*>(ws.buffer(d, call) + header_offset) + ws.peer_slot(src, d);
+}
+
+// This rank's call header into every peer's buffer (before the keys). Out of
+// line: one thread runs it, and inlined it costs the owner sort registers.
+static __device__ __noinline__ void store_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
+                                                  CallHeader mine) {
+  for (int step = 1; step < ws.world; ++step) {
+    const int d = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
+    store_call_header(topk_header(ws, header_offset, call, d, ws.rank), mine);
+  }
+}
+
+// Every peer's call header of this call: polled, re-filled, compared (a
+// mismatch or a wait that gives up is recorded and aborts the workspace on
+// every rank). Out of line, for the same reason.
+static __device__ __noinline__ void check_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
+                                                  CallHeader mine) {
+  for (int step = 1; step < ws.world; ++step) {
+    const int src = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
+    check_call_header(ws, topk_header(ws, header_offset, call, ws.rank, src), mine, src, call);
+  }
+}
+
 // Grid: one block per row, at most one per SM (block b handles rows b, b +
 // gridDim.x, ...). For each row: sort the own candidates, push the best kk
 // keys into every peer's buffer (16-byte stores when kk is even), then merge
@@ -554,9 +581,23 @@ __device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const ui
 // at once) into the result, nearest peer first. A block waits only for the
 // same rows of its peers, which every block pushes before it waits, so the
 // grid need not be co-resident.
-__global__ void __launch_bounds__(kThreads, 1) topk_merge_kernel(const __grid_constant__ DeviceWorkspace ws, TopKGeometry g, SmemPlan p,
-                                                              const float* scores, const int32_t* ids, int64_t s0,
-                                                              int64_t i0, int rows, int c, int k, int32_t* out) {
+//
+// Call headers (lamport.cuh): thread 0 of block 0 stores this rank's header
+// into every peer's buffer as soon as it knows the call (after its first
+// sort, before the keys), and checks every peer's header once its first row's
+// keys are merged: both ranks have that row (a call without rows runs
+// topk_headers_kernel instead), so the check is reached whatever the peer's
+// row count, and a mismatch aborts the blocks that wait for rows the peer
+// does not have. Checked outside the poll loop, the header costs the sort and
+// the merge no registers. One thread stores and checks, so that its fence
+// before an abort word (lamport_record) also orders its headers: a peer that
+// meets the abort still finds this rank's header and names both sides.
+// The workspace is a grid constant: the failure paths take its address, which
+// would otherwise make every thread copy it into local memory at entry.
+__global__ void __launch_bounds__(kThreads, 1)
+    topk_merge_kernel(const __grid_constant__ DeviceWorkspace ws, TopKGeometry g, SmemPlan p, const float* scores,
+                      const int32_t* ids, int64_t s0, int64_t i0, int rows, int c, int k, int32_t* out,
+                      const __grid_constant__ CallHeader hdr) {
   extern __shared__ __align__(16) uint8_t smem[];
   // The inputs are the previous kernel's outputs: wait for it (programmatic
   // launch) before loading them, and read the call index only once the first
@@ -570,13 +611,16 @@ __global__ void __launch_bounds__(kThreads, 1) topk_merge_kernel(const __grid_co
     return reinterpret_cast<uint64_t*>(ws.buffer(d, call) + g.inbox_offset) +
            (static_cast<int64_t>(ws.peer_slot(src, d)) * g.max_rows + t) * kk;
   };
+  const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
   uint64_t* stage = reinterpret_cast<uint64_t*>(smem + p.stage);
   for (int t = blockIdx.x; t < rows; t += gridDim.x) {
+    const bool checks_header = header_thread && t == 0;  // block 0's first row
     // 1. Owner: the best kk keys of the row, in order.
     uint64_t* acc = block_select(smem, p, scores + t * s0, ids + t * i0, c, kk);
     if (!have_call) {
       call = block_call_index(ws);
       have_call = true;
+      if (header_thread) store_headers(ws, g.header_offset, call, hdr);  // before the keys
     }
     uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
     // 2. Push them into every peer's buffer (plain stores: the keys are their own flag).
@@ -618,12 +662,26 @@ __global__ void __launch_bounds__(kThreads, 1) topk_merge_kernel(const __grid_co
       tmp = x;
       len = nout;
     }
+    if (checks_header) check_headers(ws, g.header_offset, call, hdr);
     // k <= N * kk (the layout checks it): every position holds a key (invalid ones are 0: id -1).
     int32_t* o = out + static_cast<int64_t>(t) * k;
     for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
     __syncthreads();  // the next row reuses the shared memory
   }
   if (!have_call) call = block_call_index(ws);
+  block_finish_call(ws, call);
+}
+
+// A call without rows: the call headers alone (stored, then each peer's
+// checked), so that the call still waits for every peer's call of the same
+// index and a peer with rows sees the difference.
+__global__ void __launch_bounds__(32)
+    topk_headers_kernel(const __grid_constant__ DeviceWorkspace ws, int64_t header_offset, CallHeader hdr) {
+  const uint64_t call = block_call_index(ws);
+  if (threadIdx.x == 0) {
+    store_headers(ws, header_offset, call, hdr);
+    check_headers(ws, header_offset, call, hdr);
+  }
   block_finish_call(ws, call);
 }
 
@@ -678,6 +736,12 @@ int sm_count(int device) {
 void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tensor& ids) {
   const Workspace& ws = *c.ws;
   check_device_world(ws);
+  if (c.rows == 0) {
+    const c10::cuda::CUDAGuard guard(scores.device());
+    launch_lamport(topk_headers_kernel, 1, 32, 0, at::cuda::getCurrentCUDAStream().stream(), scores.get_device(),
+                   device_workspace(ws), c.geo.header_offset, c.header);
+    return;
+  }
   const int64_t cand = c.geo.candidates_per_rank, kk = c.geo.keys_per_row, k = c.geo.k;
   SDCP_CHECK_ARG(cand <= kMaxSortKeys, "scores", "at most " << kMaxSortKeys << " candidates per rank on CUDA", cand);
   const c10::cuda::CUDAGuard guard(scores.device());
@@ -687,15 +751,15 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   static std::array<std::atomic<int64_t>, 64> current{};
   set_smem(reinterpret_cast<const void*>(topk_merge_kernel), p.total, current, device, "scores",
            cat(cand, " candidates per rank and k = ", k).c_str());
-  // One block per row of this call (at least one: 0-row calls never get
-  // here), at most one per SM.
-  const int grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(c.rows, sm_count(device))));
-  // Programmatic launch: the kernel waits for the previous one in
-  // pdl_wait_and_release before it loads anything.
+  // One block per row of this call, at most one per SM. Programmatic launch:
+  // the kernel waits for the previous one in pdl_wait_and_release before it
+  // loads anything.
+  const int grid = static_cast<int>(std::min<int64_t>(c.rows, sm_count(device)));
   launch_lamport(topk_merge_kernel, grid, kThreads, static_cast<size_t>(p.total),
                  at::cuda::getCurrentCUDAStream().stream(), device, device_workspace(ws), c.geo, p,
                  scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
-                 static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>());
+                 static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>(),
+                 c.header);
 }
 
 }  // namespace

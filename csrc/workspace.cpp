@@ -122,11 +122,7 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
     default:
       TORCH_CHECK_VALUE(false, cat("torch_sdcp: argument 'kind': expected 0..3, got ", static_cast<int64_t>(kind)));
   }
-  const int64_t n = world_size;
-  // epoch[blocks] + flags[2][N][blocks], uint64 each; or one LamportControl
-  l.control_bytes = l.protocol == Protocol::kLamport
-                        ? align_up(static_cast<int64_t>(sizeof(LamportControl)), 4096)
-                        : align_up(checked_mul({2 * n + 1, l.blocks, 8}, "max_rows"), 4096);
+  l.control_bytes = align_up(static_cast<int64_t>(sizeof(LamportControl)), 4096);
   l.data_offset = l.control_bytes;
   l.region_bytes = l.control_bytes + l.slots * l.slot_bytes + kTailPad;
   return l;
@@ -277,7 +273,7 @@ void lamport_abort(const Workspace& ws, const LamportError& e) {
     std::memcpy(static_cast<void*>(ws.error), &r, sizeof(r));
     __atomic_store_n(&ws.error->state, state, __ATOMIC_RELEASE);
   }
-  if (ws.layout.protocol != Protocol::kLamport || e.state == kReasonPeerAbort) return;  // the aborter told everyone
+  if (e.state == kReasonPeerAbort) return;  // the aborter told everyone
   const uint64_t word = lamport_abort_word(ws.rank, e.state);
   if (ws.device.is_cpu()) {
     for (int64_t r = 0; r < ws.world_size; ++r) {
@@ -292,7 +288,7 @@ void lamport_abort(const Workspace& ws, const LamportError& e) {
 
 void check_workspace_health(const Workspace& ws) {
   uint32_t state = __atomic_load_n(&ws.error->state, __ATOMIC_ACQUIRE);
-  if (state == kReasonNone && ws.device.is_cpu() && ws.layout.protocol == Protocol::kLamport) {
+  if (state == kReasonNone && ws.device.is_cpu()) {
     const uint64_t a = __atomic_load_n(&ws.lamport(ws.rank)->abort, __ATOMIC_ACQUIRE);
     if (a != 0) {
       LamportError e{};
@@ -333,10 +329,10 @@ int64_t workspace_nbytes(int64_t kind, c10::IntArrayRef params, int64_t world_si
   return compute_layout(to_kind(kind), params.vec(), world_size).region_bytes;
 }
 
-// [blocks, control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset[0..3]]
+// [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset[0..3]]
 std::vector<int64_t> workspace_layout(int64_t kind, c10::IntArrayRef params, int64_t world_size) {
   const auto l = compute_layout(to_kind(kind), params.vec(), world_size);
-  return {l.blocks, l.control_bytes, l.data_offset, l.slots, l.slot_bytes, l.region_bytes,
+  return {l.control_bytes, l.data_offset, l.slots, l.slot_bytes, l.region_bytes,
           l.part_offset[0], l.part_offset[1], l.part_offset[2], l.part_offset[3]};
 }
 
@@ -404,7 +400,7 @@ void workspace_abort(int64_t handle) {
   e.block = -1;
   e.peer = -1;
   e.aborter = -1;
-  e.call = ws->device.is_cpu() && ws->layout.protocol == Protocol::kLamport
+  e.call = ws->device.is_cpu()
                ? __atomic_load_n(&ws->lamport(ws->rank)->call_index[0], __ATOMIC_RELAXED)
                : ~uint64_t{0};
   lamport_abort(*ws, e);

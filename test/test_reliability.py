@@ -283,6 +283,8 @@ def _calls_worker(rank, world):
         with pytest.raises(ValueError, match=r"argument 'scores': expected at most max_rows = 2 rows \(this "
                                              r"TopKWorkspace was created with rows_fallback=False\), got 3"):
             tk.merge(s3, i3)
+        _poisoned(tk, lambda: tk.merge(s2, i2))  # an error inside a call: re-create the workspace
+        tk.resize(2)
         assert torch.equal(tk.merge(s2, i2), want2)
     with torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, rows_fallback=False, **HOST) as olse:
         with pytest.raises(ValueError, match="argument 'partial_out': expected at most max_rows = 2 rows"):
@@ -699,6 +701,142 @@ def test_creation_compares_every_parameter_across_ranks():
 
 
 # ---------------------------------------------------------------------------
+# Top-K: call headers, poisoning and aborts
+# ---------------------------------------------------------------------------
+
+TOPK_K, TOPK_C = 16, 32
+
+
+def _topk_every(rows, seed, world):
+    return [_candidates(rows, TOPK_C, seed=seed * 97 + r) for r in range(world)]
+
+
+def _topk_mismatch_worker(rank, world, device):
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    cases = [  # (what differs, rank 0's rows, rank 1's rows, expected text)
+        ("rows", 4, 8, "rank 0 called with 4 rows, rank 1 with 8 rows"),
+        ("rows0", 0, 3, "rank 0 called with 0 rows, rank 1 with 3 rows"),
+        ("rows0-last", 5, 0, "rank 0 called with 5 rows, rank 1 with 0 rows"),
+    ]
+    for name, *rows, text in cases:
+        with torch_sdcp.TopKWorkspace(None, 8, TOPK_K, candidates_per_rank=TOPK_C, timeout_s=60, **dev) as ws:
+            every = _topk_every(2, 1, world)
+            got = ws.merge(*(x.to(ws.device) for x in every[rank])).cpu()  # a good call first: the workspace works
+            assert torch.equal(got, reference.topk_merge_ref(every, TOPK_K))
+            s, i = (x.to(ws.device) for x in _candidates(rows[rank], TOPK_C, seed=rank))
+            t0 = time.monotonic()
+            match = f"call mismatch \\(topk workspace .*\\): {re_escape(text)}"
+            if device == "cuda":
+                ws.merge(s, i)
+                torch.cuda.synchronize()  # the kernels end at once: neither rank waits for rows that never come
+                with pytest.raises(RuntimeError, match=match):
+                    ws.check()
+            else:
+                with pytest.raises(RuntimeError, match=match):
+                    ws.merge(s, i)
+            assert time.monotonic() - t0 < 30, name
+            assert ws.poisoned
+            _poisoned(ws, lambda: ws.merge(s, i))
+            _poisoned(ws, ws.check)
+    # A re-created workspace works, calls without rows included (they carry headers too).
+    with torch_sdcp.TopKWorkspace(None, 8, TOPK_K, candidates_per_rank=TOPK_C, timeout_s=60, **dev) as ws:
+        for e, rows in enumerate((3, 0, 2, 0, 0, 8, 1)):
+            every = _topk_every(rows, 10 + e, world)
+            got = ws.merge(*(x.to(ws.device) for x in every[rank])).cpu()
+            assert torch.equal(got, reference.topk_merge_ref(every, TOPK_K)), (e, rows)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        ws.check()
+    if device == "cuda":
+        assert torch.ones(4, device="cuda").sum().item() == 4.0  # the context is alive
+    return True
+
+
+def test_topk_mismatched_rows_raise_on_every_rank_naming_both_sides():
+    assert run_workers(_topk_mismatch_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _topk_carry_on_worker(rank, world, device):
+    import torch.distributed as dist
+
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    control = dist.new_group([0, 1])  # orders the two ranks' steps, apart from the workspace
+    every = _topk_every(2, 3, world)
+    s, i = (x.to(dev.get("device", "cpu")) for x in every[rank])
+    big_s, big_i = (x.to(dev.get("device", "cpu")) for x in _candidates(6, TOPK_C, seed=rank))
+    ws = torch_sdcp.TopKWorkspace(None, 4, TOPK_K, candidates_per_rank=TOPK_C, timeout_s=120, **dev)
+    assert torch.equal(ws.merge(s, i).cpu(), reference.topk_merge_ref(every, TOPK_K))
+    dist.barrier(group=control)
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 is waiting in its call by now
+        try:
+            ws.merge(s, i.long())  # raises inside the call
+        except ValueError as e:
+            assert "argument 'ids': expected dtype Int" in str(e), e
+        # ... and carries on: every later call raises, the collective path included
+        _poisoned(ws, lambda: ws.merge(s, i))
+        _poisoned(ws, lambda: ws.merge(big_s, big_i))
+    else:
+        t0 = time.monotonic()
+        match = "peer 0 aborted: a call raised an error on that rank"
+        if device == "cuda":
+            ws.merge(s, i)  # the kernel finds rank 0's abort word in its first slow poll
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.merge(s, i)
+        assert time.monotonic() - t0 < 20  # at once, not after the 120 s timeout
+        _poisoned(ws, lambda: ws.merge(s, i))
+    _poisoned(ws, ws.check)
+    dist.barrier(group=control)
+    ws.resize(4)  # re-creation (collective) clears the poison
+    assert not ws.poisoned
+    assert torch.equal(ws.merge(s, i).cpu(), reference.topk_merge_ref(every, TOPK_K))
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ws.check()
+    ws.close()
+    return True
+
+
+def test_topk_error_inside_a_call_poisons_and_aborts_the_peer():
+    assert run_workers(_topk_carry_on_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _topk_geometry_worker(rank, world):
+    import torch_sdcp
+    from torch_sdcp.peer.plan import RankMismatchError
+
+    # k and C swapped: min(C, k) and so the region size agree, the calls would not.
+    k, c = (16, 32) if rank == 0 else (32, 16)
+    with pytest.raises(RankMismatchError, match=r"expected the same value on every rank.*'candidates_per_rank' "
+                                                r"\(rank 0: 32, rank 1: 16\); argument 'k' \(rank 0: 16, rank 1: 32\)"):
+        torch_sdcp.TopKWorkspace(None, 8, k, candidates_per_rank=c, **HOST)
+    with pytest.raises(RankMismatchError, match=r"'max_rows' \(rank 0: 8, rank 1: 4\)"):
+        torch_sdcp.TopKWorkspace(None, 8 - 4 * rank, 16, candidates_per_rank=32, **HOST)
+    with torch_sdcp.TopKWorkspace(None, 8, 16, candidates_per_rank=32, **HOST) as ws:  # the ranks are still in step
+        ws.merge(*_candidates(2, 32, seed=rank))
+        ws.check()
+    return True
+
+
+def test_topk_geometry_mismatch_is_refused_at_creation():
+    assert run_workers(_topk_geometry_worker, 2, timeout=120) == [True, True]
+
+
+# ---------------------------------------------------------------------------
 # The same on 2 GPUs: failures are reported, not trapped (the context lives)
 # ---------------------------------------------------------------------------
 
@@ -747,3 +885,13 @@ def _cuda_graph_check_worker(rank, world):
 @requires_gpus(2)
 def test_cuda_check_during_capture_and_replay():
     assert run_workers(_cuda_graph_check_worker, 2, timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_topk_mismatched_rows_raise_on_every_rank():
+    assert run_workers(_topk_mismatch_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_topk_error_inside_a_call_aborts_the_waiting_peer():
+    assert run_workers(_topk_carry_on_worker, 2, args=("cuda",), timeout=300) == [True, True]

@@ -210,7 +210,7 @@ GPU_CASES = [(t, k, k, nasty) for t in (1, 16, 17, 64, 96, 128) for k in (512, 1
     (5, 100, 300, False),   # C > k, k not a power of two
     (3, 77, 77, True),      # odd shard rows (no 16-byte vectors)
     (4, 20, 16, True),      # C < k
-    (0, 2048, 2048, False),  # no rows: the workspace is left alone
+    (0, 2048, 2048, False),  # no rows: one warp stores and checks the call headers
     (200, 512, 512, True),  # more rows than SMs: a block handles several rows
 ] + [(t, 2048, 2048, False, kind) for t in (1, 64) for kind in DISTRIBUTIONS]
 

@@ -91,7 +91,7 @@ def test_workspace_argument_errors_and_teardown():
 def test_layout_names_the_cpp_layout():
     import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
     from torch_sdcp.workspace import (ExchangeWorkspace, OutputLSEWorkspace, QueryWorkspace, TopKWorkspace,
-                                      WorkspaceKind, workspace_layout)
+                                      WorkspaceKind, WorkspaceLayout, workspace_layout)
 
     assert {k.name: int(k) for k in WorkspaceKind} == {"EXCHANGE": 0, "OUTPUT_LSE": 1, "TOPK": 2, "QUERY": 3}
     world = 2
@@ -103,6 +103,13 @@ def test_layout_names_the_cpp_layout():
         layout = layouts[cls] = workspace_layout(cls.kind, p, world)
         assert layout.region_bytes == torch.ops.sdcp.workspace_nbytes(int(cls.kind), p, world)
         assert layout.data_offset == layout.control_bytes and len(layout.part_offsets) == 4
+        # The op's flat list, in the field order of WorkspaceLayout (the C++ side's
+        # [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset x 4]).
+        flat = torch.ops.sdcp.workspace_layout(int(cls.kind), p, world)
+        assert flat == [layout.control_bytes, layout.data_offset, layout.slots, layout.slot_bytes,
+                        layout.region_bytes, *layout.part_offsets]
+    assert WorkspaceLayout._fields == ("control_bytes", "data_offset", "slots", "slot_bytes", "region_bytes",
+                                       "part_offsets")
 
     def part(cls, name):
         return layouts[cls].part_offsets[cls.PARTS.index(name)]
@@ -120,7 +127,9 @@ def test_layout_names_the_cpp_layout():
     assert layouts[OutputLSEWorkspace].slot_bytes == out_bytes + lse_bytes + 256
     assert layouts[OutputLSEWorkspace].slots == 2
     assert part(TopKWorkspace, "keys_per_row") == 16 and layouts[TopKWorkspace].slots == 2
-    assert layouts[TopKWorkspace].slot_bytes == (world - 1) * 8 * 16 * 8 and layouts[TopKWorkspace].control_bytes == 4096
+    keys = (world - 1) * 8 * 16 * 8  # [peer][row][min(C, k)] 8-byte keys; then the 16-byte headers [peer], aligned
+    assert part(TopKWorkspace, "headers") == keys and layouts[TopKWorkspace].slot_bytes == keys + 256
+    assert layouts[TopKWorkspace].control_bytes == 4096
     # Query: the view [row][src*H_loc + h][576], then two buffers of peer entries, then the call headers
     # [buffer 0, buffer 1, view][peer][16 bytes], aligned to 256.
     view, buffer = 8 * world * 4 * 576, (world - 1) * 8 * 4 * 576

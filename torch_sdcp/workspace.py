@@ -124,13 +124,12 @@ class WorkspaceKind(enum.IntEnum):
 
 class WorkspaceLayout(NamedTuple):
     """One rank's region as the C++ side lays it out (csrc/sdcp.h), identical
-    on every rank: control (an epoch and the flags of each of ``blocks`` flag
-    blocks) in ``[0, control_bytes)``, then ``slots`` data slots of
+    on every rank: control (the data-as-flag call counters and abort word,
+    4 KiB) in ``[0, control_bytes)``, then ``slots`` data slots of
     ``slot_bytes`` from ``data_offset``; ``region_bytes`` includes the tail pad,
     before granularity rounding. ``part_offsets`` are the family's values inside
     one slot; each workspace class names them in ``PARTS``."""
 
-    blocks: int
     control_bytes: int
     data_offset: int
     slots: int
@@ -181,7 +180,7 @@ class PeerWorkspace:
 
     ``backend``: "cuda", "host" or "auto". ``timeout_s`` bounds every wait of
     the device (or host) signals, and every step of creation and teardown; a
-    timeout names rank, peer and slot/epoch or buffer/call. Default: ``SDCP_TIMEOUT_S`` when
+    timeout names rank, peer, buffer and call. Default: ``SDCP_TIMEOUT_S`` when
     set, else DEFAULT_TIMEOUT_S (300 s); accepted: a number of seconds in
     [1 ms, 24 h]. With ``fallback=True`` a group that fails the peer-memory
     capability gate gets a workspace in collective mode instead of an error
@@ -468,7 +467,7 @@ class PeerWorkspace:
             if self._captured:
                 raise RuntimeError(
                     f"torch_sdcp: argument 'max_rows': cannot resize {type(self).__name__} on rank {self.rank} "
-                    f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses and epochs; create "
+                    f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses; create "
                     "a new workspace and capture again")
             params = list(self.params)
             params[index] = max_rows
@@ -706,18 +705,22 @@ class TopKWorkspace(PeerWorkspace):
 
     Data-as-flag (docs/PROTOCOL.md): the buffers start as the sentinel (every
     byte 0xFF), which no 64-bit selection key can take; the consumer writes it
-    back as it takes each list.
+    back as it takes each list. Every call carries a call header, so ranks
+    whose calls differ raise on every rank, and an error inside a call
+    poisons the workspace on every rank.
 
-    Physical memory per rank: 4 KiB control + 2 buffers x (N - 1) x max_rows x
-    min(C, k) x 8 bytes + 64 KiB tail, granularity-rounded (DCP2, 128 rows,
-    C = k = 2048: 6 MiB with a 2 MiB granularity).
+    Physical memory per rank: 4 KiB control + 2 buffers x ((N - 1) x max_rows
+    x min(C, k) x 8 bytes + the call headers) + 64 KiB tail, granularity-rounded
+    (DCP2, 128 rows, C = k = 2048: 6 MiB with a 2 MiB granularity).
     """
 
     kind = WorkspaceKind.TOPK
     PARAMS = ("max_rows", "candidates_per_rank", "k")
-    # One entry per peer: a peer's sorted best keys [peer][row][min(C, k)]; min(C, k)
-    PARTS = ("keys", "keys_per_row")
+    # One entry per peer: a peer's sorted best keys [peer][row][min(C, k)]; min(C, k);
+    # call headers [peer][16 bytes]
+    PARTS = ("keys", "keys_per_row", "headers")
     SENTINEL_FILLED = True
+    POISON_ON_ERROR = True
 
     def __init__(self, group: Optional[dist.ProcessGroup], max_rows: int, k: int,
                  candidates_per_rank: Optional[int] = None, **kwargs):
@@ -738,6 +741,9 @@ class TopKWorkspace(PeerWorkspace):
             if self._rows_fit(scores.shape[0], "scores"):
                 return ops.topk_merge(scores, ids, self.handle, self.k)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
+        except BaseException as e:
+            self._failed(e, held)
+            raise
         finally:
             self._leave(held)
 
