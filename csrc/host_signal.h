@@ -73,16 +73,17 @@ inline void host_store_call_header(uint32_t* dst, const CallHeader& h) {
 }
 
 // Fails the call (and aborts the workspace on every rank) when `theirs`
-// differs from `mine`, naming both sides.
+// differs from `mine`, naming both sides; `wait` says which header (the
+// call's, or the query view's).
 inline void host_compare_call_header(const Workspace& ws, int64_t src, uint64_t call, const CallHeader& mine,
-                                     const CallHeader& theirs) {
+                                     const CallHeader& theirs, uint32_t wait = kWaitHeader) {
   const uint32_t f = call_header_mismatch(mine, theirs);
   if (f == kHeaderFields) return;
   LamportError e{};
   e.state = kReasonMismatch;
   e.block = -1;
   e.peer = static_cast<int32_t>(src);
-  e.wait = kWaitHeader;
+  e.wait = wait;
   e.call = call;
   e.field = f;
   e.mine = mine.w[f];

@@ -252,13 +252,15 @@ __device__ __forceinline__ uint32_t poll_tagged(const DeviceWorkspace& ws, const
 
 __device__ __forceinline__ uint4 header_vector(const CallHeader& h) { return make_uint4(h.w[0], h.w[1], h.w[2], h.w[3]); }
 
+// A peer's header that differs from this rank's: a call mismatch (`wait`:
+// the call's header, or the query view's).
 static __device__ __noinline__ void lamport_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
-                                                     uint32_t mine, uint32_t theirs) {
+                                                     uint32_t mine, uint32_t theirs, uint32_t wait = kWaitHeader) {
   LamportError e{};
   e.state = kReasonMismatch;
   e.block = blockIdx.x;
   e.peer = src;
-  e.wait = kWaitHeader;
+  e.wait = wait;
   e.call = call;
   e.field = field;
   e.mine = mine;

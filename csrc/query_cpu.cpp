@@ -91,24 +91,6 @@ void store_words(uint32_t* dst, const uint32_t* src, int64_t count, uint32_t can
   for (int64_t i = 0; i < count; ++i) __atomic_store_n(dst + i, canonical_word(src[i], canonical), __ATOMIC_RELAXED);
 }
 
-// host_compare_call_header for the view: the record names the view buffer and view call.
-void view_compare_call_header(const Workspace& ws, int64_t src, uint64_t call, const CallHeader& mine,
-                              const CallHeader& theirs) {
-  const uint32_t f = call_header_mismatch(mine, theirs);
-  if (f == kHeaderFields) return;
-  LamportError e{};
-  e.state = kReasonMismatch;
-  e.block = -1;
-  e.peer = static_cast<int32_t>(src);
-  e.wait = kWaitViewHeader;
-  e.call = call;
-  e.field = f;
-  e.mine = mine.w[f];
-  e.theirs = theirs.w[f];
-  e.aborter = -1;
-  host_fail(ws, e);
-}
-
 // The items [rows][H_loc][W] of this rank, as 32-bit words, into the
 // destinations of one call (docs/PROTOCOL.md, version 4). Every destination
 // gets this rank's call header before the payload, and every peer's header is
@@ -173,7 +155,7 @@ void fan_out(const Workspace& ws, const QueryGeometry& g, const CallHeader& head
       theirs.w[f] = __atomic_load_n(h + f, __ATOMIC_RELAXED);
       __atomic_store_n(h + f, kSentinel, __ATOMIC_RELAXED);
     }
-    view_compare_call_header(ws, s, call, header, theirs);
+    host_compare_call_header(ws, s, call, header, theirs, kWaitViewHeader);  // names the view buffer and call
     for (int64_t t = 0; t < rows; ++t) {
       const uint32_t* w = at_row(query_view(ws, g, me), t, s);
       for (int64_t i = 0; i < row_words; ++i)

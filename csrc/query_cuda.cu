@@ -179,23 +179,6 @@ static __device__ __noinline__ void record_bad_position(const DeviceWorkspace& w
   lamport_record(ws, e, true);
 }
 
-// A view header that differs from this rank's: a call mismatch of the view
-// (the record names the view buffer and view call).
-static __device__ __noinline__ void view_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
-                                                  uint32_t mine, uint32_t theirs) {
-  LamportError e{};
-  e.state = kReasonMismatch;
-  e.block = blockIdx.x;
-  e.peer = src;
-  e.wait = kWaitViewHeader;
-  e.call = call;
-  e.field = field;
-  e.mine = mine;
-  e.theirs = theirs;
-  e.aborter = -1;
-  lamport_record(ws, e, true);
-}
-
 // Takes peer `src`'s call header at `h`, whose first load `hv` the caller
 // issued with its first data loads: polls it if it had not landed, writes the
 // sentinel back and compares (a mismatch is recorded and aborts the
@@ -213,8 +196,7 @@ __device__ __forceinline__ void land_header(const DeviceWorkspace& ws, uint4* h,
   if (f == kHeaderFields) return;
   // Words selected, not indexed by f: an indexed header would live in local memory.
   auto word = [f](const CallHeader& c) { return f == 0 ? c.w[0] : f == 1 ? c.w[1] : f == 2 ? c.w[2] : c.w[3]; };
-  if constexpr (kView) view_mismatch(ws, src, call, f, word(mine), word(theirs));
-  else lamport_mismatch(ws, src, call, f, word(mine), word(theirs));
+  lamport_mismatch(ws, src, call, f, word(mine), word(theirs), kWait);
 }
 
 // Vectors per lane kept in flight (loads issued together, then used).
