@@ -3,13 +3,14 @@
 // selection order. One block of 1024 threads per row:
 //   - bucket rank (rank_sort): a chunk of up to 2048 keys gets one pass of
 //     kBucketsPerKey buckets per key on the float score between the row's
-//     finite min and max (shared-memory histogram whose atomic gives each key
-//     its slot, one block scan); a key alone in its bucket is placed, the
-//     others are ranked by counting (full 64-bit compare) inside buckets of
-//     at most kFinal keys. A larger bucket (ties, or scores squeezed by an
-//     outlier) is split again on the 64-bit key between its min and max,
-//     every pass shrinking its range at least (kFinal + 1)-fold, so ties
-//     (equal scores, ordered by id) stay bounded too;
+//     finite min and max (on the id when every finite score is equal;
+//     shared-memory histogram whose atomic gives each key its slot, one block
+//     scan); a key alone in its bucket is placed, the others are ranked by
+//     counting (full 64-bit compare) inside buckets of at most kRankMax keys.
+//     A larger bucket (many equal scores, or scores squeezed by an outlier)
+//     is split again on the 64-bit key between its min and max, every pass
+//     shrinking its range at least (kFinal + 1)-fold, so ties (equal scores,
+//     ordered by id) stay bounded too;
 //   - merge path (merge_two): two sorted lists merge in one pass, each thread
 //     finding its diagonal by binary search and writing its outputs.
 // topk_select sorts chunks of 2048 candidates and merges them one at a time.
@@ -36,7 +37,8 @@ constexpr int kThreads = 1024;  // 512 measured slower for the sort and the merg
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunk = 2048;              // keys ranked together
 constexpr int kPer = kChunk / kThreads;  // positions per thread in rank_sort
-constexpr int kFinal = 32;               // a bucket this small is ranked by counting
+constexpr int kFinal = 32;               // the splitting passes rank a bucket this small by counting
+constexpr int kRankMax = 128;            // rank_sort's float pass ranks a bucket this small by counting
 constexpr int kBucketsPerKey = 2;        // float buckets per key in rank_sort's pass
 constexpr int kMaxPasses = 24;           // splitting passes: 64 bits / log2(kFinal + 1), with room
 constexpr int64_t kMaxSortKeys = 16384;  // candidates per row of topk_select
@@ -55,7 +57,8 @@ constexpr int64_t kMaxSortKeys = 16384;  // candidates per row of topk_select
 
 constexpr int64_t align16(int64_t x) { return (x + 15) & ~int64_t{15}; }
 
-int64_t rank_sort_bytes(int64_t n) { return 4 * n * 8 + 2 * n * 4 + 2 * align16((n + 1) * 4); }
+// cnt starts 16-byte aligned (rank_sort accesses a thread's counts as one vector).
+int64_t rank_sort_bytes(int64_t n) { return align16(4 * n * 8 + 2 * n * 4) + 2 * align16((n + 1) * 4); }
 static_assert(kBucketsPerKey * 4 <= 2 * 4, "the float pass's counts fit in cnt and pos");
 static_assert(kBucketsPerKey * kChunk <= 4096, "a bucket and a slot pack into 12 bits each");
 static_assert(kBucketsPerKey * 4 <= 2 * 8, "the float pass's bucket starts fit in bmin and bmax");
@@ -107,7 +110,7 @@ __device__ __forceinline__ SortSmem sort_smem(uint8_t* base, int n) {
   auto* g = reinterpret_cast<uint32_t*>(k + 4 * n);
   s.seg[0] = g;
   s.seg[1] = g + n;
-  s.cnt = reinterpret_cast<int*>(base + 4 * n * 8 + 2 * n * 4);
+  s.cnt = reinterpret_cast<int*>(base + align16(4 * n * 8 + 2 * n * 4));
   s.pos = reinterpret_cast<int*>(reinterpret_cast<uint8_t*>(s.cnt) + align16((n + 1) * 4));
   return s;
 }
@@ -295,27 +298,38 @@ __device__ void split_large_buckets(const SortSmem& m, int n, int limit, uint64_
 // Deterministic: equal keys are bitwise identical, so their order among
 // themselves cannot show.
 //
-// One pass of a bucket rank on the float score: kBucketsPerKey buckets per
-// key between the row's finite min and max (+inf first, -inf / NaN / invalid
-// last), the slot inside a bucket from the histogram atomic, one block scan,
-// then each key is either alone in its bucket (its place is final) or ranked
-// by counting among the <= kFinal keys of its bucket. Uniform and clustered
-// scores alike leave buckets of a few keys. A bucket above kFinal sends the
-// whole row through split_large_buckets.
+// One pass of a bucket rank: kBucketsPerKey buckets per key between the
+// row's finite min and max score (+inf first, -inf / NaN / invalid last), or,
+// when every finite score is the same, between the min and max id; the slot
+// inside a bucket from the histogram atomic, one block scan; then a key alone
+// in its bucket is placed, and the others are ranked by counting among the
+// <= kRankMax keys of their bucket. Uniform, clustered, tied (80 values) and
+// all-equal scores stay on this path. A larger bucket (many equal scores, or
+// scores squeezed together by an outlier) sends the whole row through
+// split_large_buckets.
 //
+// The rank by counting goes by position in the bucket order: a warp covers 32
+// neighbouring positions, mostly of one bucket, so its probes are broadcasts
+// (ranking by input key, every lane probes another bucket: bank conflicts).
 // Shared memory: the bucket counts live in cnt/pos and the bucket starts in
 // bmin/bmax (both free until the slow path, which reads the bucket starts
 // before it overwrites them).
 __device__ __forceinline__ void rank_sort(const SortSmem m, const float* scores, const int32_t* ids, int n, int limit,
                                        uint64_t* out) {
   constexpr int kB = kPer * kBucketsPerKey;  // buckets per thread in the scan
+  static_assert(kB == 4, "a thread's bucket counts are one 16-byte vector");
   __shared__ uint32_t warp_lo[kWarps], warp_hi[kWarps];
   __shared__ int warp_sum[kWarps];
   int* bcnt = m.cnt;                             // [n * kBucketsPerKey]
   int* bstart = reinterpret_cast<int*>(m.bmin);  // [n * kBucketsPerKey]
+  uint64_t* K = m.keys[0];                       // the bucket order
+  uint32_t* S = m.seg[0];                        // each position's bucket (size 0: placed)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nb = n * kBucketsPerKey;
-  // 1. Load every input first (independent loads in flight together).
+  // 1. Load every input first (independent loads in flight together); while
+  //    they fly, clear the counts and the positions' sizes. A thread's counts
+  //    are accessed as one vector (single words at a 4-word stride are 4-way
+  //    bank conflicts).
   float sc[kPer];
   int32_t id[kPer];
 #pragma unroll
@@ -324,12 +338,19 @@ __device__ __forceinline__ void rank_sort(const SortSmem m, const float* scores,
     sc[i] = j < n ? scores[j] : 0.f;
     id[i] = j < n ? ids[j] : -1;
   }
+  const bool whole = (tid + 1) * kB <= nb;
+  if (whole) {
+    reinterpret_cast<int4*>(bcnt)[tid] = make_int4(0, 0, 0, 0);
+  } else {
 #pragma unroll
-  for (int i = 0; i < kB; ++i) {
-    if (tid * kB + i < nb) bcnt[tid * kB + i] = 0;
+    for (int i = 0; i < kB; ++i)
+      if (tid * kB + i < nb) bcnt[tid * kB + i] = 0;
   }
-  // 2. The finite score range, as key high halves.
-  uint64_t* staged = m.keys[1];  // the keys in input order until the scatter
+#pragma unroll
+  for (int i = 0; i < kPer; ++i)
+    if (tid + i * kThreads < n) S[tid + i * kThreads] = 0;
+  // 2. The finite score range, as key high halves (and the id range, as key
+  //    low halves, when that range is one value).
   uint64_t x[kPer];
   uint32_t lo = 0xFFFFFFFFu, hi = 0;
 #pragma unroll
@@ -350,37 +371,62 @@ __device__ __forceinline__ void rank_sort(const SortSmem m, const float* scores,
   __syncthreads();
   lo = __reduce_min_sync(0xffffffffu, lane < kWarps ? warp_lo[lane] : 0xFFFFFFFFu);
   hi = __reduce_max_sync(0xffffffffu, lane < kWarps ? warp_hi[lane] : 0u);
-  // 3. Histogram. The bucket map is monotone (larger score, lower bucket):
-  //    fp32 subtraction and scaling round monotonically, and an overflow to
-  //    +inf lands in the last finite bucket. A row of <= kFinal keys is one bucket.
-  const bool one_bucket = n <= kFinal;
+  const bool by_id = lo == hi;  // the same in every thread
+  uint32_t id_lo = 0xFFFFFFFFu, id_hi = 0;
+  if (by_id) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (tid + i * kThreads < n && finite_hi(static_cast<uint32_t>(x[i] >> 32))) {
+        id_lo = min(id_lo, static_cast<uint32_t>(x[i]));
+        id_hi = max(id_hi, static_cast<uint32_t>(x[i]));
+      }
+    }
+    id_lo = __reduce_min_sync(0xffffffffu, id_lo);
+    id_hi = __reduce_max_sync(0xffffffffu, id_hi);
+    __syncthreads();  // every warp has read warp_lo / warp_hi
+    if (lane == 0) {
+      warp_lo[warp] = id_lo;
+      warp_hi[warp] = id_hi;
+    }
+    __syncthreads();
+    id_lo = __reduce_min_sync(0xffffffffu, lane < kWarps ? warp_lo[lane] : 0xFFFFFFFFu);
+    id_hi = __reduce_max_sync(0xffffffffu, lane < kWarps ? warp_hi[lane] : 0u);
+  }
+  // 3. Histogram. The bucket map is monotone (larger key, lower bucket): fp32
+  //    subtraction, conversion and scaling round monotonically, and an
+  //    overflow to +inf lands in the last finite bucket. A row of <= kRankMax
+  //    keys is one bucket.
+  const bool one_bucket = n <= kRankMax;
   const float top = key_score(hi);
   const float scale = lo < hi ? static_cast<float>(static_cast<double>(nb - 2) /
                                                    (static_cast<double>(top) - static_cast<double>(key_score(lo))))
-                              : 0.f;
-  // Each key's bucket and slot, packed (bucket << 12 | slot: both < 4096) to
-  // spare registers: the peer merge kernel inlines this sort at 64 per thread.
+                      : id_lo < id_hi ? static_cast<float>(static_cast<double>(nb - 2) / (id_hi - id_lo))
+                                      : 0.f;
+  // Each key's bucket and slot, packed (bucket << 12 | slot: both < 4096).
   int bs[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     if (tid + i * kThreads >= n) continue;
     const uint32_t h = static_cast<uint32_t>(x[i] >> 32);
+    const float d = by_id ? static_cast<float>(id_hi - static_cast<uint32_t>(x[i])) : top - key_score(h);
     int b;
     if (one_bucket || h >= 0xFF800000u) b = 0;  // +inf first
     else if (!finite_hi(h)) b = nb - 1;         // -inf, NaN, invalid
-    else b = 1 + min(nb - 3, static_cast<int>((top - key_score(h)) * scale));
+    else b = 1 + min(nb - 3, static_cast<int>(d * scale));
     bs[i] = (b << 12) | atomicAdd(&bcnt[b], 1);
-    staged[tid + i * kThreads] = x[i];  // not live in registers across the scan
   }
   __syncthreads();
   // 4. Exclusive scan of the counts into bstart (thread tid owns buckets tid * kB ..).
   {
-    int c[kB], sum = 0;
+    int c[kB];
+    if (whole) {
+      const int4 v = reinterpret_cast<const int4*>(bcnt)[tid];
+      c[0] = v.x, c[1] = v.y, c[2] = v.z, c[3] = v.w;
+    } else {
 #pragma unroll
-    for (int i = 0; i < kB; ++i) {
-      c[i] = tid * kB + i < nb ? bcnt[tid * kB + i] : 0;
-      sum += c[i];
+      for (int i = 0; i < kB; ++i) c[i] = tid * kB + i < nb ? bcnt[tid * kB + i] : 0;
     }
+    const int sum = c[0] + c[1] + c[2] + c[3];
     int incl = sum;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -396,55 +442,60 @@ __device__ __forceinline__ void rank_sort(const SortSmem m, const float* scores,
       if (lane >= o) w += y;
     }
     const int before = __shfl_sync(0xffffffffu, w, (warp + 31) & 31);
-    int run = (warp > 0 ? before : 0) + incl - sum;
+    int4 st;
+    st.x = (warp > 0 ? before : 0) + incl - sum;
+    st.y = st.x + c[0];
+    st.z = st.y + c[1];
+    st.w = st.z + c[2];
+    if (whole) {
+      reinterpret_cast<int4*>(bstart)[tid] = st;
+    } else {
+      const int v[kB] = {st.x, st.y, st.z, st.w};
 #pragma unroll
-    for (int i = 0; i < kB; ++i) {
-      if (tid * kB + i < nb) bstart[tid * kB + i] = run;
-      run += c[i];
+      for (int i = 0; i < kB; ++i)
+        if (tid * kB + i < nb) bstart[tid * kB + i] = v[i];
     }
   }
   __syncthreads();
-  // 5. A key alone in its bucket is placed; the others are scattered by
-  //    bucket for the rank.
-  uint64_t* K = m.keys[0];
-  uint32_t* S = m.seg[0];
+  // 5. A key alone in its bucket is placed; the others go to their position
+  //    in the bucket order.
   bool large = false;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     if (tid + i * kThreads >= n) continue;
     const int st = bstart[bs[i] >> 12], sz = bcnt[bs[i] >> 12];
-    const uint64_t v = staged[tid + i * kThreads];
     if (sz == 1) {
-      if (st < limit) out[st] = v;
+      if (st < limit) out[st] = x[i];
     } else {
-      K[st + (bs[i] & 4095)] = v;
+      K[st + (bs[i] & 4095)] = x[i];
       S[st + (bs[i] & 4095)] = pack_seg(st, sz);
-      large |= sz > kFinal;
+      large |= sz > kRankMax;
     }
   }
   if (!__syncthreads_or(large)) {
-    // 6. Rank inside buckets of 2 .. kFinal keys.
+    // 6. Rank by position inside buckets of 2 .. kRankMax keys.
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      if (tid + i * kThreads >= n) continue;
-      const int st = bstart[bs[i] >> 12], sz = bcnt[bs[i] >> 12];
-      if (sz == 1 || st >= limit) continue;
-      const int me = st + (bs[i] & 4095);
-      const uint64_t v = K[me];
-      const int r = rank_in_bucket(K, st, sz, v, me);
+      const int j = tid + i * kThreads;
+      if (j >= n) continue;
+      const uint32_t sg = S[j];
+      const int st = seg_start(sg), sz = seg_size(sg);
+      if (sz < 2 || st >= limit) continue;
+      const uint64_t v = K[j];
+      const int r = rank_in_bucket(K, st, sz, v, j);
       if (st + r < limit) out[st + r] = v;
     }
     __syncthreads();
     return;
   }
-  // Slow path: every position into keys[0] / seg[0], the range of every large
-  // bucket, then the splitting passes.
+  // Slow path: the placed keys into keys[0] / seg[0] too, the range of every
+  // bucket above kFinal, then the splitting passes.
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     if (tid + i * kThreads >= n) continue;
-    const int st = bstart[bs[i] >> 12];
     if (bcnt[bs[i] >> 12] == 1) {
-      K[st] = staged[tid + i * kThreads];
+      const int st = bstart[bs[i] >> 12];
+      K[st] = x[i];
       S[st] = pack_seg(st, 1);
     }
   }

@@ -41,7 +41,8 @@ def test_local_select_matches_reference(device, t, m, k, nasty):
     assert torch.equal(got, want)
 
 
-DISTRIBUTIONS = ("uniform", "normal", "tied80", "equal", "outlier", "ids_spread")
+DISTRIBUTIONS = ("uniform", "normal", "tied80", "tied20", "tied5", "equal", "equal_nonfinite", "outlier",
+                 "ids_spread")
 
 
 def distribution(kind, t, c, *, seed=0):
@@ -49,7 +50,10 @@ def distribution(kind, t, c, *, seed=0):
     bench times (uniform, normal, 80 distinct values, all equal), one far
     outlier that squeezes every other score into one bucket of the float
     range, and equal scores whose ids differ by powers of two (the ranks
-    separate on the id bits only)."""
+    separate on the id bits only). 20 and 5 distinct values leave about 100
+    and 400 keys per score at 2048 candidates (ranked by counting, and split
+    on the id bits); equal_nonfinite mixes one finite score with NaN, +-inf
+    and invalid ids (the sort buckets such a row on the id)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(t * c, generator=g).view(t, c).to(torch.int32)
     if kind == "uniform":
@@ -58,8 +62,19 @@ def distribution(kind, t, c, *, seed=0):
         scores = torch.randn(t, c, generator=g)
     elif kind == "tied80":
         scores = torch.randint(0, 80, (t, c), generator=g).float() * 0.37 - 5.0
+    elif kind == "tied20":
+        scores = torch.randint(0, 20, (t, c), generator=g).float() - 10.0
+    elif kind == "tied5":
+        scores = torch.randint(0, 5, (t, c), generator=g).float() * 1e-3
     elif kind == "equal":
         scores = torch.full((t, c), 1.5)
+    elif kind == "equal_nonfinite":
+        scores = torch.full((t, c), -2.25)
+        scores[:, 3::11] = float("nan")
+        scores[:, 5::13] = float("inf")
+        scores[:, 7::17] = -float("inf")
+        ids[:, 2::19] = -1
+        ids[:, 0] = 2**31 - 1
     elif kind == "outlier":
         scores = torch.randn(t, c, generator=g)
         scores[:, c // 2] = 3e38

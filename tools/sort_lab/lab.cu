@@ -4,8 +4,13 @@
 // distributions. Built with -DTRACE=1, thread 0 of block 0 also stamps
 // clock64 between the phases (the numbers after us/call).
 //   nvcc -O3 -arch=sm_90 -std=c++17 --expt-relaxed-constexpr [-DTRACE=1] lab.cu -o /tmp/sort_lab
-// Variants: cur1024 = v40 (multi-pass, as shipped in version 4.0), bk* = v41,
-// bk2x1 / bk2x2 = v42 with 1 / 2 buckets per key (bk2x2 is the library's),
+// Variants: cur1024 = v40 (multi-pass, as shipped in version 4.0), bk2x2 =
+// v42 (2 buckets per key, shipped in 4.2), bk3k64 = v43 (counting rank up to
+// 64 keys per bucket), bk5* = v45 (rank by position, id buckets for equal
+// scores, one 16-byte count vector per thread; s0/s1 = keys kept in registers
+// / staged in shared memory across the scan, p0/p1 = rank by key / by
+// position; bk5s0p1 is what csrc/topk_cuda.cu runs, there with kRankMax =
+// 128), cl* = v50 (a row over a cluster of CTAs: cl<CTAs>x<threads>),
 // floor1024 = load and store only.
 #ifndef TRACE
 #define TRACE 0
@@ -21,7 +26,8 @@
 
 __device__ long long g_stamps[16];
 #define stamps g_stamps
-#include "v42_one_pass.cuh"
+#include "v45_lazy.cuh"
+#include "v50_cluster.cuh"
 
 constexpr int kN = 2048;
 
@@ -43,6 +49,26 @@ __global__ void __launch_bounds__(T) sort_kernel(const float* scores, const int*
     bk2::rank_sort<T, 1>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
   } else if (V == 4) {
     bk2::rank_sort<T, 2>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 5) {
+    bk3::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 6) {
+    bk3::rank_sort<T, 2, 128>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 7) {
+    bk4::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 8) {
+    bk4::rank_sort<T, 2, 128>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 9) {
+    bk4::rank_sort<T, 2, 256>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 10) {
+    bk5::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 11) {
+    bk5::rank_sort<T, 2, 128>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 12) {
+    bk5::rank_sort<T, 2, 64, false, false>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 13) {
+    bk5::rank_sort<T, 2, 64, false, true>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+  } else if (V == 14) {
+    bk5::rank_sort<T, 2, 64, true, false>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
   } else {  // floor: load, store in input order
     for (int j = threadIdx.x; j < n; j += T) res[j] = key_at(j);
     __syncthreads();
@@ -52,6 +78,16 @@ __global__ void __launch_bounds__(T) sort_kernel(const float* scores, const int*
   STAMP(7);
 }
 
+// A row over a cluster of CL CTAs (v50): grid = rows * CL.
+template <int CL, int T, int KF>
+__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(T)
+    cluster_kernel(const float* scores, const int* ids, int n, int* out) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  STAMP(0);
+  const int t = blockIdx.x / CL;
+  clu::cluster_sort<CL, T, 2, KF>(scores + t * n, ids + t * n, n, out + t * n, smem);
+  STAMP(7);
+}
 
 // Merge path (as csrc/topk_cuda.cu's merge_two): the first nout keys of the
 // merge of a[0..la) and b[0..lb), both descending, a wins ties.
@@ -125,15 +161,18 @@ struct Variant {
   const char* name;
   void (*kernel)(const float*, const int*, int, int*);
   int threads;
+  int ctas = 1;  // CTAs per row
 };
 
 Variant variants[] = {
     {"cur1024", sort_kernel<0, 1024>, 1024},
-    {"bk1024", sort_kernel<1, 1024>, 1024},
-    {"bk512", sort_kernel<1, 512>, 512},
-    {"bk2x1", sort_kernel<3, 1024>, 1024},
     {"bk2x2", sort_kernel<4, 1024>, 1024},
-    {"bk2x1_512", sort_kernel<3, 512>, 512},
+    {"bk3k64", sort_kernel<5, 1024>, 1024},
+    {"bk5k64", sort_kernel<10, 1024>, 1024},
+    {"bk5s0p0", sort_kernel<12, 1024>, 1024},
+    {"bk5s0p1", sort_kernel<13, 1024>, 1024},
+    {"bk5s1p0", sort_kernel<14, 1024>, 1024},
+    {"cl8x256", cluster_kernel<8, 256, 64>, 256, 8},
     {"floor1024", sort_kernel<2, 1024>, 1024},
 };
 
@@ -195,7 +234,7 @@ int main(int argc, char** argv) {
       for (auto& v : variants) {
         if (std::string(v.name).rfind("floor", 0) == 0) continue;
         CK(cudaMemset(dout, 0x55, id.size() * 4));
-        v.kernel<<<rows, v.threads, smem>>>(ds, di, n, dout);
+        v.kernel<<<rows * v.ctas, v.threads, smem>>>(ds, di, n, dout);
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
         std::vector<int> got(id.size());
@@ -240,7 +279,7 @@ int main(int argc, char** argv) {
         cudaGraph_t graph;
         cudaGraphExec_t exec;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int c = 0; c < 8; ++c) v.kernel<<<rows, v.threads, smem, st>>>(ds, di, kN, dout);
+        for (int c = 0; c < 8; ++c) v.kernel<<<rows * v.ctas, v.threads, smem, st>>>(ds, di, kN, dout);
         CK(cudaStreamEndCapture(st, &graph));
         CK(cudaGraphInstantiate(&exec, graph, 0));
         for (int w = 0; w < 20; ++w) CK(cudaGraphLaunch(exec, st));
@@ -260,7 +299,7 @@ int main(int argc, char** argv) {
         std::sort(trials.begin(), trials.end());
         long long h[16] = {0};
         if (TRACE) {
-          v.kernel<<<rows, v.threads, smem, st>>>(ds, di, kN, dout);
+          v.kernel<<<rows * v.ctas, v.threads, smem, st>>>(ds, di, kN, dout);
           CK(cudaStreamSynchronize(st));
           CK(cudaMemcpyFromSymbol(h, g_stamps, sizeof(h)));
         }
