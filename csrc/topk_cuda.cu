@@ -11,7 +11,7 @@
 //     is split again on the 64-bit key between its min and max, every pass
 //     shrinking its range at least (kFinal + 1)-fold, so ties (equal scores,
 //     ordered by id) stay bounded too;
-//   - merge path (merge_two): two sorted lists merge in one pass, each thread
+//   - merge path (merge_path): two sorted lists merge in one pass, each thread
 //     finding its diagonal by binary search and writing its outputs.
 // topk_select sorts chunks of 2048 candidates and merges them one at a time.
 // The peer merge (protocol version 4, data-as-flag): each owner sorts its row,
@@ -517,9 +517,12 @@ __device__ __forceinline__ void rank_sort(const SortSmem m, const float* scores,
 }
 
 // Merge path: the first nout keys of the merge of a[0..la) and b[0..lb), both
-// descending, into out (a wins ties). Each thread finds its diagonal by binary
-// search and writes its run of outputs. The caller synchronises after.
-__device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, uint64_t* out, int nout) {
+// descending, handed to store(position, key) (a wins ties). Each thread finds
+// its diagonal by binary search and stores its run of outputs. The caller
+// synchronises after.
+template <typename Store>
+__device__ __forceinline__ void merge_path(const uint64_t* a, int la, const uint64_t* b, int lb, int nout,
+                                           Store store) {
   const int per = (nout + kThreads - 1) / kThreads;
   const int q = static_cast<int>(threadIdx.x) * per;
   if (q >= nout) return;
@@ -532,14 +535,21 @@ __device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, 
   const int cnt = min(per, nout - q);
   for (int x = 0; x < cnt; ++x) {
     const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
-    out[q + x] = take_a ? a[i++] : b[j++];
+    store(q + x, take_a ? a[i++] : b[j++]);
   }
 }
 
+// The merged keys into out[0..nout).
+__device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, uint64_t* out, int nout) {
+  merge_path(a, la, b, lb, nout, [out](int pos, uint64_t key) { out[pos] = key; });
+}
+
 // The best min(m, keep) keys of (scores[j], ids[j]), j < m, in order, sorted by chunks of
-// kChunk that are merged one at a time. Returns where they are (acc or tmp).
+// kChunk that are merged one at a time. Returns where they are (acc or tmp);
+// with ids_out, a last merge (m > kChunk) writes their ids there instead and
+// nullptr is returned.
 __device__ uint64_t* block_select(uint8_t* smem, const SmemPlan& p, const float* scores, const int32_t* ids, int m,
-                                  int keep) {
+                                  int keep, int32_t* ids_out = nullptr) {
   uint64_t* acc = reinterpret_cast<uint64_t*>(smem + p.acc);
   uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + p.tmp);
   const SortSmem s = sort_smem(smem + p.sort, p.sort_n);
@@ -551,6 +561,11 @@ __device__ uint64_t* block_select(uint8_t* smem, const SmemPlan& p, const float*
     const int c = min(kChunk, m - base);
     rank_sort(s, scores + base, ids + base, c, keep, chunk);
     const int nout = min(len + min(c, keep), keep);
+    if (ids_out != nullptr && base + kChunk >= m) {
+      merge_path(acc, len, chunk, min(c, keep), nout,
+                 [ids_out](int pos, uint64_t key) { ids_out[pos] = topk_key_id(key); });
+      return nullptr;
+    }
     merge_two(acc, len, chunk, min(c, keep), tmp, nout);
     __syncthreads();
     uint64_t* t = acc;
@@ -568,8 +583,9 @@ __global__ void __launch_bounds__(kThreads, 1) topk_select_kernel(SmemPlan p, co
   int32_t* o = out + t * k;
   const int take = min(m, k);
   if (m > 0) {
-    const uint64_t* best = block_select(smem, p, scores + t * s0, ids + t * i0, m, k);
-    for (int pos = threadIdx.x; pos < take; pos += kThreads) o[pos] = topk_key_id(best[pos]);
+    const uint64_t* best = block_select(smem, p, scores + t * s0, ids + t * i0, m, k, o);
+    if (best != nullptr)
+      for (int pos = threadIdx.x; pos < take; pos += kThreads) o[pos] = topk_key_id(best[pos]);
   }
   for (int pos = take + threadIdx.x; pos < k; pos += kThreads) o[pos] = -1;
 }
@@ -687,7 +703,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         inbox(d, me, t)[x % kk] = acc[x % kk];
       }
     }
-    // 3. Consumer: merge each peer's list as it lands.
+    // 3. Consumer: merge each peer's list as it lands; the last merge writes the ids.
+    int32_t* o = out + static_cast<int64_t>(t) * k;
     int len = kk;
     for (int step = 1; step < n; ++step) {
       const int src = (me + step) % n;
@@ -706,17 +723,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncthreads();
       const int nout = min(k, len + kk);
-      merge_two(acc, len, stage, kk, tmp, nout);
-      __syncthreads();
-      uint64_t* x = acc;
-      acc = tmp;
-      tmp = x;
-      len = nout;
+      if (step == n - 1) {
+        // The last list: the merge writes the ids (nout = k, as k <= N * kk:
+        // every position holds a key, invalid ones are 0: id -1).
+        merge_path(acc, len, stage, kk, nout, [o](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
+      } else {
+        merge_two(acc, len, stage, kk, tmp, nout);
+        __syncthreads();
+        uint64_t* x = acc;
+        acc = tmp;
+        tmp = x;
+        len = nout;
+      }
     }
     if (checks_header) check_headers(ws, g.header_offset, call, hdr);
-    // k <= N * kk (the layout checks it): every position holds a key (invalid ones are 0: id -1).
-    int32_t* o = out + static_cast<int64_t>(t) * k;
-    for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
+    if (n == 1) {
+      for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
+    }
     __syncthreads();  // the next row reuses the shared memory
   }
   if (!have_call) call = block_call_index(ws);

@@ -184,10 +184,10 @@ def _global_candidates(world, t, c, seed, nasty, kind=None):
     return shards
 
 
-def _peer_merge_worker(rank, world, backend, cases, max_rows):
+def _peer_merge_worker(rank, world, backend, cases, max_rows, shared=False):
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", 0 if shared else rank) if backend == "cuda" else torch.device("cpu")
     if backend == "cuda":
         torch.cuda.set_device(device)
     picked = []
@@ -196,7 +196,7 @@ def _peer_merge_worker(rank, world, backend, cases, max_rows):
         if k > world * c:
             continue
         with torch_sdcp.TopKWorkspace(None, max_rows, k, candidates_per_rank=c, backend=backend,
-                                      device=device) as ws:
+                                      device=device, allow_shared_device=shared) as ws:
             for i, (t, kk, cc, nasty, kind) in enumerate(cases):
                 if (kk, cc) != (k, c):
                     continue
@@ -228,6 +228,19 @@ GPU_CASES = [(t, k, k, nasty) for t in (1, 16, 17, 64, 96, 128) for k in (512, 1
     (0, 2048, 2048, False),  # no rows: one warp stores and checks the call headers
     (200, 512, 512, True),  # more rows than SMs: a block handles several rows
 ] + [(t, 2048, 2048, False, kind) for t in (1, 64) for kind in DISTRIBUTIONS]
+
+
+# Two ranks time-slicing one GPU (correctness only: every wait lasts until the
+# other process's kernel gets the GPU): the CUDA peer path on a one-GPU machine.
+SHARED_GPU_CASES = [(1, 2048, 2048, False), (17, 1024, 1024, True), (3, 77, 77, True), (2, 2048, 4096, True),
+                    (0, 2048, 2048, False), (2, 2048, 2048, False, "tied80"), (2, 2048, 2048, False, "equal")]
+
+
+@requires_gpus(1)
+def test_peer_merge_cuda_two_ranks_on_one_gpu():
+    picked = run_workers(_peer_merge_worker, 2, args=("cuda", SHARED_GPU_CASES, 32, True), timeout=300)
+    assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[1]))
+    assert len(picked[0]) == len(SHARED_GPU_CASES)
 
 
 @requires_gpus(GPU_WORLD)

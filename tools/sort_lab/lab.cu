@@ -110,12 +110,33 @@ __device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, 
   }
 }
 
+// merge_two writing the ids of the merged keys straight to global memory
+// (the last merge of a row: no shared-memory result, no ids pass).
+template <int T>
+__device__ void merge_two_ids(const uint64_t* a, int la, const uint64_t* b, int lb, int* out, int nout,
+                              int min_per = 1) {
+  const int per = max(min_per, (nout + T - 1) / T);
+  const int q = static_cast<int>(threadIdx.x) * per;
+  if (q >= nout) return;
+  int lo = max(0, q - lb), hi = min(q, la);
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (a[mid] >= b[q - 1 - mid]) lo = mid + 1; else hi = mid;
+  }
+  int i = lo, j = q - lo;
+  const int cnt = min(per, nout - q);
+  for (int x = 0; x < cnt; ++x) {
+    const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
+    out[q + x] = topk_key_id(take_a ? a[i++] : b[j++]);
+  }
+}
+
 // The peer merge of two ranks simulated by two blocks of one kernel on one
 // GPU (block r plays rank r, row r): sort, push the sorted keys into the
 // other block's inbox (16-byte plain stores, the keys are their own flag),
 // poll the own inbox (re-filling the sentinel), merge path, ids out. What it
 // leaves out: the NVLink crossing and the skew between two GPUs.
-template <int T, int PER, bool VEC_OUT>
+template <int T, int PER, bool VEC_OUT, int SORT = 2, bool FUSE = false>
 __global__ void __launch_bounds__(T) peer_sim_kernel(const float* scores, const int* ids, int n, uint64_t* inbox,
                                                      int* out) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -125,7 +146,11 @@ __global__ void __launch_bounds__(T) peer_sim_kernel(const float* scores, const 
   uint64_t* stage = acc + kN;
   uint64_t* tmp = stage + kN;
   const int r = blockIdx.x;
-  bk2::rank_sort<T, 2>(m, [&](int j) { return scores[r * n + j]; }, [&](int j) { return ids[r * n + j]; }, n, n, acc);
+  if (SORT == 2)
+    bk2::rank_sort<T, 2>(m, [&](int j) { return scores[r * n + j]; }, [&](int j) { return ids[r * n + j]; }, n, n, acc);
+  else
+    bk5::rank_sort<T, 2, 128, false, true>(m, [&](int j) { return scores[r * n + j]; },
+                                           [&](int j) { return ids[r * n + j]; }, n, n, acc);
   STAMP(6);
   ulonglong2* peer = reinterpret_cast<ulonglong2*>(inbox + (1 - r) * n);
   ulonglong2* mine = reinterpret_cast<ulonglong2*>(inbox + r * n);
@@ -141,6 +166,12 @@ __global__ void __launch_bounds__(T) peer_sim_kernel(const float* scores, const 
   }
   __syncthreads();
   STAMP(8);
+  if (FUSE) {
+    merge_two_ids<T>(acc, n, stage, n, out + r * n, n, PER);
+    STAMP(9);
+    STAMP(10);
+    return;
+  }
   merge_two<T>(acc, n, stage, n, tmp, n, PER);
   __syncthreads();
   STAMP(9);
@@ -256,7 +287,9 @@ int main(int argc, char** argv) {
   const char* tkinds[] = {"uniform", "normal", "tied80", "equal", "skew"};
   printf("%-10s %-8s %5s %9s   stamps (cycles from start, block 0, one traced launch)\n", "variant", "kind", "rows",
          "us/call");
+  const bool sim_only = argc > 1 && std::string(argv[1]) == "sim";  // `lab sim`: the peer simulation only
   for (int rows : {1, 64}) {
+    if (sim_only) break;
     for (const char* kind : tkinds) {
       auto s = make_scores(kind, rows, kN, g);
       std::vector<int> id(static_cast<size_t>(rows) * kN);
@@ -322,9 +355,10 @@ int main(int argc, char** argv) {
     struct Sim {
       const char* name;
       void (*kernel)(const float*, const int*, int, uint64_t*, int*);
-    } sims[] = {{"sim_p2", peer_sim_kernel<1024, 2, false>}, {"sim_p4", peer_sim_kernel<1024, 4, false>},
-                {"sim_p8", peer_sim_kernel<1024, 8, false>}, {"sim_p16", peer_sim_kernel<1024, 16, false>},
-                {"sim_p8v", peer_sim_kernel<1024, 8, true>}, {"sim_p4v", peer_sim_kernel<1024, 4, true>}};
+    } sims[] = {{"sim_p2", peer_sim_kernel<1024, 2, false>},
+                {"sim45_p2", peer_sim_kernel<1024, 2, false, 5>},
+                {"sim45_fuse", peer_sim_kernel<1024, 2, false, 5, true>},
+                {"sim45_fuse4", peer_sim_kernel<1024, 4, false, 5, true>}};
     for (auto& sim : sims)
       CK(cudaFuncSetAttribute(sim.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(smem + 2 * kN * 8)));
