@@ -330,11 +330,19 @@ __device__ __forceinline__ bool check_call_header_tagged(const DeviceWorkspace& 
   for (uint32_t f = 0; f < kHeaderFields; ++f)
     word[f] = static_cast<uint32_t>(first[f] >> 32) == tag ? static_cast<uint32_t>(first[f])
                                                            : poll_tagged(ws, p + f, tag, src, call, kWaitHeader);
-  const uint4 v = make_uint4(word[0], word[1], word[2], word[3]);
-  const CallHeader theirs{{v.x, v.y, v.z, v.w}};
+  const CallHeader theirs{{word[0], word[1], word[2], word[3]}};
   if (call_header_mismatch(mine, theirs) == kHeaderFields) return true;
-  if (ld_volatile_u64(own_abort_word(ws)) != 0) return false;  // a poll gave up: its words are stale
-  return header_matches(ws, v, mine, src, call);
+  // A poll that gave up (a peer's abort) returns a stale word: compare only a
+  // header that has landed whole by now. One that has is compared even after
+  // an abort, so a rank that meets a mismatching peer's abort first still
+  // names both sides (the mismatch record replaces the peer-abort one).
+#pragma unroll
+  for (uint32_t f = 0; f < kHeaderFields; ++f) {
+    const uint64_t x = ld_volatile_u64(p + f);
+    if (static_cast<uint32_t>(x >> 32) != tag) return false;
+    word[f] = static_cast<uint32_t>(x);
+  }
+  return header_matches(ws, make_uint4(word[0], word[1], word[2], word[3]), mine, src, call);
 }
 
 // Blocks for `items` of `items_per_block`, at most `per_sm` per SM and
