@@ -1,5 +1,5 @@
 """Output/LSE boundary: the local combine, the peer combine (host backend at
-world sizes 1-4, CUDA on 2 GPUs), opcheck, torch.compile, CUDA graphs."""
+world sizes 1-4, CUDA on 2 GPUs and two ranks sharing one GPU), opcheck, torch.compile, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -102,10 +102,10 @@ def _check_rank(rank, world, got_out, got_lse, out, lse, base2):
     check_close(got_out.cpu(), got_lse.cpu(), ref_out, ref_lse)
 
 
-def _peer_combine_worker(rank, world, backend, cases, max_rows):
+def _peer_combine_worker(rank, world, backend, cases, max_rows, shared=False):
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", 0 if shared else rank) if backend == "cuda" else torch.device("cpu")
     if backend == "cuda":
         torch.cuda.set_device(device)
     done = 0
@@ -113,7 +113,8 @@ def _peer_combine_worker(rank, world, backend, cases, max_rows):
     for t, h, d, base2, nasty in cases:
         by_geometry.setdefault((h, d), []).append((t, base2, nasty))
     for (h, d), items in by_geometry.items():
-        with torch_sdcp.OutputLSEWorkspace(None, max_rows, h, d, backend=backend, device=device) as ws:
+        with torch_sdcp.OutputLSEWorkspace(None, max_rows, h, d, backend=backend, device=device,
+                                           allow_shared_device=shared) as ws:
             assert ws.peer
             for i, (t, base2, nasty) in enumerate(items):
                 out, lse = _global_partials(world, t, h, d, seed=1000 * t + h + d + i, nasty=nasty)
@@ -213,6 +214,13 @@ GPU_CASES = [(t, h, d, b, n) for t in (1, 8, 17, 32, 64, 96, 128) for h in (32, 
 @requires_gpus(GPU_WORLD)
 def test_peer_combine_cuda_sentinel_inputs():
     assert run_workers(_sentinel_worker, GPU_WORLD, args=("cuda",), timeout=120) == [True] * GPU_WORLD
+
+
+@requires_gpus(1)
+def test_peer_combine_cuda_two_ranks_on_one_gpu():
+    # Two ranks time-slicing one GPU (correctness only): the peer path where one GPU is all there is.
+    cases = [(1, 64, 512, False, True), (17, 32, 256, True, True), (64, 64, 512, False, False)]
+    assert run_workers(_peer_combine_worker, 2, args=("cuda", cases, 64, True), timeout=300) == [len(cases)] * 2
 
 
 @requires_gpus(GPU_WORLD)

@@ -1,5 +1,6 @@
 """Query boundary: the fused RoPE/FP8 producer, the peer gather (host backend
-at world sizes 1-4, CUDA on 2 GPUs), opcheck, torch.compile, CUDA graphs."""
+at world sizes 1-4, CUDA on 2 GPUs and two ranks sharing one GPU), opcheck,
+torch.compile, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -104,16 +105,16 @@ def _expected(inputs, scale, rope_style, dtype):
                       for x in inputs], dim=1)
 
 
-def _peer_gather_worker(rank, world, backend, cases, max_rows):
+def _peer_gather_worker(rank, world, backend, cases, max_rows, shared=False):
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", 0 if shared else rank) if backend == "cuda" else torch.device("cpu")
     if backend == "cuda":
         torch.cuda.set_device(device)
     done = 0
     for h, dtype, style in sorted({(h, d, s) for _, h, d, s, _ in cases}, key=str):
         with torch_sdcp.QueryWorkspace(None, max_rows, h, dtype=dtype, rope_style=style, backend=backend,
-                                       device=device) as ws:
+                                       device=device, allow_shared_device=shared) as ws:
             for i, (t, hh, dd, ss, scale) in enumerate(cases):
                 if (hh, dd, ss) != (h, dtype, style):
                     continue
@@ -145,6 +146,18 @@ GPU_CASES = [(t, h, d, s, sc) for t in (1, 8, 17, 64, 128) for h in (8, 16, 32)
 def test_peer_gather_cuda():
     assert run_workers(_peer_gather_worker, GPU_WORLD, args=("cuda", GPU_CASES, 128), timeout=400) == \
         [len(GPU_CASES)] * GPU_WORLD
+
+
+# Two ranks time-slicing one GPU (correctness only): the CUDA peer path of
+# the gather and the heads gather on a one-GPU machine.
+@requires_gpus(1)
+def test_peer_gather_and_heads_cuda_two_ranks_on_one_gpu():
+    cases = [(1, 8, torch.float8_e4m3fn, "interleaved", 0.02), (17, 16, torch.bfloat16, "neox", None),
+             (64, 32, torch.float8_e4m3fn, "neox", None)]
+    assert run_workers(_peer_gather_worker, 2, args=("cuda", cases, 64, True), timeout=300) == [len(cases)] * 2
+    rows = [1, 7, 32]
+    assert run_workers(_heads_worker, 2, args=("cuda", rows, 32, True), timeout=300) == \
+        [len(rows) * len(GATHER_DTYPES)] * 2
 
 
 def _graph_worker(rank, world, replays):
@@ -390,16 +403,16 @@ def _poisoned_queries(world, t, h, w, dtype, seed):
     return out
 
 
-def _heads_worker(rank, world, backend, cases, max_rows):
+def _heads_worker(rank, world, backend, cases, max_rows, shared=False):
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", 0 if shared else rank) if backend == "cuda" else torch.device("cpu")
     if backend == "cuda":
         torch.cuda.set_device(device)
     done = 0
     for dtype in GATHER_DTYPES:
         with torch_sdcp.QueryWorkspace(None, max_rows, 4, nope_dim=576, rope_dim=0, dtype=dtype, backend=backend,
-                                       device=device) as ws:
+                                       device=device, allow_shared_device=shared) as ws:
             for i, t in enumerate(cases):
                 qs = _poisoned_queries(world, t, 4, 576, dtype, seed=1000 * i + t)
                 want = reference.query_all_gather_heads_ref(qs)
@@ -706,10 +719,14 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
 
 
 def _rel_setup(rank, device):
-    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else dict(backend="host")
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    return dev, dev.get("device", torch.device("cpu"))
+    """Workspace arguments and tensor device of a test rank for `device`: "host",
+    "cuda" (GPU `rank`) or "cuda_shared" (every rank on GPU 0, time-sliced)."""
+    if device == "host":
+        return dict(backend="host"), torch.device("cpu")
+    index = 0 if device == "cuda_shared" else rank
+    torch.cuda.set_device(index)
+    dev = dict(device=torch.device("cuda", index), backend="cuda", allow_shared_device=device == "cuda_shared")
+    return dev, dev["device"]
 
 
 def _rel_query(t, seed, where, h=2, nope=28, rope=4):  # 32 fp8 bytes per head: whole 16-byte vectors
@@ -722,7 +739,7 @@ def _expect_failure(ws, device, call, match):
     import time
 
     t0 = time.monotonic()
-    if device == "cuda":
+    if device != "host":
         call()
         torch.cuda.synchronize()  # the kernels end at once: nobody waits out the timeout
         with pytest.raises(RuntimeError, match=match):
@@ -791,7 +808,7 @@ def _query_mismatch_worker(rank, world, device):
         got = ws.gather(*[x.to(where) for x in inputs[rank]], scale).cpu()
         assert torch.equal(as_bytes(got), as_bytes(_expected(inputs, scale.cpu(), "interleaved", torch.float8_e4m3fn)))
         ws.check()
-    if device == "cuda":
+    if device != "host":
         assert torch.ones(4, device=where).sum().item() == 4.0  # the context is alive
     return True
 
@@ -837,7 +854,7 @@ def _query_caught_error_worker(rank, world, device, mode):
     else:
         t0 = time.monotonic()
         match = "peer 0 aborted: a call raised an error on that rank"
-        if device == "cuda":
+        if device != "host":
             call(q)
             torch.cuda.synchronize()
             with pytest.raises(RuntimeError, match=match):
@@ -873,7 +890,7 @@ def _query_bad_position_worker(rank, world, device):
     ws.gather(*q, scale)
     if rank == 0:
         q[2] = torch.tensor([3, 99], dtype=q[2].dtype, device=where)
-        if device == "cuda":
+        if device != "host":
             ws.gather(*q, scale)
             torch.cuda.synchronize()
             with pytest.raises(RuntimeError, match=r"bad input on rank 0 block 0 \(query workspace \d+, buffer 1, "
@@ -885,17 +902,17 @@ def _query_bad_position_worker(rank, world, device):
                 ws.gather(*q, scale)
     else:
         match = "peer 0 aborted: a (kernel on that rank met bad input|call raised an error on that rank)"
-        if device == "cuda":
+        if device != "host":
             ws.gather(*q, scale)
             torch.cuda.synchronize()
             ws.gather(*q, scale)  # learns a peer's abort at the latest in its next kernel
             torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match=match):
-            ws.check() if device == "cuda" else ws.gather(*q, scale)
+            ws.check() if device != "host" else ws.gather(*q, scale)
     dist.barrier()
     assert ws.poisoned
     ws.close()
-    if device == "cuda":
+    if device != "host":
         assert torch.ones(4, device=where).sum().item() == 4.0  # no trap: the context is alive
     return True
 
@@ -949,3 +966,15 @@ def test_query_cuda_bad_position_is_reported_not_trapped():
 @requires_gpus(2)
 def test_query_cuda_creation_compares_the_geometry_across_ranks():
     assert run_workers(_query_creation_agreement_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+# Both ranks on one GPU (time-sliced): the CUDA failure paths where one GPU is
+# all there is.
+@requires_gpus(1)
+@pytest.mark.parametrize("worker,args", [(_query_mismatch_worker, ()), (_query_caught_error_worker, ("gather",)),
+                                         (_query_caught_error_worker, ("heads",)),
+                                         (_query_caught_error_worker, ("view",)),
+                                         (_query_bad_position_worker, ())],
+                         ids=["mismatch", "caught_gather", "caught_heads", "caught_view", "bad_position"])
+def test_query_cuda_two_ranks_on_one_gpu(worker, args):
+    assert run_workers(worker, 2, args=("cuda_shared", *args), timeout=300) == [True, True]

@@ -3,7 +3,8 @@ absurd sizes and timeouts refused locally before any collective, creation
 bounded by timeout_s, dropped workspaces released, closed workspaces refusing
 every call, failed resizes leaving the workspace as it was, one caller thread
 at a time, argument errors naming the argument on the peer and the collective
-path, and the rows_fallback opt-out."""
+path, and the rows_fallback opt-out; the failure paths again on CUDA (2 GPUs,
+and two ranks sharing one GPU)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ import torch
 from _dist import run_workers
 
 HOST = dict(backend="host")
+
+
+def _workspace_args(rank, device):
+    """A test rank's workspace arguments for `device`: "host", "cuda" (GPU
+    `rank`) or "cuda_shared" (every rank on GPU 0, time-sliced: correct, slow)."""
+    if device == "host":
+        return HOST
+    index = 0 if device == "cuda_shared" else rank
+    torch.cuda.set_device(index)
+    return dict(device=torch.device("cuda", index), backend="cuda", allow_shared_device=device == "cuda_shared")
 
 
 def _refuse_probe(stage):  # the capability gate fails on every rank
@@ -437,12 +448,10 @@ def _poisoned(ws, call):
 def _mismatch_worker(rank, world, device):
     import torch_sdcp
 
-    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    dev = _workspace_args(rank, device)
 
     def settle(ws):  # CUDA reports at the next host call or check(); the host backend at once
-        if device == "cuda":
+        if device != "host":
             torch.cuda.synchronize()
         return ws
 
@@ -460,7 +469,7 @@ def _mismatch_worker(rank, world, device):
             po, pl = _partials(mine["rows"], seed=rank)
             t0 = time.monotonic()
             match = f"call mismatch .*{re_escape(text)}"
-            if device == "cuda":
+            if device != "host":
                 ws.combine(po.to(ws.device), pl.to(ws.device), lse_base=mine.get("lse_base", "e"))
                 settle(ws)  # the kernels end at once: neither rank waits for rows that never come
                 with pytest.raises(RuntimeError, match=match):
@@ -479,7 +488,7 @@ def _mismatch_worker(rank, world, device):
         po, pl = po.to(ws.device), pl.to(ws.device)
         out, out_lse = torch.empty(2, 4, 64, dtype=dtype, device=ws.device), torch.empty(2, 4, device=ws.device)
         match = "call mismatch .*rank 0 called with dtype BFloat16, rank 1 with dtype Half"
-        if device == "cuda":
+        if device != "host":
             torch.ops.sdcp.output_lse_combine_out(po, pl, ws.handle, False, out, out_lse)
             settle(ws)
         else:
@@ -494,7 +503,7 @@ def _mismatch_worker(rank, world, device):
         with torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **dev) as ws:
             x = x.to(ws.device)
             match = f"call mismatch .*{re_escape(text)}"
-            if device == "cuda":
+            if device != "host":
                 ws.all_gather(x)
                 settle(ws)
                 with pytest.raises(RuntimeError, match=match):
@@ -508,7 +517,7 @@ def _mismatch_worker(rank, world, device):
         got = ws.all_gather(torch.full((2,), float(rank), device=ws.device)).cpu()
         assert torch.equal(got, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
         ws.check()
-    if device == "cuda":
+    if device != "host":
         assert torch.ones(4, device="cuda").sum().item() == 4.0  # the context is alive
     return True
 
@@ -522,9 +531,7 @@ def _skip_worker(rank, world, device):
 
     import torch_sdcp
 
-    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    dev = _workspace_args(rank, device)
     control = dist.new_group([0, 1])
     po, pl = _partials(2, seed=rank)
     po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
@@ -535,7 +542,7 @@ def _skip_worker(rank, world, device):
     if rank == 0:  # rank 1 skips this call
         t0 = time.monotonic()
         match = r"timeout: rank 0 .*waited 1.5 s for peer 1's (call header|data) .*buffer 1, call 1"
-        if device == "cuda":
+        if device != "host":
             ws.combine(po, pl)
             torch.cuda.synchronize()  # the kernel returns after the timeout: the context survives
             with pytest.raises(RuntimeError, match=match):
@@ -548,7 +555,7 @@ def _skip_worker(rank, world, device):
     else:
         dist.barrier(group=control)  # rank 0 timed out and aborted the workspace everywhere
         match = r"peer 0 aborted: it timed out waiting for a peer"
-        if device == "cuda":
+        if device != "host":
             t0 = time.monotonic()
             ws.combine(po, pl)  # the kernel finds rank 0's abort word in its first slow poll
             torch.cuda.synchronize()
@@ -570,7 +577,7 @@ def _skip_worker(rank, world, device):
     with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=30, **dev) as fresh:
         fresh.combine(po, pl)
         fresh.check()
-    if device == "cuda":
+    if device != "host":
         assert torch.ones(4, device="cuda").sum().item() == 4.0
     return True
 
@@ -584,9 +591,7 @@ def _bad_input_worker(rank, world, device):
 
     import torch_sdcp
 
-    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    dev = _workspace_args(rank, device)
     po, pl = _partials(2, seed=rank)
     po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
     ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=120, **dev)
@@ -600,7 +605,7 @@ def _bad_input_worker(rank, world, device):
     else:
         t0 = time.monotonic()
         match = "peer 0 aborted: a call raised an error on that rank"
-        if device == "cuda":
+        if device != "host":
             ws.combine(po, pl)
             torch.cuda.synchronize()
             with pytest.raises(RuntimeError, match=match):
@@ -715,9 +720,7 @@ def _topk_mismatch_worker(rank, world, device):
     import torch_sdcp
     from torch_sdcp import reference
 
-    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    dev = _workspace_args(rank, device)
     cases = [  # (what differs, rank 0's rows, rank 1's rows, expected text)
         ("rows", 4, 8, "rank 0 called with 4 rows, rank 1 with 8 rows"),
         ("rows0", 0, 3, "rank 0 called with 0 rows, rank 1 with 3 rows"),
@@ -731,7 +734,7 @@ def _topk_mismatch_worker(rank, world, device):
             s, i = (x.to(ws.device) for x in _candidates(rows[rank], TOPK_C, seed=rank))
             t0 = time.monotonic()
             match = f"call mismatch \\(topk workspace .*\\): {re_escape(text)}"
-            if device == "cuda":
+            if device != "host":
                 ws.merge(s, i)
                 torch.cuda.synchronize()  # the kernels end at once: neither rank waits for rows that never come
                 with pytest.raises(RuntimeError, match=match):
@@ -749,10 +752,10 @@ def _topk_mismatch_worker(rank, world, device):
             every = _topk_every(rows, 10 + e, world)
             got = ws.merge(*(x.to(ws.device) for x in every[rank])).cpu()
             assert torch.equal(got, reference.topk_merge_ref(every, TOPK_K)), (e, rows)
-        if device == "cuda":
+        if device != "host":
             torch.cuda.synchronize()
         ws.check()
-    if device == "cuda":
+    if device != "host":
         assert torch.ones(4, device="cuda").sum().item() == 4.0  # the context is alive
     return True
 
@@ -767,9 +770,7 @@ def _topk_carry_on_worker(rank, world, device):
     import torch_sdcp
     from torch_sdcp import reference
 
-    dev = dict(device=torch.device("cuda", rank), backend="cuda") if device == "cuda" else HOST
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    dev = _workspace_args(rank, device)
     control = dist.new_group([0, 1])  # orders the two ranks' steps, apart from the workspace
     every = _topk_every(2, 3, world)
     s, i = (x.to(dev.get("device", "cpu")) for x in every[rank])
@@ -789,7 +790,7 @@ def _topk_carry_on_worker(rank, world, device):
     else:
         t0 = time.monotonic()
         match = "peer 0 aborted: a call raised an error on that rank"
-        if device == "cuda":
+        if device != "host":
             ws.merge(s, i)  # the kernel finds rank 0's abort word in its first slow poll
             torch.cuda.synchronize()
             with pytest.raises(RuntimeError, match=match):
@@ -804,7 +805,7 @@ def _topk_carry_on_worker(rank, world, device):
     ws.resize(4)  # re-creation (collective) clears the poison
     assert not ws.poisoned
     assert torch.equal(ws.merge(s, i).cpu(), reference.topk_merge_ref(every, TOPK_K))
-    if device == "cuda":
+    if device != "host":
         torch.cuda.synchronize()
     ws.check()
     ws.close()
@@ -837,7 +838,8 @@ def test_topk_geometry_mismatch_is_refused_at_creation():
 
 
 # ---------------------------------------------------------------------------
-# The same on 2 GPUs: failures are reported, not trapped (the context lives)
+# The same on 2 GPUs, and with both ranks on one GPU: failures are reported,
+# not trapped (the context lives)
 # ---------------------------------------------------------------------------
 
 from conftest import requires_gpus  # noqa: E402
@@ -895,3 +897,12 @@ def test_cuda_topk_mismatched_rows_raise_on_every_rank():
 @requires_gpus(2)
 def test_cuda_topk_error_inside_a_call_aborts_the_waiting_peer():
     assert run_workers(_topk_carry_on_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+# Both ranks on one GPU (time-sliced): the CUDA failure paths where one GPU is
+# all there is.
+@requires_gpus(1)
+@pytest.mark.parametrize("worker", [_mismatch_worker, _skip_worker, _bad_input_worker, _topk_mismatch_worker,
+                                    _topk_carry_on_worker], ids=lambda w: w.__name__.strip("_"))
+def test_cuda_two_ranks_on_one_gpu(worker):
+    assert run_workers(worker, 2, args=("cuda_shared",), timeout=300) == [True, True]

@@ -1,5 +1,6 @@
 """Top-K boundary: the local stable selection, the peer merge (host backend at
-world sizes 1-4, CUDA on 2 GPUs or SDCP_GPU_WORLD), opcheck, torch.compile,
+world sizes 1-4, CUDA on 2 GPUs or SDCP_GPU_WORLD, and two ranks sharing one
+GPU), opcheck, torch.compile,
 CUDA graphs, and many calls with random per-rank delays."""
 
 from __future__ import annotations
