@@ -5,8 +5,8 @@
 // clock64 between the phases (the numbers after us/call).
 //   nvcc -O3 -arch=sm_90 -std=c++17 --expt-relaxed-constexpr [-DTRACE=1] lab.cu -o /tmp/sort_lab
 // Variants: cur1024 = v40 (multi-pass, as shipped in version 4.0), bk2x2 =
-// v42 (2 buckets per key, shipped in 4.2), bk3k64 = v43 (counting rank up to
-// 64 keys per bucket), bk5* = v45 (rank by position, id buckets for equal
+// v42 (2 buckets per key, shipped in 4.2), bk3k64 = v42 with the counting
+// rank up to 64 keys per bucket (version 4.3), bk5* = v45 (rank by position, id buckets for equal
 // scores, one 16-byte count vector per thread; s0/s1 = keys kept in registers
 // / staged in shared memory across the scan, p0/p1 = rank by key / by
 // position; bk5s0p1 is what csrc/topk_cuda.cu runs, there with kRankMax =
@@ -50,15 +50,7 @@ __global__ void __launch_bounds__(T) sort_kernel(const float* scores, const int*
   } else if (V == 4) {
     bk2::rank_sort<T, 2>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
   } else if (V == 5) {
-    bk3::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 6) {
-    bk3::rank_sort<T, 2, 128>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 7) {
-    bk4::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 8) {
-    bk4::rank_sort<T, 2, 128>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 9) {
-    bk4::rank_sort<T, 2, 256>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
+    bk2::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
   } else if (V == 10) {
     bk5::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
   } else if (V == 11) {
@@ -89,11 +81,11 @@ __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(T)
   STAMP(7);
 }
 
-// Merge path (as csrc/topk_cuda.cu's merge_two): the first nout keys of the
-// merge of a[0..la) and b[0..lb), both descending, a wins ties.
-template <int T>
-__device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, uint64_t* out, int nout,
-                          int min_per = 1) {
+// Merge path (as csrc/topk_cuda.cu's merge_path): the first nout keys of the
+// merge of a[0..la) and b[0..lb), both descending, handed to store(pos, key)
+// (a wins ties).
+template <int T, typename Store>
+__device__ void merge_path(const uint64_t* a, int la, const uint64_t* b, int lb, int nout, int min_per, Store store) {
   const int per = max(min_per, (nout + T - 1) / T);
   const int q = static_cast<int>(threadIdx.x) * per;
   if (q >= nout) return;
@@ -106,28 +98,7 @@ __device__ void merge_two(const uint64_t* a, int la, const uint64_t* b, int lb, 
   const int cnt = min(per, nout - q);
   for (int x = 0; x < cnt; ++x) {
     const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
-    out[q + x] = take_a ? a[i++] : b[j++];
-  }
-}
-
-// merge_two writing the ids of the merged keys straight to global memory
-// (the last merge of a row: no shared-memory result, no ids pass).
-template <int T>
-__device__ void merge_two_ids(const uint64_t* a, int la, const uint64_t* b, int lb, int* out, int nout,
-                              int min_per = 1) {
-  const int per = max(min_per, (nout + T - 1) / T);
-  const int q = static_cast<int>(threadIdx.x) * per;
-  if (q >= nout) return;
-  int lo = max(0, q - lb), hi = min(q, la);
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (a[mid] >= b[q - 1 - mid]) lo = mid + 1; else hi = mid;
-  }
-  int i = lo, j = q - lo;
-  const int cnt = min(per, nout - q);
-  for (int x = 0; x < cnt; ++x) {
-    const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
-    out[q + x] = topk_key_id(take_a ? a[i++] : b[j++]);
+    store(q + x, take_a ? a[i++] : b[j++]);
   }
 }
 
@@ -167,12 +138,13 @@ __global__ void __launch_bounds__(T) peer_sim_kernel(const float* scores, const 
   __syncthreads();
   STAMP(8);
   if (FUSE) {
-    merge_two_ids<T>(acc, n, stage, n, out + r * n, n, PER);
+    int* o = out + r * n;
+    merge_path<T>(acc, n, stage, n, n, PER, [o](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
     STAMP(9);
     STAMP(10);
     return;
   }
-  merge_two<T>(acc, n, stage, n, tmp, n, PER);
+  merge_path<T>(acc, n, stage, n, n, PER, [tmp](int pos, uint64_t key) { tmp[pos] = key; });
   __syncthreads();
   STAMP(9);
   if (VEC_OUT) {  // 4 ids per 16-byte store

@@ -1,13 +1,14 @@
 // Version 4.2 of the owner sort (what csrc/topk_cuda.cu runs, kBucketsPerKey =
 // NB = 2): v41 with the loads issued together, an fp32 bucket map, packed seg, counting rank
-// only for 2 <= sz <= kFinal, and NB buckets per key (1 or 2).
+// only for 2 <= sz <= KF (kFinal as shipped; 64 is version 4.3), and NB
+// buckets per key (1 or 2).
 #pragma once
 #include "v41_one_pass.cuh"
 
 namespace bk2 {
 using namespace bk;
 
-template <int T, int NB, typename ScoreAt, typename IdAt>
+template <int T, int NB, int KF = kFinal, typename ScoreAt, typename IdAt>
 __device__ void rank_sort(const SortSmem& m, ScoreAt score_at, IdAt id_at, int n, int limit, uint64_t* out) {
   constexpr int P = kN / T, W = T / 32, PB = P * NB;
   __shared__ uint32_t wmin[W], wmax[W];
@@ -49,7 +50,7 @@ __device__ void rank_sort(const SortSmem& m, ScoreAt score_at, IdAt id_at, int n
   fhi = __reduce_max_sync(0xffffffffu, lane < W ? wmax[lane] : 0u);
   STAMP(2);
   const int nb = n * NB;
-  const bool few = n <= kFinal;
+  const bool few = n <= KF;
   const float fmax = key_score(fhi);
   const float scale = flo < fhi ? static_cast<float>(static_cast<double>(nb - 2) /
                                                      (static_cast<double>(fmax) - static_cast<double>(key_score(flo))))
@@ -110,13 +111,13 @@ __device__ void rank_sort(const SortSmem& m, ScoreAt score_at, IdAt id_at, int n
     } else {
       K[st + slot[i]] = x[i];
       S[st + slot[i]] = pack_seg(st, sz);
-      large |= sz > kFinal;
+      large |= sz > KF;
     }
   }
   large = __syncthreads_or(large);
   STAMP(5);
   if (!large) {
-    // Rank inside buckets of 2 .. kFinal keys (size-1 buckets are placed).
+    // Rank inside buckets of 2 .. KF keys (size-1 buckets are placed).
 #pragma unroll
     for (int i = 0; i < P; ++i) {
       if (tid + i * T >= n) continue;
@@ -135,7 +136,7 @@ __device__ void rank_sort(const SortSmem& m, ScoreAt score_at, IdAt id_at, int n
     STAMP(6);
     return;
   }
-  // Slow path (a bucket above kFinal): the generic splitting passes over the
+  // Slow path (a bucket above KF): the generic splitting passes over the
   // whole row, size-1 buckets included.
 #pragma unroll
   for (int i = 0; i < P; ++i) {

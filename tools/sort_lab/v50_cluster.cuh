@@ -1,5 +1,6 @@
 // Version 5.0: one row over a thread-block cluster of CL CTAs (CL SMs), the
-// one-pass bucket rank of v43 spread through distributed shared memory.
+// one-pass bucket rank of v42 (counting limit KF) spread through distributed
+// shared memory.
 // CTA r holds the keys [r * S, (r + 1) * S) of the row (S = kN / CL) and owns
 // the buckets [r * NB * S, (r + 1) * NB * S) and the bucket-ordered positions
 // [r * S, (r + 1) * S):
@@ -12,12 +13,12 @@
 //      position on its owner; cluster barrier; ranked by counting among the
 //      <= KF keys of their bucket (remote loads where a bucket straddles CTAs);
 //   5. a cluster barrier before exit (no CTA leaves while a peer reads it).
-// A bucket above KF keys (ties): CTA 0 sorts the whole row with v43 (the
+// A bucket above KF keys (ties): CTA 0 sorts the whole row with v42 (the
 // others leave after step 3).
 #pragma once
 #include <cooperative_groups.h>
 
-#include "v43_count64.cuh"
+#include "v42_one_pass.cuh"
 
 namespace clu {
 namespace cg = cooperative_groups;
@@ -155,7 +156,7 @@ __device__ void cluster_sort(const float* scores, const int* ids, int n, int* ou
     if (r == 0) {
       const cur::SortSmem m = cur::sort_smem(dyn, kN);
       uint64_t* res = reinterpret_cast<uint64_t*>(dyn + cur::rank_sort_bytes(kN));
-      bk3::rank_sort<T, NB, KF>(m, [&](int j) { return scores[j]; }, [&](int j) { return ids[j]; }, n, n, res);
+      bk2::rank_sort<T, NB, KF>(m, [&](int j) { return scores[j]; }, [&](int j) { return ids[j]; }, n, n, res);
       for (int j = tid; j < n; j += T) out[j] = topk_key_id(res[j]);
     }
     return;
