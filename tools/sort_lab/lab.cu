@@ -43,10 +43,6 @@ __global__ void __launch_bounds__(T) sort_kernel(const float* scores, const int*
   auto key_at = [&](int j) { return topk_key(scores[t * n + j], ids[t * n + j]); };
   if (V == 0) {
     cur::rank_sort(m, key_at, n, n, res);
-  } else if (V == 1) {
-    bk::rank_sort<T>(m, key_at, n, n, res);
-  } else if (V == 3) {
-    bk2::rank_sort<T, 1>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
   } else if (V == 4) {
     bk2::rank_sort<T, 2>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
   } else if (V == 5) {
@@ -199,6 +195,47 @@ std::vector<float> make_scores(const std::string& kind, int rows, int n, std::mt
   return s;
 }
 
+// Per-call time of `launch(stream)` captured 8 times in one CUDA graph:
+// median of 7 trials of 100 replays (us). With TRACE, one more launch fills
+// stamps[] (cycles from stamp 0).
+template <typename Launch>
+float time_k8(Launch launch, long long* stamps_out) {
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  for (int c = 0; c < 8; ++c) launch(st);
+  CK(cudaStreamEndCapture(st, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int w = 0; w < 20; ++w) CK(cudaGraphLaunch(exec, st));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> trials;
+  for (int tr = 0; tr < 7; ++tr) {
+    CK(cudaEventRecord(e0, st));
+    for (int rep = 0; rep < 100; ++rep) CK(cudaGraphLaunch(exec, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    trials.push_back(ms * 1000.f / 800.f);
+  }
+  std::sort(trials.begin(), trials.end());
+  if (TRACE) {
+    launch(st);
+    CK(cudaStreamSynchronize(st));
+    CK(cudaMemcpyFromSymbol(stamps_out, g_stamps, 16 * sizeof(long long)));
+  }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(st));
+  return trials[3];
+}
+
 int main(int argc, char** argv) {
   CK(cudaSetDevice(0));
   const size_t smem = sort_bytes() + kN * 8;
@@ -279,42 +316,13 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(di, id.data(), id.size() * 4, cudaMemcpyHostToDevice));
       for (auto& v : variants) {
-        cudaStream_t st;
-        CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int c = 0; c < 8; ++c) v.kernel<<<rows * v.ctas, v.threads, smem, st>>>(ds, di, kN, dout);
-        CK(cudaStreamEndCapture(st, &graph));
-        CK(cudaGraphInstantiate(&exec, graph, 0));
-        for (int w = 0; w < 20; ++w) CK(cudaGraphLaunch(exec, st));
-        cudaEvent_t e0, e1;
-        CK(cudaEventCreate(&e0));
-        CK(cudaEventCreate(&e1));
-        std::vector<float> trials;
-        for (int tr = 0; tr < 7; ++tr) {
-          CK(cudaEventRecord(e0, st));
-          for (int rep = 0; rep < 100; ++rep) CK(cudaGraphLaunch(exec, st));
-          CK(cudaEventRecord(e1, st));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          trials.push_back(ms * 1000.f / 800.f);
-        }
-        std::sort(trials.begin(), trials.end());
         long long h[16] = {0};
-        if (TRACE) {
-          v.kernel<<<rows * v.ctas, v.threads, smem, st>>>(ds, di, kN, dout);
-          CK(cudaStreamSynchronize(st));
-          CK(cudaMemcpyFromSymbol(h, g_stamps, sizeof(h)));
-        }
-        printf("%-10s %-8s %5d %9.2f  ", v.name, kind, rows, trials[3]);
+        const float us = time_k8(
+            [&](cudaStream_t st) { v.kernel<<<rows * v.ctas, v.threads, smem, st>>>(ds, di, kN, dout); }, h);
+        printf("%-10s %-8s %5d %9.2f  ", v.name, kind, rows, us);
         if (TRACE)
           for (int i = 1; i < 8; ++i) printf(" %lld", h[i] ? h[i] - h[0] : -1);
         printf("\n");
-        CK(cudaGraphExecDestroy(exec));
-        CK(cudaGraphDestroy(graph));
-        CK(cudaStreamDestroy(st));
       }
       CK(cudaFree(ds));
       CK(cudaFree(di));
@@ -367,42 +375,13 @@ int main(int argc, char** argv) {
         ++failures;
         printf("FAIL %s kind=%s: %d wrong ids\n", sim.name, kind, bad);
       }
-      cudaStream_t st;
-      CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      for (int c = 0; c < 8; ++c) sim.kernel<<<2, 1024, smem + 2 * kN * 8, st>>>(ds, di, kN, dinbox, dout);
-      CK(cudaStreamEndCapture(st, &graph));
-      CK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int w = 0; w < 20; ++w) CK(cudaGraphLaunch(exec, st));
-      cudaEvent_t e0, e1;
-      CK(cudaEventCreate(&e0));
-      CK(cudaEventCreate(&e1));
-      std::vector<float> trials;
-      for (int tr = 0; tr < 7; ++tr) {
-        CK(cudaEventRecord(e0, st));
-        for (int rep = 0; rep < 100; ++rep) CK(cudaGraphLaunch(exec, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        trials.push_back(ms * 1000.f / 800.f);
-      }
-      std::sort(trials.begin(), trials.end());
       long long h[16] = {0};
-      if (TRACE) {
-        sim.kernel<<<2, 1024, smem + 2 * kN * 8, st>>>(ds, di, kN, dinbox, dout);
-        CK(cudaStreamSynchronize(st));
-        CK(cudaMemcpyFromSymbol(h, g_stamps, sizeof(h)));
-      }
-      printf("%-10s %-8s %5d %9.2f  ", sim.name, kind, 1, trials[3]);
+      const float us = time_k8(
+          [&](cudaStream_t st) { sim.kernel<<<2, 1024, smem + 2 * kN * 8, st>>>(ds, di, kN, dinbox, dout); }, h);
+      printf("%-10s %-8s %5d %9.2f  ", sim.name, kind, 1, us);
       if (TRACE)
         for (int i = 1; i < 11; ++i) printf(" %lld", h[i] ? h[i] - h[0] : -1);
       printf("\n");
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(graph));
-      CK(cudaStreamDestroy(st));
       CK(cudaFree(ds));
       CK(cudaFree(di));
       CK(cudaFree(dout));
