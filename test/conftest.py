@@ -30,6 +30,17 @@ def requires_gpus(n: int):
                               reason=f"needs {n} GPU(s) and the CUDA kernels (found {count} GPU(s))")
 
 
+def rank_workspace_args(rank: int, mode: str) -> dict:
+    """A test rank's workspace arguments for `mode`: "host" (host backend),
+    "cuda" (GPU `rank`) or "cuda_shared" (every rank on GPU 0, time-sliced:
+    correct, slow). Makes that GPU the current device."""
+    if mode == "host":
+        return dict(backend="host")
+    index = 0 if mode == "cuda_shared" else rank
+    torch.cuda.set_device(index)
+    return dict(device=torch.device("cuda", index), backend="cuda", allow_shared_device=mode == "cuda_shared")
+
+
 def poisoned_partials(n: int, t: int, h: int, d: int, dtype: torch.dtype = torch.float32, *, seed: int = 0,
                       gen: torch.Generator | None = None, lse_mean: float = 2.0):
     """Global partials [N, T, H, D] / [N, T, H] with every kind of empty shard

@@ -9,7 +9,7 @@ import torch
 
 from torch_sdcp import ops, reference
 
-from conftest import devices
+from conftest import devices, rank_workspace_args
 
 
 def make_query(t, h, *, nope=512, rope=64, max_pos=4096, seed=0, cache_dtype=torch.float32, device="cpu"):
@@ -719,14 +719,9 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
 
 
 def _rel_setup(rank, device):
-    """Workspace arguments and tensor device of a test rank for `device`: "host",
-    "cuda" (GPU `rank`) or "cuda_shared" (every rank on GPU 0, time-sliced)."""
-    if device == "host":
-        return dict(backend="host"), torch.device("cpu")
-    index = 0 if device == "cuda_shared" else rank
-    torch.cuda.set_device(index)
-    dev = dict(device=torch.device("cuda", index), backend="cuda", allow_shared_device=device == "cuda_shared")
-    return dev, dev["device"]
+    """Workspace arguments and tensor device of a test rank (conftest.rank_workspace_args)."""
+    dev = rank_workspace_args(rank, device)
+    return dev, dev.get("device", torch.device("cpu"))
 
 
 def _rel_query(t, seed, where, h=2, nope=28, rope=4):  # 32 fp8 bytes per head: whole 16-byte vectors

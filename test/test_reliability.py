@@ -15,18 +15,9 @@ import pytest
 import torch
 
 from _dist import run_workers
+from conftest import rank_workspace_args
 
 HOST = dict(backend="host")
-
-
-def _workspace_args(rank, device):
-    """A test rank's workspace arguments for `device`: "host", "cuda" (GPU
-    `rank`) or "cuda_shared" (every rank on GPU 0, time-sliced: correct, slow)."""
-    if device == "host":
-        return HOST
-    index = 0 if device == "cuda_shared" else rank
-    torch.cuda.set_device(index)
-    return dict(device=torch.device("cuda", index), backend="cuda", allow_shared_device=device == "cuda_shared")
 
 
 def _refuse_probe(stage):  # the capability gate fails on every rank
@@ -448,7 +439,7 @@ def _poisoned(ws, call):
 def _mismatch_worker(rank, world, device):
     import torch_sdcp
 
-    dev = _workspace_args(rank, device)
+    dev = rank_workspace_args(rank, device)
 
     def settle(ws):  # CUDA reports at the next host call or check(); the host backend at once
         if device != "host":
@@ -531,7 +522,7 @@ def _skip_worker(rank, world, device):
 
     import torch_sdcp
 
-    dev = _workspace_args(rank, device)
+    dev = rank_workspace_args(rank, device)
     control = dist.new_group([0, 1])
     po, pl = _partials(2, seed=rank)
     po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
@@ -591,7 +582,7 @@ def _bad_input_worker(rank, world, device):
 
     import torch_sdcp
 
-    dev = _workspace_args(rank, device)
+    dev = rank_workspace_args(rank, device)
     po, pl = _partials(2, seed=rank)
     po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
     ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=120, **dev)
@@ -720,7 +711,7 @@ def _topk_mismatch_worker(rank, world, device):
     import torch_sdcp
     from torch_sdcp import reference
 
-    dev = _workspace_args(rank, device)
+    dev = rank_workspace_args(rank, device)
     cases = [  # (what differs, rank 0's rows, rank 1's rows, expected text)
         ("rows", 4, 8, "rank 0 called with 4 rows, rank 1 with 8 rows"),
         ("rows0", 0, 3, "rank 0 called with 0 rows, rank 1 with 3 rows"),
@@ -770,7 +761,7 @@ def _topk_carry_on_worker(rank, world, device):
     import torch_sdcp
     from torch_sdcp import reference
 
-    dev = _workspace_args(rank, device)
+    dev = rank_workspace_args(rank, device)
     control = dist.new_group([0, 1])  # orders the two ranks' steps, apart from the workspace
     every = _topk_every(2, 3, world)
     s, i = (x.to(dev.get("device", "cpu")) for x in every[rank])
