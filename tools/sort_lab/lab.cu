@@ -4,6 +4,7 @@
 // distributions. Built with -DTRACE=1, thread 0 of block 0 also stamps
 // clock64 between the phases (the numbers after us/call).
 //   nvcc -O3 -arch=sm_90 -std=c++17 --expt-relaxed-constexpr [-DTRACE=1] lab.cu -o /tmp/sort_lab
+//   /tmp/sort_lab [sim]   (sim: the correctness pass and the simulated peer merge only)
 // Variants: cur1024 = v40 (multi-pass, as shipped in version 4.0), bk2x2 =
 // v42 (2 buckets per key, shipped in 4.2), bk3k64 = v42 with the counting
 // rank up to 64 keys per bucket (version 4.3), bk5* = v45 (rank by position, id buckets for equal
