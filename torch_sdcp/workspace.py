@@ -174,6 +174,32 @@ def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena) -> Non
         pass
 
 
+class _Call:
+    """One call on a workspace, the guard of every public call method:
+    ``with self._call("merge"): ...``. Entering starts the call (``_enter``:
+    refuses a closed or poisoned workspace and a second thread); leaving with
+    an error records the failure (``_failed``: poisons and aborts, unless
+    ``poison`` is False, as for resize and close, which release a poisoned
+    workspace), and leaving always ends the call (``_leave``). A plain class,
+    so that torch.compile traces it (under tracing nothing is held, released
+    or poisoned)."""
+
+    __slots__ = ("held", "poison", "what", "workspace")
+
+    def __init__(self, workspace: PeerWorkspace, what: str, poison: bool):
+        self.workspace, self.what, self.poison, self.held = workspace, what, poison, False
+
+    def __enter__(self) -> None:
+        self.held = self.workspace._enter(self.what)
+
+    def __exit__(self, exc_type, error, traceback) -> None:
+        try:
+            if error is not None and self.poison:
+                self.workspace._failed(error, self.held)
+        finally:
+            self.workspace._leave(self.held)
+
+
 class PeerWorkspace:
     """Base class: one arena of ``kind`` laid out by the C++ layout for
     ``params``, mapped into every rank of ``group``.
@@ -414,6 +440,10 @@ class PeerWorkspace:
             self._caller = None
             self._call_lock.release()
 
+    def _call(self, what: str, *, poison: bool = True) -> _Call:
+        """The guard of the call ``what`` (a context manager, see ``_Call``)."""
+        return _Call(self, what, poison)
+
     def _rows_fit(self, rows: int, arg: str) -> bool:
         """True when this call takes the peer path (and may use the workspace)."""
         if not self.peer:
@@ -459,8 +489,7 @@ class PeerWorkspace:
         where ``_check_resizable`` refuses). The new workspace is created
         before the old one is released: if creation fails (on every rank: it
         is collective), the workspace stays as it was, still usable."""
-        held = self._enter("resize")
-        try:
+        with self._call("resize", poison=False):
             index = self._param_index("max_rows")
             self._check_resizable()
             check_size_param(max_rows, "max_rows")
@@ -477,8 +506,6 @@ class PeerWorkspace:
             self._release(barrier=self._poisoned is None)
             self._adopt(built)
             self._poisoned = None
-        finally:
-            self._leave(held)
 
     def _check_resizable(self) -> None:
         """A family's own precondition of ``resize``: raise to refuse."""
@@ -505,8 +532,7 @@ class PeerWorkspace:
         raises."""
         if getattr(self, "_closed", True):
             return
-        held = self._enter("close")
-        try:
+        with self._call("close", poison=False):
             if self._poisoned is None and self.handle is not None:
                 try:
                     torch.ops.sdcp.workspace_check(self.handle)
@@ -517,8 +543,6 @@ class PeerWorkspace:
             # the barrier would wait out the timeout (the memory is reference-
             # counted by every process that maps it, so no peer store faults).
             self._release(barrier=self._poisoned is None)
-        finally:
-            self._leave(held)
 
     def __enter__(self):
         return self
@@ -548,8 +572,7 @@ class ExchangeWorkspace(PeerWorkspace):
 
     def all_gather(self, x: Tensor) -> Tensor:
         """[N, *x.shape] with every rank's x, rank-major."""
-        held = self._enter("all_gather")
-        try:
+        with self._call("all_gather"):
             if not isinstance(x, Tensor):
                 raise arg_error("x", "a Tensor", type(x).__name__)
             if not self.peer:
@@ -557,11 +580,6 @@ class ExchangeWorkspace(PeerWorkspace):
                 dist.all_gather(out, x.contiguous(), group=self.group)
                 return torch.stack(out)
             return ops.peer_all_gather(x, self.handle)
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
 
 
 def _require_tensor(t: object, arg: str, dims: int, names: str) -> None:
@@ -659,8 +677,7 @@ class OutputLSEWorkspace(PeerWorkspace):
         """partial_out [T, H, D] of the workspace dtype, partial_lse [T, H] fp32
         over this rank's KV shard -> this rank's heads [T, H/N, D] (and their
         LSE [T, H/N])."""
-        held = self._enter("combine")
-        try:
+        with self._call("combine"):
             _check_combine_inputs(self, partial_out, partial_lse)
             base2 = ops.lse_is_base2(lse_base)
             if self._rows_fit(partial_out.shape[0], "partial_out"):
@@ -669,19 +686,13 @@ class OutputLSEWorkspace(PeerWorkspace):
                 out, lse = collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group)
             return (out, lse) if return_lse else out
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
 
     def combine_out(self, partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor, *,
                     lse_base: str = "e") -> None:
         """As combine, written into caller-owned out [T, H/N, D] (the workspace
         dtype) and out_lse [T, H/N] fp32, both contiguous, on the inputs'
         device; the same checks on the peer and the collective path."""
-        held = self._enter("combine_out")
-        try:
+        with self._call("combine_out"):
             _check_combine_inputs(self, partial_out, partial_lse)
             _check_combine_outputs(self, partial_out, out, out_lse)
             base2 = ops.lse_is_base2(lse_base)
@@ -691,11 +702,6 @@ class OutputLSEWorkspace(PeerWorkspace):
                 collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group, out=out,
                     out_lse=out_lse)
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
 
 
 class TopKWorkspace(PeerWorkspace):
@@ -733,19 +739,13 @@ class TopKWorkspace(PeerWorkspace):
     def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
         """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
         top-k ids [T, k] int32 in selection order, identical on every rank."""
-        held = self._enter("merge")
-        try:
+        with self._call("merge"):
             _require_tensor(scores, "scores", 2, "[T, C]")
             if not isinstance(ids, Tensor):
                 raise arg_error("ids", "a Tensor", type(ids).__name__)
             if self._rows_fit(scores.shape[0], "scores"):
                 return ops.topk_merge(scores, ids, self.handle, self.k)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
 
 
 def _check_query_inputs(ql_nope: object, q_pe: object) -> None:
@@ -848,16 +848,10 @@ class QueryWorkspace(PeerWorkspace):
                q_scale: Optional[Tensor] = None) -> Tensor:
         """A fresh gathered query [T, N*H_loc, nope+rope] (head = src*H_loc + h),
         bit-identical to producing locally then all_gather on heads."""
-        held = self._enter("gather")
-        try:
+        with self._call("gather"):
             if not torch.compiler.is_compiling():
                 self._check_no_open_view("gather")
             return self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
 
     def _gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
         _check_query_inputs(ql_nope, q_pe)
@@ -879,8 +873,7 @@ class QueryWorkspace(PeerWorkspace):
         if torch.compiler.is_compiling():
             raise RuntimeError("torch_sdcp: QueryWorkspace.gather_view is not traceable by torch.compile (its "
                                "result aliases workspace memory); use gather() inside compiled regions")
-        held = self._enter("gather_view")
-        try:
+        with self._call("gather_view"):
             self._check_no_open_view("gather_view")
             _check_query_inputs(ql_nope, q_pe)
             rows = ql_nope.shape[0]
@@ -894,18 +887,12 @@ class QueryWorkspace(PeerWorkspace):
                 view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
             self._open_view = view
             return view
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
 
     def release(self) -> None:
         """The reader of the last gather_view() is done: this rank's view rows
         are re-filled and the producers told that they may store the next view
         call's query. Enqueued on the current stream (capturable)."""
-        held = self._enter("release")
-        try:
+        with self._call("release"):
             if self._open_view is None:
                 refusal = RuntimeError(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
                                        "(gather_view() was not called, or release() was already called)")
@@ -915,11 +902,6 @@ class QueryWorkspace(PeerWorkspace):
             if self.peer and self._inbox_view is not None and view.data_ptr() == self._inbox_view.data_ptr():
                 self._check_stream()
                 ops.query_release(view, self.handle)  # re-fills the rows the view had
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
 
     def all_gather_heads(self, q: Tensor, out: Optional[Tensor] = None) -> Tensor:
         """A query produced elsewhere, ``q [T, H_loc, nope+rope]`` of the
@@ -929,8 +911,7 @@ class QueryWorkspace(PeerWorkspace):
         the canonical NaN word). Written into ``out`` when given (contiguous,
         that shape and dtype, for example a view of larger storage), which is
         returned. Rows above max_rows take the collective path."""
-        held = self._enter("all_gather_heads")
-        try:
+        with self._call("all_gather_heads"):
             if not torch.compiler.is_compiling():
                 self._check_no_open_view("all_gather_heads")
             _require_tensor(q, "q", 3, "[T, H_loc, W]")
@@ -944,8 +925,3 @@ class QueryWorkspace(PeerWorkspace):
                 ops.query_all_gather_heads_out(q, self.handle, out)
                 return out
             return collective.all_gather_heads(q, self.group, out)
-        except BaseException as e:
-            self._failed(e, held)
-            raise
-        finally:
-            self._leave(held)
