@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from torch_sdcp import ops, reference
+from torch_sdcp.workspaces import WorkspaceKind
 
 from conftest import devices, rank_workspace_args
 
@@ -327,7 +328,7 @@ def test_workspace_fits_the_target_at_128_rows():
     # = 4.5 MiB), 4 KiB of control and the 64 KiB tail: 9.07 MiB, 10 MiB
     # after rounding to a 2 MiB granularity (the target: 16 MiB).
     # The call headers: [buffer 0, buffer 1, view][peer][16 bytes], 256-byte aligned.
-    nbytes = torch.ops.sdcp.workspace_nbytes(3, [128, 32, 576, 1], 2)
+    nbytes = torch.ops.sdcp.workspace_nbytes(int(WorkspaceKind.QUERY), [128, 32, 576, 1], 2)
     assert nbytes == 128 * 64 * 576 + 2 * 128 * 32 * 576 + 256 + 4096 + 64 * 1024
     assert -(-nbytes // 2**21) * 2**21 <= 10 * 2**20 <= 16 * 2**20
 

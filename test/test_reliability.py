@@ -42,7 +42,7 @@ def _local_checks_worker(rank, world):
     import torch.distributed as dist
 
     import torch_sdcp
-    from torch_sdcp import workspace as wsmod
+    from torch_sdcp import workspaces as wsmod
 
     region = "at most 1099511627776"
     bad_sizes = [(2**62 + 4, "2**40"), (2**63, "2**40"), (2**64 + 1, "2**40"), (True, "got True"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torch_sdcp import ops, reference
+from torch_sdcp.workspaces import WorkspaceKind
 
 from conftest import devices
 
@@ -342,11 +343,11 @@ def test_workspace_fits_the_target_at_128_rows():
     mib = 2**20
 
     def rounded(world):
-        nbytes = torch.ops.sdcp.workspace_nbytes(2, [128, 2048, 2048], world)
+        nbytes = torch.ops.sdcp.workspace_nbytes(int(WorkspaceKind.TOPK), [128, 2048, 2048], world)
         assert nbytes > 2 * (world - 1) * 128 * 2048 * 8
         return -(-nbytes // (2 * mib)) * 2 * mib
 
     assert rounded(2) == 6 * mib
     assert rounded(4) == 14 * mib and rounded(8) == 30 * mib
     with pytest.raises(ValueError, match="'k'.*at most world_size \\* candidates_per_rank = 64"):
-        torch.ops.sdcp.workspace_nbytes(2, [8, 32, 65], 2)
+        torch.ops.sdcp.workspace_nbytes(int(WorkspaceKind.TOPK), [8, 32, 65], 2)

@@ -659,7 +659,7 @@ class _NoPeer:
 
 
 def test_peer_unavailable_keeps_vllm(plugin, monkeypatch, collect):
-    import torch_sdcp.workspace as wsmod
+    import torch_sdcp.workspaces as wsmod
 
     for name in ("OutputLSEWorkspace", "QueryWorkspace", "ExchangeWorkspace", "TopKWorkspace"):
         monkeypatch.setattr(wsmod, name, _NoPeer)
@@ -680,7 +680,7 @@ def test_peer_unavailable_keeps_vllm(plugin, monkeypatch, collect):
 
 
 def test_pcp_single_rank_and_query_replication_keep_vllm(plugin, monkeypatch):
-    import torch_sdcp.workspace as wsmod
+    import torch_sdcp.workspaces as wsmod
 
     made = []
     for name in ("QueryWorkspace", "ExchangeWorkspace"):

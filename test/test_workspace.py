@@ -90,8 +90,8 @@ def test_workspace_argument_errors_and_teardown():
 
 def test_layout_names_the_cpp_layout():
     import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
-    from torch_sdcp.workspace import (ExchangeWorkspace, OutputLSEWorkspace, QueryWorkspace, TopKWorkspace,
-                                      WorkspaceKind, WorkspaceLayout, workspace_layout)
+    from torch_sdcp.workspaces import (ExchangeWorkspace, OutputLSEWorkspace, QueryWorkspace, TopKWorkspace,
+                                       WorkspaceKind, WorkspaceLayout, workspace_layout)
 
     assert {k.name: int(k) for k in WorkspaceKind} == {"EXCHANGE": 0, "OUTPUT_LSE": 1, "TOPK": 2, "QUERY": 3}
     world = 2

@@ -23,9 +23,9 @@ from torch_sdcp import ops  # noqa: F401
 
 _LAZY = {
     "PeerArena": "torch_sdcp.peer",
-    "ExchangeWorkspace": "torch_sdcp.workspace", "OutputLSEWorkspace": "torch_sdcp.workspace",
-    "PeerWorkspace": "torch_sdcp.workspace", "QueryWorkspace": "torch_sdcp.workspace",
-    "TopKWorkspace": "torch_sdcp.workspace",
+    "ExchangeWorkspace": "torch_sdcp.workspaces", "OutputLSEWorkspace": "torch_sdcp.workspaces",
+    "PeerWorkspace": "torch_sdcp.workspaces", "QueryWorkspace": "torch_sdcp.workspaces",
+    "TopKWorkspace": "torch_sdcp.workspaces",
 }
 _LAZY_MODULES = ("collective", "reference")
 

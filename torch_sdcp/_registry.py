@@ -3,7 +3,7 @@ keeps the mapping; this side answers what fake implementations and wrappers
 need to know (world size) without touching device memory.
 
 The registry holds its workspaces weakly: a workspace that is dropped without
-``close()`` is garbage-collected, and its finalizer (torch_sdcp.workspace)
+``close()`` is garbage-collected, and its finalizer (torch_sdcp.workspaces.base)
 unregisters it and releases its memory locally."""
 
 from __future__ import annotations

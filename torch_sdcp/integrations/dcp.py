@@ -25,7 +25,7 @@ is inside capture or tracing. ``teardown()`` closes every cached workspace
 Rows are dimension 0 of every input (decode tokens). A call with more rows than
 the workspace's ``max_rows`` runs the collective path of
 :mod:`torch_sdcp.collective` and logs it once per workspace and row count
-(logger ``torch_sdcp``), the policy of :mod:`torch_sdcp.workspace`.
+(logger ``torch_sdcp``), the policy of :mod:`torch_sdcp.workspaces`.
 
 ``group`` is a ``torch.distributed`` process group, ``None`` (the default
 group), or an object with a ``device_group`` process group attribute (a vLLM
@@ -247,7 +247,7 @@ def _all_gather_key(group: dist.ProcessGroup, row_shape: Tuple[int, ...], dtype:
 
 def _all_gather_factory(group, max_rows, row_shape, dtype, device, options):
     def make():
-        from torch_sdcp.workspace import ExchangeWorkspace
+        from torch_sdcp.workspaces import ExchangeWorkspace
 
         elem = torch.empty((), dtype=dtype).element_size()
         max_bytes = max_rows * math.prod(row_shape) * elem
@@ -333,7 +333,7 @@ def _query_key(group, local_heads, nope_dim, rope_dim, out_dtype, rope_style, de
 
 def _query_factory(group, max_rows, local_heads, nope_dim, rope_dim, out_dtype, rope_style, device, options):
     def make():
-        from torch_sdcp.workspace import QueryWorkspace
+        from torch_sdcp.workspaces import QueryWorkspace
 
         return QueryWorkspace(group, max_rows, local_heads, nope_dim=nope_dim, rope_dim=rope_dim, dtype=out_dtype,
                               rope_style=rope_style, backend=_backend(device), device=device, **options)
@@ -407,7 +407,7 @@ def _output_lse_key(group, total_heads, head_dim, dtype, device) -> tuple:
 
 def _output_lse_factory(group, max_rows, total_heads, head_dim, dtype, device, options):
     def make():
-        from torch_sdcp.workspace import OutputLSEWorkspace
+        from torch_sdcp.workspaces import OutputLSEWorkspace
 
         return OutputLSEWorkspace(group, max_rows, total_heads, head_dim, dtype=dtype, backend=_backend(device),
                                   device=device, **options)
@@ -487,7 +487,7 @@ def _topk_key(group, k, candidates_per_rank, device) -> tuple:
 
 def _topk_factory(group, max_rows, k, candidates_per_rank, device, options):
     def make():
-        from torch_sdcp.workspace import TopKWorkspace
+        from torch_sdcp.workspaces import TopKWorkspace
 
         return TopKWorkspace(group, max_rows, k, candidates_per_rank=candidates_per_rank, backend=_backend(device),
                              device=device, **options)

@@ -332,7 +332,7 @@ def prepare_output_lse(group: Any, *, max_rows: int, total_heads: int, head_dim:
                        device: Any, num_ubatches: int = 1) -> bool:
     """Prepare the Output/LSE workspaces (one per micro-batch) for partial
     outputs ``[T <= max_rows, total_heads, head_dim]`` of ``dtype``."""
-    from torch_sdcp.workspace import OutputLSEWorkspace
+    from torch_sdcp.workspaces import OutputLSEWorkspace
 
     return _prepare("output_lse", group, (total_heads, head_dim, dtype), device, max_rows, num_ubatches,
                     lambda pg, rows, dev, opts: OutputLSEWorkspace(pg, rows, total_heads, head_dim, dtype=dtype,
@@ -360,7 +360,7 @@ def prepare_query_gather(group: Any, *, max_rows: int, local_heads: int, width: 
     ``[T <= max_rows, local_heads, width]`` of ``dtype``: ``QueryWorkspace``
     (gather-only, no RoPE part), or ``ExchangeWorkspace`` where the dtype or
     width rules it out (see :func:`gather_heads`)."""
-    from torch_sdcp.workspace import ExchangeWorkspace, QueryWorkspace
+    from torch_sdcp.workspaces import ExchangeWorkspace, QueryWorkspace
 
     if _query_direct(width, dtype):
         def make(pg, rows, dev, opts):
@@ -377,7 +377,7 @@ def prepare_topk(group: Any, *, max_rows: int, k: int, candidates_per_rank: Opti
                  num_ubatches: int = 1) -> bool:
     """Prepare the top-K workspaces (one per micro-batch) for ``[T <= max_rows,
     candidates_per_rank]`` local candidates (default ``k``) selecting ``k``."""
-    from torch_sdcp.workspace import TopKWorkspace
+    from torch_sdcp.workspaces import TopKWorkspace
 
     c = k if candidates_per_rank is None else candidates_per_rank
     return _prepare("topk", group, (k, c), device, max_rows, num_ubatches,
@@ -534,7 +534,7 @@ def gather_heads(workspace: Any, query: Tensor, padded_num_heads: Optional[int] 
     the canonical NaN word. On an ``ExchangeWorkspace`` (any other dtype): a
     tagged peer all-gather of the raw bytes (``[N, T, H_loc, W]``) and one
     layout copy, bit-exact for every byte."""
-    from torch_sdcp.workspace import QueryWorkspace
+    from torch_sdcp.workspaces import QueryWorkspace
 
     rows, local_heads, width = query.shape
     out = _storage(rows, workspace.world_size * local_heads, width, padded_num_heads, query)

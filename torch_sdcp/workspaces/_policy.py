@@ -1,0 +1,90 @@
+"""The policies and argument checks that every workspace family shares: the
+timeout of a wait on a peer, the bound of a size parameter, the process group
+and the tensors a call takes."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp._checks import arg_error, check, check_positive_int
+
+#: Bound of every wait on a peer when neither ``timeout_s`` nor
+#: ``SDCP_TIMEOUT_S`` says otherwise: minutes, because engines skew by many
+#: seconds at start (compilation, JIT, capture) and a false timeout is fatal.
+DEFAULT_TIMEOUT_S = 300.0
+#: The environment variable that overrides DEFAULT_TIMEOUT_S.
+TIMEOUT_ENV = "SDCP_TIMEOUT_S"
+#: Accepted range of a timeout, in seconds (1 ms to 24 h).
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 86400.0
+#: Bound of one rank's region, in bytes (``kMaxRegionBytes`` in csrc/sdcp.h);
+#: no single size parameter may exceed it either.
+MAX_REGION_BYTES = 1 << 40
+
+
+def check_timeout(value: object, arg: str = "timeout_s") -> float:
+    """``value`` as a float number of seconds in [MIN_TIMEOUT_S, MAX_TIMEOUT_S]:
+    a real number (not a string, not a bool), finite."""
+    check(isinstance(value, numbers.Real) and not isinstance(value, bool), arg,
+          "a number of seconds (an int or a float)", f"{type(value).__name__} {value!r}")
+    seconds = float(value)
+    check(math.isfinite(seconds) and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S, arg,
+          f"a finite number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]", repr(value))
+    return seconds
+
+
+def default_timeout_s() -> float:
+    """``SDCP_TIMEOUT_S`` when set (checked like ``timeout_s``), else
+    DEFAULT_TIMEOUT_S. Read at every creation, so a bad value is reported by
+    the workspace that would use it, not at import."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_TIMEOUT_S
+    try:
+        return check_timeout(float(raw), TIMEOUT_ENV)
+    except ValueError:
+        raise ValueError(f"torch_sdcp: environment variable {TIMEOUT_ENV}: expected a finite number of seconds "
+                         f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], got {raw!r}") from None
+
+
+def check_size_param(value: object, arg: str) -> int:
+    """A size parameter of a workspace: an int (not a bool), >= 1 and at most
+    MAX_REGION_BYTES (a larger one cannot fit in a region, and larger than
+    int64 cannot reach the C++ layout)."""
+    check_positive_int(value, arg)
+    check(value <= MAX_REGION_BYTES, arg, f"a positive int of at most {MAX_REGION_BYTES} (2**40, the bound of a "
+          "workspace region in bytes)", repr(value))
+    return value
+
+
+def resolve_group(group: object) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group, this rank in it, its world size), or an error naming 'group':
+    None (the default group) or a ProcessGroup this process is a member of."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch_sdcp: workspaces are created collectively: initialise torch.distributed first")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise arg_error("group", f"a process group that contains this process (global rank {dist.get_rank()})",
+                            "the placeholder that new_group() returns to a process outside the group")
+        hint = (" (for a vLLM GroupCoordinator, pass its cpu_group or device_group)"
+                if hasattr(group, "device_group") else "")
+        raise arg_error("group", f"a torch.distributed ProcessGroup or None{hint}",
+                        f"{type(group).__name__} {group!r}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise arg_error("group", f"a process group that contains this process (global rank {dist.get_rank()})",
+                        "a group it is not a member of")
+    return group, rank, dist.get_world_size(group)
+
+
+def require_tensor(t: object, arg: str, dims: int, names: str) -> None:
+    """A Tensor of ``dims`` dimensions. The checks of a call build their
+    message only when they fail, so that torch.compile traces none of it."""
+    if not isinstance(t, Tensor):
+        raise arg_error(arg, "a Tensor", type(t).__name__)
+    if t.dim() != dims:
+        raise arg_error(arg, f"{dims} dimensions {names}", f"{t.dim()} (shape {list(t.shape)})")

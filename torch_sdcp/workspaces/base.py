@@ -1,0 +1,430 @@
+"""``PeerWorkspace``, the lifecycle that every workspace family shares:
+collective creation and resize, close and the finalizer of a dropped
+workspace, poisoning, the call guard (one caller at a time) and the rows and
+stream policy of a call."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from torch_sdcp import _registry
+from torch_sdcp._checks import arg_error, check_bool
+from torch_sdcp.peer import PeerArena
+from torch_sdcp.peer.plan import RankMismatchError
+from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
+from torch_sdcp.workspaces._policy import check_size_param, check_timeout, default_timeout_s, resolve_group
+
+logger = logging.getLogger("torch_sdcp")
+
+
+class _Built(NamedTuple):
+    """What one creation produced (collective mode: arena and handle None)."""
+
+    params: list
+    layout: WorkspaceLayout
+    arena: PeerArena | None
+    handle: int | None
+    device: torch.device
+
+
+def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena) -> None:
+    """Finalizer of a workspace garbage-collected without close(): local only
+    (no collective from a finalizer or at interpreter exit)."""
+    with contextlib.suppress(Exception):  # interpreter exit: the library may be gone
+        torch.ops.sdcp.workspace_unregister(handle)
+    _registry.remove(handle)
+    with contextlib.suppress(Exception):
+        arena.close(barrier=False)
+    with contextlib.suppress(Exception):
+        logger.info("torch_sdcp %s workspace, rank %d: dropped without close(); released locally", name, rank)
+
+
+class _Call:
+    """One call on a workspace, the guard of every public call method:
+    ``with self._call("merge"): ...``. Entering starts the call (``_enter``:
+    refuses a closed or poisoned workspace and a second thread); leaving with
+    an error records the failure (``_failed``: poisons and aborts, unless
+    ``poison`` is False, as for resize and close, which release a poisoned
+    workspace), and leaving always ends the call (``_leave``). A plain class,
+    so that torch.compile traces it (under tracing nothing is held, released
+    or poisoned)."""
+
+    __slots__ = ("held", "poison", "what", "workspace")
+
+    def __init__(self, workspace: PeerWorkspace, what: str, poison: bool):
+        self.workspace, self.what, self.poison, self.held = workspace, what, poison, False
+
+    def __enter__(self) -> None:
+        self.held = self.workspace._enter(self.what)
+
+    def __exit__(self, exc_type, error, traceback) -> None:
+        try:
+            if error is not None and self.poison:
+                self.workspace._failed(error, self.held)
+        finally:
+            self.workspace._leave(self.held)
+
+
+class PeerWorkspace:
+    """Base class: one arena of ``kind`` laid out by the C++ layout for
+    ``params``, mapped into every rank of ``group``.
+
+    ``backend``: "cuda", "host" or "auto". ``timeout_s`` bounds every wait of
+    the device (or host) signals, and every step of creation and teardown; a
+    timeout names rank, peer, buffer and call. Default: ``SDCP_TIMEOUT_S`` when
+    set, else DEFAULT_TIMEOUT_S (300 s); accepted: a number of seconds in
+    [1 ms, 24 h]. With ``fallback=True`` a group that fails the peer-memory
+    capability gate gets a workspace in collective mode instead of an error
+    (all ranks agree: the gate is collective). ``rows_fallback``: a call with
+    more rows than ``max_rows`` takes the collective path (True, the default)
+    or is an error (False).
+    """
+
+    kind: WorkspaceKind
+    #: What ``params`` hold, in order (the C++ parameters of ``kind``).
+    PARAMS: tuple[str, ...] = ()
+    #: What ``layout.part_offsets`` hold, in order.
+    PARTS: tuple[str, ...] = ()
+    #: Data-as-flag buffers that start filled with the sentinel word.
+    SENTINEL_FILLED = False
+    #: Calls carry a call header and an error inside a call poisons the
+    #: workspace on every rank (docs/PROTOCOL.md "Failure behaviour"); a
+    #: family sets it once its kernels check headers and abort words.
+    POISON_ON_ERROR = False
+
+    def __init__(self, group: dist.ProcessGroup | None, params: list[int], *, backend: str = "auto",
+                 device: torch.device | None = None, timeout_s: float | None = None,
+                 allow_shared_device: bool = False, fallback: bool = False, rows_fallback: bool = True):
+        # Everything local is checked before the first collective (the arena's creation).
+        self._closed = True  # until created
+        self.handle: int | None = None
+        self.arena: PeerArena | None = None
+        self._finalizer: weakref.finalize | None = None
+        group, self.rank, self.world_size = resolve_group(group)
+        self.timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, "timeout_s")
+        check_bool(fallback, "fallback")
+        self.rows_fallback = check_bool(rows_fallback, "rows_fallback")
+        self.group = group
+        self._init_kwargs = {"backend": backend, "device": device, "allow_shared_device": allow_shared_device,
+                             "fallback": fallback}
+        self._stream: torch.cuda.Stream | None = None
+        self._captured = False
+        self._call_lock = threading.Lock()
+        self._caller: tuple[int, str, str] | None = None  # (thread id, thread name, call) inside a call
+        self._logged: set[str] = set()
+        self._poisoned: str | None = None  # why, once a call failed after it was entered
+        self._adopt(self._build([int(p) for p in params], fallback))
+        self._closed = False
+
+    # -- creation -------------------------------------------------------------------------------
+
+    def _build(self, params: list[int], fallback: bool) -> _Built:
+        """Lay out, create (collectively), register and initialise a workspace
+        for ``params`` without touching this one; on failure nothing is left."""
+        layout = workspace_layout(self.kind, params, self.world_size)  # local: raises naming the argument
+        kw = self._init_kwargs
+        try:
+            arena = PeerArena(self.group, layout.region_bytes, backend=kw["backend"], device=kw["device"],
+                              allow_shared_device=kw["allow_shared_device"], timeout_s=self.timeout_s,
+                              agree=self._agreement(params, fallback))
+        except Exception as e:  # the arena's failures are collective: every rank is here
+            if not fallback or isinstance(e, RankMismatchError):  # disagreeing ranks are an error, not a fallback
+                raise
+            self._log_policy("peer-unavailable", f"peer memory unavailable ({e}); using the collective path")
+            device = kw["device"] or (torch.device("cuda", torch.cuda.current_device())
+                                      if kw["backend"] != "host" and torch.cuda.is_available()
+                                      else torch.device("cpu"))
+            return _Built(params, layout, None, None, torch.device(device))
+        handle = None
+        try:
+            handle = _registry.new_handle()
+            torch.ops.sdcp.workspace_register(handle, int(self.kind), params, arena.base_address, arena.stride,
+                                              self.rank, self.world_size, arena.device, int(self.timeout_s * 1e9))
+            if self.SENTINEL_FILLED:
+                self._fill_sentinel(arena, layout)
+        except BaseException:
+            if handle is not None and handle in torch.ops.sdcp.workspace_handles():
+                torch.ops.sdcp.workspace_unregister(handle)
+            arena.close(barrier=False)
+            raise
+        return _Built(params, layout, arena, handle, arena.device)
+
+    def _agreement(self, params: list[int], fallback: bool) -> dict:
+        """What every rank must create alike, compared at creation (on every
+        rank, before anything is allocated): the class, every parameter, the
+        dtype and options of the family, and the path policies."""
+        agree = {"workspace": type(self).__name__, **dict(zip(self.PARAMS, params))}
+        for name in ("dtype", "rope_style"):
+            if hasattr(self, name):
+                agree[name] = str(getattr(self, name))
+        agree.update(fallback=fallback, rows_fallback=self.rows_fallback)
+        return agree
+
+    def _adopt(self, built: _Built) -> None:
+        self.params = built.params
+        self.layout = built.layout
+        self.nbytes_per_rank = built.layout.region_bytes
+        self.arena, self.handle, self.device = built.arena, built.handle, built.device
+        if built.handle is not None:
+            _registry.add(built.handle, self)
+            self._finalizer = weakref.finalize(self, _release_dropped, type(self).__name__, self.rank,
+                                               built.handle, built.arena)
+            # At interpreter exit the process's memory goes with it: nothing to
+            # release, and the CUDA context may already be going.
+            self._finalizer.atexit = False
+
+    def _fill_sentinel(self, arena: PeerArena, layout: WorkspaceLayout) -> None:
+        """Data-as-flag buffers start as the sentinel (every byte 0xFF): each
+        rank fills its own, then the group barriers before any peer may store
+        into them (docs/PROTOCOL.md)."""
+        size = layout.slots * layout.slot_bytes
+        arena.local_view(torch.uint8, (size,), layout.data_offset).fill_(0xFF)
+        if arena.device.type == "cuda":
+            torch.cuda.synchronize(arena.device)
+        arena.barrier()
+
+    # -- parameters -----------------------------------------------------------------------------
+
+    def _param_index(self, name: str) -> int:
+        if name not in self.PARAMS:
+            raise AttributeError(f"torch_sdcp: {type(self).__name__} has no parameter '{name}' "
+                                 f"(its parameters: {', '.join(self.PARAMS)})")
+        return self.PARAMS.index(name)
+
+    def param(self, name: str) -> int:
+        """The creation parameter ``name`` (one of ``PARAMS``)."""
+        return self.params[self._param_index(name)]
+
+    def part(self, name: str) -> int:
+        """The layout value ``name`` (one of ``PARTS``)."""
+        return self.layout.part_offsets[self.PARTS.index(name)]
+
+    @property
+    def max_rows(self) -> int:
+        """Rows bound of the peer path (every family but the exchange, which is
+        bounded in bytes)."""
+        return self.param("max_rows")
+
+    @property
+    def peer(self) -> bool:
+        """True when calls use peer memory, False in collective mode (and once closed)."""
+        return self.handle is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def poisoned(self) -> bool:
+        """True once a call failed after it was entered, or a peer aborted the
+        workspace (as far as this rank knows: ``check()`` asks)."""
+        return self._poisoned is not None
+
+    def check(self) -> None:
+        """Raise if the workspace is poisoned on this rank: a call of this
+        rank failed after it was entered (timeout, call mismatch, an error),
+        or a peer aborted it. Never synchronises: on CUDA it reads the error
+        record that the kernels write into host-mapped memory, so it works
+        between CUDA-graph replays and during capture; it reports what the
+        kernels that already ran saw (synchronise the stream first for an
+        exact answer). A closed workspace raises as every call does."""
+        self._check_open("check")
+        if self._poisoned is None and self.handle is not None:
+            try:
+                torch.ops.sdcp.workspace_check(self.handle)
+            except RuntimeError as e:
+                self._poisoned = str(e)
+        if self._poisoned is not None:
+            raise RuntimeError(self._poisoned_message("check"))
+
+    def _poisoned_message(self, what: str) -> str:
+        reason = self._poisoned or ""
+        return (f"torch_sdcp: {type(self).__name__} on rank {self.rank} is poisoned: {what}() after a failed call "
+                f"({reason}); re-create the workspace (close() it and create a new one on every rank, or resize())")
+
+    def _failed(self, error: BaseException, held: bool) -> None:
+        """A call raised after it was entered: poison the workspace on this
+        rank and abort it on every rank, so that a peer waiting in this call
+        gives up at once instead of after its timeout. Refusals of the
+        ordering rules (a second stream) are not failures of the call."""
+        if not held or not self.POISON_ON_ERROR or self.handle is None or getattr(error, "_sdcp_refusal", False):
+            return
+        if self._poisoned is None:
+            self._poisoned = f"{type(error).__name__}: {error}"
+        try:
+            torch.ops.sdcp.workspace_abort(self.handle)
+        except Exception as e:  # noqa: BLE001  (the error of the call is what the caller needs)
+            logger.warning("torch_sdcp %s workspace, rank %d: could not abort the workspace on the peers (%s)",
+                           type(self).__name__, self.rank, e)
+
+    @property
+    def physical_bytes(self) -> int:
+        """Physical memory this rank owns for the workspace (granularity-rounded)."""
+        return self.arena.stride if self.arena is not None else 0
+
+    def _log_policy(self, key: str, message: str) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning("torch_sdcp %s workspace, rank %d: %s", type(self).__name__, self.rank, message)
+
+    # -- one caller at a time -------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"torch_sdcp: {type(self).__name__} on rank {self.rank} is closed: {what}() after "
+                               "close(); create a new workspace")
+
+    def _enter(self, what: str) -> bool:
+        """Start a call: refuse a closed workspace, and a second thread while
+        another one is inside a call (non-blocking). Returns whether the call
+        lock is held (never under torch.compile tracing, which runs no call)."""
+        if torch.compiler.is_compiling():
+            self._check_open(what)
+            return False
+        if not self._call_lock.acquire(blocking=False):
+            me = threading.current_thread()
+            other = self._caller
+            inside = (f"thread {other[1]!r} (id {other[0]}) is inside {other[2]}()" if other is not None
+                      else "another thread is inside a call")
+            raise RuntimeError(
+                f"torch_sdcp: {type(self).__name__} on rank {self.rank}: {what}() from thread {me.name!r} "
+                f"(id {me.ident}) while {inside} on this workspace: calls on one workspace must be ordered; "
+                "use one workspace per thread, or serialise the calls")
+        try:
+            self._check_open(what)
+            if self._poisoned is not None and what not in ("resize", "close"):  # both release it
+                raise RuntimeError(self._poisoned_message(what))
+        except BaseException:
+            self._call_lock.release()
+            raise
+        me = threading.current_thread()
+        self._caller = (me.ident, me.name, what)
+        return True
+
+    def _leave(self, held: bool) -> None:
+        if held:
+            self._caller = None
+            self._call_lock.release()
+
+    def _call(self, what: str, *, poison: bool = True) -> _Call:
+        """The guard of the call ``what`` (a context manager, see ``_Call``)."""
+        return _Call(self, what, poison)
+
+    def _rows_fit(self, rows: int, arg: str) -> bool:
+        """True when this call takes the peer path (and may use the workspace)."""
+        if not self.peer:
+            return False
+        if rows > self.max_rows:
+            if not self.rows_fallback:
+                raise arg_error(arg, f"at most max_rows = {self.max_rows} rows (this {type(self).__name__} was "
+                                "created with rows_fallback=False)", rows)
+            self._log_policy(f"rows-{rows}", f"{rows} rows exceed max_rows={self.max_rows}; "
+                             "this call takes the collective path")
+            if self.POISON_ON_ERROR:
+                self.check()  # a peer's abort poisons the collective path too
+            return False
+        self._check_stream()
+        return True
+
+    def _check_stream(self) -> None:
+        """Calls on one workspace must be ordered: refuse a second stream while
+        the first still runs a call (docs/PROTOCOL.md)."""
+        if self.device.type != "cuda" or torch.compiler.is_compiling():
+            return
+        stream = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        self._captured = self._captured or capturing
+        last = self._stream
+        # A capture starts from a synchronised device (torch.cuda.graph does
+        # it); querying another stream during a global capture is not allowed.
+        if last is not None and last != stream and not capturing and not last.query():
+            refusal = RuntimeError(
+                f"torch_sdcp: {type(self).__name__} on rank {self.rank} is used from stream "
+                f"{stream.cuda_stream:#x} while stream {last.cuda_stream:#x} still runs an earlier call on it: "
+                "calls on one workspace must be ordered; use one workspace per stream, or make this stream "
+                "wait for the other (stream.wait_stream)")
+            refusal._sdcp_refusal = True  # refused before the call touched the workspace: no poisoning
+            raise refusal
+        self._stream = stream
+
+    # -- resize and teardown --------------------------------------------------------------------
+
+    def resize(self, max_rows: int) -> None:
+        """Re-create the workspace for a new row bound (collective; refused
+        once the workspace was captured in a CUDA graph, once it is closed, and
+        where ``_check_resizable`` refuses). The new workspace is created
+        before the old one is released: if creation fails (on every rank: it
+        is collective), the workspace stays as it was, still usable."""
+        with self._call("resize", poison=False):
+            index = self._param_index("max_rows")
+            self._check_resizable()
+            check_size_param(max_rows, "max_rows")
+            if self._captured:
+                raise RuntimeError(
+                    f"torch_sdcp: argument 'max_rows': cannot resize {type(self).__name__} on rank {self.rank} "
+                    f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses; create "
+                    "a new workspace and capture again")
+            params = list(self.params)
+            params[index] = max_rows
+            # A peer workspace keeps its memory if the new one cannot be created;
+            # one in collective mode tries peer memory again under its own policy.
+            built = self._build(params, self._init_kwargs["fallback"] and not self.peer)
+            self._release(barrier=self._poisoned is None)
+            self._adopt(built)
+            self._poisoned = None
+
+    def _check_resizable(self) -> None:
+        """A family's own precondition of ``resize``: raise to refuse."""
+
+    def _release(self, barrier: bool) -> None:
+        """Synchronise, unregister, unmap and free this rank's current arena
+        (with ``barrier``, collectively)."""
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        if self.handle is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            torch.ops.sdcp.workspace_unregister(self.handle)
+            _registry.remove(self.handle)
+            self.handle = None
+        if self.arena is not None:
+            arena, self.arena = self.arena, None
+            arena.close(barrier=barrier)
+
+    def close(self) -> None:
+        """Synchronise, barrier, unregister, unmap and free. Idempotent; local
+        only when torch.distributed is gone (interpreter exit). Every later call
+        raises."""
+        if getattr(self, "_closed", True):
+            return
+        with self._call("close", poison=False):
+            if self._poisoned is None and self.handle is not None:
+                try:
+                    torch.ops.sdcp.workspace_check(self.handle)
+                except RuntimeError as e:
+                    self._poisoned = str(e)
+            self._closed = True
+            # A poisoned workspace is released locally: a peer may be gone, and
+            # the barrier would wait out the timeout (the memory is reference-
+            # counted by every process that maps it, so no peer store faults).
+            self._release(barrier=self._poisoned is None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "closed" if self._closed else f"handle={self.handle}" if self.peer else "collective"
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, params={self.params}, "
+                f"device={self.device}, {mode})")
+

@@ -1,0 +1,40 @@
+"""The exchange family: a generic peer all-gather (csrc/exchange.*)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp import ops
+from torch_sdcp._checks import arg_error
+from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._policy import check_size_param
+from torch_sdcp.workspaces.base import PeerWorkspace
+
+
+class ExchangeWorkspace(PeerWorkspace):
+    """A generic peer all-gather of up to ``max_bytes`` per rank: the
+    signalling primitive the boundaries are built from."""
+
+    kind = WorkspaceKind.EXCHANGE
+    PARAMS = ("max_bytes",)
+    # inbox [peer][word] of tagged 64-bit words (4 payload bytes each); bytes between two peers' entries;
+    # call headers [peer][4 tagged words]
+    PARTS = ("inbox", "source_stride", "headers")
+    POISON_ON_ERROR = True
+
+    def __init__(self, group: dist.ProcessGroup | None, max_bytes: int, **kwargs):
+        super().__init__(group, [check_size_param(max_bytes, "max_bytes")], **kwargs)
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        """[N, *x.shape] with every rank's x, rank-major."""
+        with self._call("all_gather"):
+            if not isinstance(x, Tensor):
+                raise arg_error("x", "a Tensor", type(x).__name__)
+            if not self.peer:
+                out = [torch.empty_like(x) for _ in range(self.world_size)]
+                dist.all_gather(out, x.contiguous(), group=self.group)
+                return torch.stack(out)
+            return ops.peer_all_gather(x, self.handle)
+

@@ -1,0 +1,127 @@
+"""The Output/LSE family: the attention output and LSE combine (csrc/output_lse.*)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp import collective, ops
+from torch_sdcp._checks import arg_error, check
+from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._policy import check_size_param, require_tensor, resolve_group
+from torch_sdcp.workspaces.base import PeerWorkspace
+
+
+def _check_combine_inputs(ws: OutputLSEWorkspace, partial_out: object, partial_lse: object) -> None:
+    """The inputs of combine and combine_out, checked alike on the peer and the
+    collective path (the C++ op checks the same, but cannot tell two dtypes of
+    one element size apart)."""
+    require_tensor(partial_out, "partial_out", 3, "[T, H, D]")
+    require_tensor(partial_lse, "partial_lse", 2, "[T, H]")
+    if partial_out.dtype != ws.dtype:
+        raise arg_error("partial_out", f"dtype {ws.dtype} (the dtype of this OutputLSEWorkspace)",
+                        f"dtype {partial_out.dtype}")
+    if partial_lse.dtype != torch.float32:
+        raise arg_error("partial_lse", "dtype torch.float32", f"dtype {partial_lse.dtype}")
+    # The wording of csrc (check_size), so that both paths read alike.
+    for d, want, what in ((1, ws.total_heads, "total_heads"), (2, ws.head_dim, "head_dim")):
+        if partial_out.shape[d] != want:
+            raise arg_error("partial_out", f"size {want} at dim {d} ({what} of this OutputLSEWorkspace)",
+                            f"{partial_out.shape[d]} (shape {list(partial_out.shape)})")
+    for d in (0, 1):
+        if partial_lse.shape[d] != partial_out.shape[d]:
+            raise arg_error("partial_lse", f"size {partial_out.shape[d]} at dim {d} (that of 'partial_out')",
+                            f"{partial_lse.shape[d]} (shape {list(partial_lse.shape)})")
+    if partial_lse.device != partial_out.device:
+        raise arg_error("partial_lse", f"device {partial_out.device} (that of 'partial_out')",
+                        f"device {partial_lse.device}")
+
+
+def _check_combine_outputs(ws: OutputLSEWorkspace, partial_out: Tensor, out: object, out_lse: object) -> None:
+    """combine_out's caller-owned outputs, checked alike on both paths (as
+    csrc/output_lse.cpp checks them): exact shape, dtype, contiguous, device."""
+    rows, hl, d = partial_out.shape[0], ws.local_heads, ws.head_dim
+    for t, arg, shape, dtype in ((out, "out", (rows, hl, d), partial_out.dtype),
+                                 (out_lse, "out_lse", (rows, hl), torch.float32)):
+        if not isinstance(t, Tensor):
+            raise arg_error(arg, "a Tensor", type(t).__name__)
+        if tuple(t.shape) != shape:
+            raise arg_error(arg, f"shape {list(shape)}", f"shape {list(t.shape)}")
+        if t.dtype != dtype:
+            raise arg_error(arg, f"dtype {dtype}", f"dtype {t.dtype}")
+        if not t.is_contiguous():
+            raise arg_error(arg, "a contiguous tensor", f"strides {list(t.stride())} for shape {list(t.shape)}")
+        if t.device != partial_out.device:
+            raise arg_error(arg, f"device {partial_out.device} (that of 'partial_out')", f"device {t.device}")
+
+
+class OutputLSEWorkspace(PeerWorkspace):
+    """Output/LSE boundary: each producer stores every destination's head shard
+    and LSE straight into that owner's inbox; the owner waits for every
+    producer, corrects with the LSEs in fp32 and rounds once.
+
+    Data-as-flag (docs/PROTOCOL.md): each producer stores every peer's head
+    shard straight into that peer's buffer; this rank's own shard is read in
+    place from ``partial_out``.
+
+    Physical memory per rank: 4 KiB control + 2 buffers x (N - 1) x max_rows x
+    H/N x (head_dim x element size + 4) bytes + 64 KiB tail, granularity-rounded.
+    """
+
+    kind = WorkspaceKind.OUTPUT_LSE
+    PARAMS = ("max_rows", "total_heads", "head_dim", "elem_bytes")
+    # One entry per peer: out [peer][row][h_loc][d]; lse [peer][row][h_loc] fp32; call headers [peer][16 bytes]
+    PARTS = ("out_inbox", "lse_inbox", "headers")
+    SENTINEL_FILLED = True
+    POISON_ON_ERROR = True
+
+    def __init__(self, group: dist.ProcessGroup | None, max_rows: int, total_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, **kwargs):
+        check(dtype in (torch.bfloat16, torch.float16, torch.float32), "dtype", "bfloat16, float16 or float32",
+              dtype)
+        _, _, world = resolve_group(group)
+        check_size_param(max_rows, "max_rows")
+        check(check_size_param(total_heads, "total_heads") % world == 0, "total_heads",
+              f"a multiple of the world size {world}", total_heads)
+        check_size_param(head_dim, "head_dim")
+        self.dtype = dtype
+        self.total_heads, self.head_dim = total_heads, head_dim
+        elem = torch.empty((), dtype=dtype).element_size()
+        super().__init__(group, [max_rows, total_heads, head_dim, elem], **kwargs)
+
+    @property
+    def local_heads(self) -> int:
+        return self.total_heads // self.world_size
+
+    def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
+                return_lse: bool = False):
+        """partial_out [T, H, D] of the workspace dtype, partial_lse [T, H] fp32
+        over this rank's KV shard -> this rank's heads [T, H/N, D] (and their
+        LSE [T, H/N])."""
+        with self._call("combine"):
+            _check_combine_inputs(self, partial_out, partial_lse)
+            base2 = ops.lse_is_base2(lse_base)
+            if self._rows_fit(partial_out.shape[0], "partial_out"):
+                out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base)
+            else:  # the fused collective path; its output is a [T, H/N, D] view of head-major storage
+                out, lse = collective.lse_all_gather_correct_reduce_scatter(
+                    partial_out, partial_lse, base2=base2, return_lse=True, group=self.group)
+            return (out, lse) if return_lse else out
+
+    def combine_out(self, partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor, *,
+                    lse_base: str = "e") -> None:
+        """As combine, written into caller-owned out [T, H/N, D] (the workspace
+        dtype) and out_lse [T, H/N] fp32, both contiguous, on the inputs'
+        device; the same checks on the peer and the collective path."""
+        with self._call("combine_out"):
+            _check_combine_inputs(self, partial_out, partial_lse)
+            _check_combine_outputs(self, partial_out, out, out_lse)
+            base2 = ops.lse_is_base2(lse_base)
+            if self._rows_fit(partial_out.shape[0], "partial_out"):
+                ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base)
+            else:
+                collective.lse_all_gather_correct_reduce_scatter(
+                    partial_out, partial_lse, base2=base2, return_lse=True, group=self.group, out=out,
+                    out_lse=out_lse)
+

@@ -1,0 +1,194 @@
+"""The query family: the query gathered on heads, produced by the fused RoPE/FP8 kernel or as given
+(csrc/query.*)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp import collective, ops
+from torch_sdcp._checks import arg_error, check
+from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._policy import check_size_param, require_tensor
+from torch_sdcp.workspaces.base import PeerWorkspace
+
+
+def _check_query_inputs(ql_nope: object, q_pe: object) -> None:
+    require_tensor(ql_nope, "ql_nope", 3, "[T, H, nope]")
+    if not isinstance(q_pe, Tensor):
+        raise arg_error("q_pe", "a Tensor", type(q_pe).__name__)
+
+
+class QueryWorkspace(PeerWorkspace):
+    """Query boundary: the fused RoPE/FP8 producer stores this rank's head shard
+    straight into every peer's memory; the gathered query is
+    ``[T, N*H_loc, nope+rope]`` (head ``src*H_loc + h``) on every rank.
+
+    Three ways to use it: ``gather`` returns a fresh tensor (safe anywhere,
+    torch.compile included); ``gather_view`` returns a zero-copy view of this
+    rank's inbox, valid until ``release()``; ``all_gather_heads`` gathers a
+    query produced elsewhere (RoPE already applied, maybe quantised; no
+    producer), for example vLLM's.
+
+    Data-as-flag (docs/PROTOCOL.md, version 4). ``gather`` and
+    ``all_gather_heads`` use two rotating buffers of peer entries (a rank's own
+    heads go straight into the result). The view is one buffer at a fixed
+    address (a CUDA graph captures its reader with it) in the final layout: no
+    producer stores the next view call's query into it before this rank's
+    ``release()`` has re-filled the rows that were read and said so, so a late
+    reader never sees an overwritten view. Every non-NaN value arrives
+    bit-exact; an aligned 4-byte word of all-ones bytes (a NaN) arrives as the
+    canonical NaN word.
+
+    ``dtype``: bf16 or float8_e4m3fn for the producer; ``all_gather_heads``
+    also moves fp16, fp32 and float8_e5m2 (every dtype whose all-ones element
+    is NaN). ``rope_dim=0`` makes a workspace for ``all_gather_heads`` only
+    (heads of ``nope_dim`` elements).
+
+    Physical memory per rank: 4 KiB control + max_rows x N x local_heads x
+    (nope + rope) x element size (the view) + 2 x max_rows x (N - 1) x
+    local_heads x (nope + rope) x element size (the buffers) + 64 KiB tail,
+    granularity-rounded.
+    """
+
+    kind = WorkspaceKind.QUERY
+    PARAMS = ("max_rows", "local_heads", "head_dim", "elem_bytes")
+    # the view [row][src*H_loc + h][nope + rope]; buffer 0 [peer][row][h][nope + rope] (buffer 1 follows);
+    # bytes of one buffer; call headers [buffer 0, buffer 1, view][peer][16 bytes]
+    PARTS = ("inbox", "buffers", "buffer_bytes", "headers")
+    SENTINEL_FILLED = True
+    POISON_ON_ERROR = True
+
+    def __init__(self, group: dist.ProcessGroup | None, max_rows: int, local_heads: int, nope_dim: int = 512,
+                 rope_dim: int = 64, dtype: torch.dtype = torch.float8_e4m3fn, rope_style: str = "interleaved",
+                 **kwargs):
+        check(dtype in ops.QUERY_GATHER_DTYPES, "dtype", f"one of {ops.QUERY_GATHER_DTYPES}", dtype)
+        ops.rope_is_neox(rope_style)
+        check_size_param(max_rows, "max_rows")
+        check_size_param(local_heads, "local_heads")
+        check_size_param(nope_dim, "nope_dim")
+        if not (type(rope_dim) is int and rope_dim == 0):  # 0: a workspace for all_gather_heads only
+            check(check_size_param(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
+        self.dtype, self.rope_style = dtype, rope_style
+        self.local_heads = local_heads
+        self.nope_dim, self.rope_dim = nope_dim, rope_dim
+        self._open_view: Tensor | None = None
+        self._inbox_view: Tensor | None = None
+        elem = torch.empty((), dtype=dtype).element_size()
+        super().__init__(group, [max_rows, local_heads, nope_dim + rope_dim, elem], **kwargs)
+
+    @property
+    def inbox(self) -> Tensor | None:
+        """This rank's whole inbox, the view buffer [max_rows, N*H_loc,
+        nope+rope] (None in collective mode). Read it only between
+        gather_view() and release(), and only the rows that gather_view()
+        returned (the rest holds the sentinel)."""
+        if self.arena is None:
+            return None
+        width = self.nope_dim + self.rope_dim
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        raw = self.arena.local_view(torch.uint8, (self.max_rows, self.world_size * self.local_heads, width * elem),
+                                    self.layout.data_offset + self.part("inbox"))
+        return raw.view(self.dtype)
+
+    def _check_resizable(self) -> None:
+        if self._open_view is not None:
+            raise RuntimeError("torch_sdcp: QueryWorkspace.resize: a view from gather_view() is still open; "
+                               "release() it first")
+
+    def _release(self, barrier: bool) -> None:
+        """As PeerWorkspace._release; an open view becomes invalid."""
+        self._open_view = self._inbox_view = None
+        super()._release(barrier)
+
+    def _check_no_open_view(self, what: str) -> None:
+        if self._open_view is not None:
+            refusal = RuntimeError(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by "
+                                   "the last gather_view() is still open; call release() once its reader is done, "
+                                   "before producing the next query")
+            refusal._sdcp_refusal = True  # refused before the call touched the workspace: no poisoning
+            raise refusal
+
+    def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+               q_scale: Tensor | None = None) -> Tensor:
+        """A fresh gathered query [T, N*H_loc, nope+rope] (head = src*H_loc + h),
+        bit-identical to producing locally then all_gather on heads."""
+        with self._call("gather"):
+            if not torch.compiler.is_compiling():
+                self._check_no_open_view("gather")
+            return self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+
+    def _gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
+        _check_query_inputs(ql_nope, q_pe)
+        if self._rows_fit(ql_nope.shape[0], "ql_nope"):
+            return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
+                                    rope_style=self.rope_style, out_dtype=self.dtype)
+        return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
+                                           neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
+
+    def gather_view(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
+                    q_scale: Tensor | None = None) -> Tensor:
+        """Zero-copy: as gather, but returns a view [T, N*H_loc, nope+rope] of
+        this rank's inbox. The view stays valid until ``release()``, which the
+        caller must call after the last kernel that reads it has been enqueued
+        (same stream) and before the next gather or gather_view. Eager and CUDA
+        graphs only: under torch.compile use ``gather``. A call with more rows
+        than max_rows takes the collective path and returns a fresh tensor
+        (release() is still required, and does nothing on the device)."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("torch_sdcp: QueryWorkspace.gather_view is not traceable by torch.compile (its "
+                               "result aliases workspace memory); use gather() inside compiled regions")
+        with self._call("gather_view"):
+            self._check_no_open_view("gather_view")
+            _check_query_inputs(ql_nope, q_pe)
+            rows = ql_nope.shape[0]
+            if self._rows_fit(rows, "ql_nope"):
+                ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
+                                  rope_style=self.rope_style, out_dtype=self.dtype)
+                if self._inbox_view is None:
+                    self._inbox_view = self.inbox
+                view = self._inbox_view[:rows]
+            else:
+                view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+            self._open_view = view
+            return view
+
+    def release(self) -> None:
+        """The reader of the last gather_view() is done: this rank's view rows
+        are re-filled and the producers told that they may store the next view
+        call's query. Enqueued on the current stream (capturable)."""
+        with self._call("release"):
+            if self._open_view is None:
+                refusal = RuntimeError(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
+                                       "(gather_view() was not called, or release() was already called)")
+                refusal._sdcp_refusal = True  # nothing was touched: no poisoning
+                raise refusal
+            view, self._open_view = self._open_view, None
+            if self.peer and self._inbox_view is not None and view.data_ptr() == self._inbox_view.data_ptr():
+                self._check_stream()
+                ops.query_release(view, self.handle)  # re-fills the rows the view had
+
+    def all_gather_heads(self, q: Tensor, out: Tensor | None = None) -> Tensor:
+        """A query produced elsewhere, ``q [T, H_loc, nope+rope]`` of the
+        workspace dtype on every rank -> ``[T, N*H_loc, nope+rope]``, head
+        ``src*H_loc + h``: ``all_gather(q, dim=1)`` with every non-NaN value
+        bit-exact (an aligned 4-byte word of all-ones bytes, a NaN, arrives as
+        the canonical NaN word). Written into ``out`` when given (contiguous,
+        that shape and dtype, for example a view of larger storage), which is
+        returned. Rows above max_rows take the collective path."""
+        with self._call("all_gather_heads"):
+            if not torch.compiler.is_compiling():
+                self._check_no_open_view("all_gather_heads")
+            require_tensor(q, "q", 3, "[T, H_loc, W]")
+            if q.dtype != self.dtype:
+                raise arg_error("q", f"dtype {self.dtype} (the dtype of this QueryWorkspace)", f"dtype {q.dtype}")
+            if out is not None and not isinstance(out, Tensor):
+                raise arg_error("out", "a Tensor or None", type(out).__name__)
+            if self._rows_fit(q.shape[0], "q"):
+                if out is None:
+                    return ops.query_all_gather_heads(q, self.handle)
+                ops.query_all_gather_heads_out(q, self.handle, out)
+                return out
+            return collective.all_gather_heads(q, self.group, out)
+

@@ -1,0 +1,57 @@
+"""The top-K family: the global top-k merge of the ranks' candidates (csrc/topk.*)."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp import collective, ops
+from torch_sdcp._checks import arg_error
+from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._policy import check_size_param, require_tensor
+from torch_sdcp.workspaces.base import PeerWorkspace
+
+
+class TopKWorkspace(PeerWorkspace):
+    """Top-K boundary: each owner sorts its candidates once and pushes its best
+    min(C, k) keys into every peer's buffer; every consumer merges the lists
+    as they land with its own (identical result on every rank).
+
+    Data-as-flag (docs/PROTOCOL.md): the buffers start as the sentinel (every
+    byte 0xFF), which no 64-bit selection key can take; the consumer writes it
+    back as it takes each list. Every call carries a call header, so ranks
+    whose calls differ raise on every rank, and an error inside a call
+    poisons the workspace on every rank.
+
+    Physical memory per rank: 4 KiB control + 2 buffers x ((N - 1) x max_rows
+    x min(C, k) x 8 bytes + the call headers) + 64 KiB tail, granularity-rounded
+    (DCP2, 128 rows, C = k = 2048: 6 MiB with a 2 MiB granularity).
+    """
+
+    kind = WorkspaceKind.TOPK
+    PARAMS = ("max_rows", "candidates_per_rank", "k")
+    # One entry per peer: a peer's sorted best keys [peer][row][min(C, k)]; min(C, k);
+    # call headers [peer][16 bytes]
+    PARTS = ("keys", "keys_per_row", "headers")
+    SENTINEL_FILLED = True
+    POISON_ON_ERROR = True
+
+    def __init__(self, group: dist.ProcessGroup | None, max_rows: int, k: int,
+                 candidates_per_rank: int | None = None, **kwargs):
+        check_size_param(max_rows, "max_rows")
+        self.k = check_size_param(k, "k")
+        self.candidates_per_rank = check_size_param(k if candidates_per_rank is None else candidates_per_rank,
+                                                    "candidates_per_rank")
+        super().__init__(group, [max_rows, self.candidates_per_rank, self.k], **kwargs)
+
+    def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
+        """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
+        top-k ids [T, k] int32 in selection order, identical on every rank."""
+        with self._call("merge"):
+            require_tensor(scores, "scores", 2, "[T, C]")
+            if not isinstance(ids, Tensor):
+                raise arg_error("ids", "a Tensor", type(ids).__name__)
+            if self._rows_fit(scores.shape[0], "scores"):
+                return ops.topk_merge(scores, ids, self.handle, self.k)
+            return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
+
