@@ -11,7 +11,7 @@ engines use today, over workspaces cached per group and geometry.
 See docs/INTEGRATION.md and :mod:`torch_sdcp.integrations.dcp`.
 """
 
-from torch_sdcp.integrations.dcp import (  # noqa: F401
+from torch_sdcp.integrations.dcp import (
     DEFAULT_MAX_ROWS,
     MLADCPWorkspaces,
     all_gather,

@@ -34,11 +34,14 @@ import torch.distributed as dist
 
 from torch_sdcp._checks import arg_error
 
-__all__ = ["BOUNDARIES", "DEFAULT_MAX_ROWS", "Boundary", "Entry", "Face", "Group", "normalise_device",
-           "resolve_group"]
+__all__ = ["BOUNDARIES", "DEFAULT_MAX_ROWS", "OUTPUT_DTYPES", "Boundary", "Entry", "Face", "Group",
+           "normalise_device", "query_direct", "resolve_group"]
 
 #: Rows bound of a workspace a face creates on first use (the reference decode bound).
 DEFAULT_MAX_ROWS = 128
+
+#: Dtypes of the partial outputs the Output/LSE boundary combines.
+OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # ---------------------------------------------------------------------------
 # The boundaries
@@ -255,6 +258,11 @@ class Face:
             once(msg, *args)
         else:
             getattr(self.logger, level)(msg, *args)
+
+    def rows_logger(self, kind: str, msg: str) -> Callable[[Entry, int], None]:
+        """An ``over_bound`` for :meth:`call`: ``msg % (rows, bound)``, logged
+        once per boundary."""
+        return lambda entry, rows: self.log_once("warning", ("rows", kind), msg, rows, entry.max_rows)
 
     # -- the cache -----------------------------------------------------------
 

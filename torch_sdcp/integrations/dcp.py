@@ -45,7 +45,7 @@ from torch import Tensor
 
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check_bool, check_dim, check_dtype, check_int, check_tensor
-from torch_sdcp.integrations._core import DEFAULT_MAX_ROWS, Face, normalise_device
+from torch_sdcp.integrations._core import DEFAULT_MAX_ROWS, OUTPUT_DTYPES, Face, normalise_device
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -223,9 +223,6 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
 # Output/LSE boundary (OutputLSEWorkspace)
 # ---------------------------------------------------------------------------
 
-_OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def prepare_output_lse(group: GroupLike, *, max_rows: int, total_heads: int, head_dim: int,
                        dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None,
                        **options) -> Any:
@@ -237,7 +234,7 @@ def prepare_output_lse(group: GroupLike, *, max_rows: int, total_heads: int, hea
     check_int(max_rows, "max_rows", 1)
     check_int(total_heads, "total_heads", 1)
     check_int(head_dim, "head_dim", 1)
-    check_dtype(dtype, "dtype", *_OUTPUT_DTYPES)
+    check_dtype(dtype, "dtype", *OUTPUT_DTYPES)
     if total_heads % g.world:
         raise arg_error("total_heads", f"a multiple of the world size {g.world}", total_heads)
     _check_options(options)
@@ -265,7 +262,7 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: GroupLi
     if tuple(cp_attn_lse.shape) != tuple(cp_attn_out.shape[:2]):
         raise arg_error("cp_attn_lse", f"shape {list(cp_attn_out.shape[:2])} (the first two dimensions of "
                         "'cp_attn_out')", f"shape {list(cp_attn_lse.shape)}")
-    check_dtype(cp_attn_out.dtype, "cp_attn_out", *_OUTPUT_DTYPES)
+    check_dtype(cp_attn_out.dtype, "cp_attn_out", *OUTPUT_DTYPES)
     check_bool(return_lse, "return_lse")
     check_bool(is_lse_base_on_e, "is_lse_base_on_e")
     g = _face.group(cp_group, "cp_group")
