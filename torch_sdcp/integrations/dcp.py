@@ -1,8 +1,9 @@
 """Drop-in adapters for the DCP call sites of serving engines.
 
 Each adapter has the call shape of the collective it replaces and resolves its
-workspace from the group and the geometry of its inputs through a small
-process-local cache:
+workspace from the group and the geometry of its inputs through the process-local
+cache of the integration core (:mod:`torch_sdcp.integrations._core`; this
+module is its engine-agnostic face):
 
 - ``all_gather(x, group, dim)``: ``dcp_group.all_gather(x, dim)``
   (``ExchangeWorkspace``);
@@ -25,7 +26,7 @@ is inside capture or tracing. ``teardown()`` closes every cached workspace
 Rows are dimension 0 of every input (decode tokens). A call with more rows than
 the workspace's ``max_rows`` runs the collective path of
 :mod:`torch_sdcp.collective` and logs it once per workspace and row count
-(logger ``torch_sdcp``), the policy of :mod:`torch_sdcp.workspace`.
+(logger ``torch_sdcp``), the workspaces' own policy (``PeerWorkspace``).
 
 ``group`` is a ``torch.distributed`` process group, ``None`` (the default
 group), or an object with a ``device_group`` process group attribute (a vLLM

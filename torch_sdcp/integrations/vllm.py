@@ -34,7 +34,6 @@ over the integration core) are in :mod:`torch_sdcp.integrations.vllm_calls`,
 re-exported here. Neither imports vLLM at import time; see docs/VLLM.md.
 """
 
-
 from __future__ import annotations
 
 import functools
