@@ -414,8 +414,9 @@ class Face:
         return [entry.workspace for _, entry in self._entries()]
 
     def forget(self) -> None:
-        """Drop this face's entries without closing them, and its logging and
-        peer-memory memory (a fresh process, as far as this face knows)."""
+        """Drop this face's entries without closing them, its log-once reasons
+        and its record of groups without peer memory: a fresh process, as far
+        as this face knows."""
         with _lock:
             for key, _ in self._entries():
                 del _cache[key]
