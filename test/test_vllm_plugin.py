@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 
 from torch_sdcp import collective, reference
+from torch_sdcp.integrations import vllm_calls
+from torch_sdcp.integrations._core import query_direct
 
 from _dist import run_workers
 from conftest import requires_gpus
@@ -263,14 +265,10 @@ class FakeVllm:
 
 def _reset_plugin(plugin):
     plugin.uninstall()
-    state = plugin._state
-    state.registry.clear()
-    state.unavailable.clear()
-    state.logged.clear()
-    state.originals.clear()
-    state.logger = None
-    state.ubatch_id = lambda: 0
-    state.dcp_group = None
+    vllm_calls._face.forget()
+    vllm_calls._face.ubatch_id = lambda: 0
+    vllm_calls._hooks.originals.clear()
+    vllm_calls._hooks.dcp_group = None
 
 
 def _config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, bound=BOUND):
@@ -710,7 +708,7 @@ def test_bound_from_engine_and_cap(plugin, monkeypatch):
         plugin._row_bound(512)
     monkeypatch.setenv("SDCP_VLLM_TIMEOUT_S", "-1")
     with pytest.raises(ValueError, match="SDCP_VLLM_TIMEOUT_S"):
-        plugin._env_float("SDCP_VLLM_TIMEOUT_S", 600.0)
+        vllm_calls._env_float("SDCP_VLLM_TIMEOUT_S", 600.0)
 
 
 # ---------------------------------------------------------------------------
@@ -780,7 +778,7 @@ def test_local_candidates_mapping(plugin):
     local = torch.tensor([[0, 5, -1, 63], [1, 4, 7, 62]], dtype=torch.int32)
     starts = torch.tensor([3, 6], dtype=torch.int32)
     for r in range(world):
-        scores, ids = plugin._local_candidates(logits, local, r, world, I, starts)
+        scores, ids = vllm_calls._local_candidates(logits, local, r, world, I, starts)
         want_ids = torch.where(local >= 0, table[r][local.clamp_min(0).long()], -1)
         assert torch.equal(ids, want_ids.to(torch.int32))
         col = (local.clamp_min(0).long() + starts.long().unsqueeze(1)).clamp_max(69)
@@ -819,11 +817,11 @@ def _gpu_capture_worker(rank, world):
     coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     plugin.configure(dcp_group=lambda: coord)
     rows = 8
-    assert plugin.prepare_output_lse(coord, max_rows=16, total_heads=world * H_LOC, head_dim=D,
-                                     dtype=torch.bfloat16, device=device)
-    assert plugin.prepare_query_gather(coord, max_rows=16, local_heads=H_LOC, width=W,
-                                       dtype=torch.float8_e4m3fn, device=device)
-    assert plugin.prepare_topk(coord, max_rows=16, k=K, device=device)
+    assert plugin.try_prepare_output_lse(coord, max_rows=16, total_heads=world * H_LOC, head_dim=D,
+                                         dtype=torch.bfloat16, device=device)
+    assert plugin.try_prepare_query_gather(coord, max_rows=16, local_heads=H_LOC, width=W,
+                                           dtype=torch.float8_e4m3fn, device=device)
+    assert plugin.try_prepare_topk(coord, max_rows=16, k=K, device=device)
 
     def load(seed):
         per_rank, qsl = _fixed_masking(world, rows, seed)
@@ -903,7 +901,7 @@ def test_query_gather_workspace_by_dtype(plugin):
     # The data-as-flag query workspace for dtypes whose all-ones element is NaN
     # and heads of whole 16-byte vectors; the tagged exchange for the rest.
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32):
-        assert plugin._query_direct(576, dtype), dtype
+        assert query_direct(576, dtype), dtype
     for dtype in (torch.uint8, torch.int8, torch.float8_e4m3fnuz):
-        assert not plugin._query_direct(576, dtype), dtype
-    assert not plugin._query_direct(20, torch.float8_e4m3fn)
+        assert not query_direct(576, dtype), dtype
+    assert not query_direct(20, torch.float8_e4m3fn)

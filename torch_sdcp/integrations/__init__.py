@@ -8,10 +8,12 @@ engines use today, over workspaces cached per group and geometry.
     out = sdcp.cp_lse_ag_out_rs(attn_out, attn_lse, dcp_group)
     sdcp.teardown()                                                   # shutdown, every rank
 
-See docs/INTEGRATION.md and :mod:`torch_sdcp.integrations.dcp`.
+See docs/INTEGRATION.md and :mod:`torch_sdcp.integrations.dcp`. Every engine
+face (these adapters, the vLLM plugin :mod:`torch_sdcp.integrations.vllm`)
+runs over one core, :mod:`torch_sdcp.integrations._core`.
 """
 
-from torch_sdcp.integrations.dcp import (  # noqa: F401
+from torch_sdcp.integrations.dcp import (
     DEFAULT_MAX_ROWS,
     MLADCPWorkspaces,
     all_gather,

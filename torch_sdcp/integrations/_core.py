@@ -1,0 +1,443 @@
+"""The one integration core under the engine faces (:mod:`.dcp`, :mod:`.vllm`).
+
+An engine face maps an engine's call shapes onto the four DCP boundaries; this
+module holds everything the faces share:
+
+- :data:`BOUNDARIES`: the table of boundaries (kind -> the geometry that keys
+  its workspace, how to build that workspace, how to summarise it in a log);
+- the process-local workspace cache, keyed by (face, kind, group, geometry,
+  device, micro-batch) and guarded by one lock;
+- bootstrap: a workspace per boundary and micro-batch, created collectively
+  over the face's bootstrap group (:func:`resolve_group`);
+- the call policy (:meth:`Face.call`): a call without a workspace either
+  creates it / raises naming the ``prepare_*`` call (a face without fallback)
+  or takes the face's fallback; rows above the bound take the fallback;
+  every fallback reason is logged once;
+- teardown: close every cached workspace of a face, idempotent, closing the
+  rest before reporting the first error.
+
+``prepare`` means one thing in every face: create the workspace collectively
+(every rank of the group, same order), or return the cached one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from torch_sdcp._checks import arg_error
+
+__all__ = ["BOUNDARIES", "DEFAULT_MAX_ROWS", "OUTPUT_DTYPES", "Boundary", "Entry", "Face", "Group",
+           "normalise_device", "query_direct", "resolve_group"]
+
+#: Rows bound of a workspace a face creates on first use (the reference decode bound).
+DEFAULT_MAX_ROWS = 128
+
+#: Dtypes of the partial outputs the Output/LSE boundary combines.
+OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# ---------------------------------------------------------------------------
+# The boundaries
+# ---------------------------------------------------------------------------
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def query_direct(width: int, dtype: torch.dtype) -> bool:
+    """Whether a gather-only query (``rope_dim=0``) runs on a QueryWorkspace
+    (data-as-flag, final layout, 1x bytes): a dtype whose all-ones element is
+    NaN and heads of whole 16-byte vectors. Anything else (float8_e4m3fnuz,
+    raw bytes, odd widths) takes a tagged ExchangeWorkspace, which moves any
+    bytes."""
+    from torch_sdcp import ops
+
+    return dtype in ops.QUERY_GATHER_DTYPES and width * _element_size(dtype) % 16 == 0
+
+
+def _exchange(pg, max_rows: int, row_shape: tuple[int, ...], dtype: torch.dtype, **options) -> Any:
+    import torch_sdcp
+
+    return torch_sdcp.ExchangeWorkspace(pg, max_rows * math.prod(row_shape) * _element_size(dtype), **options)
+
+
+def _build_all_gather(pg, max_rows: int, g: dict, **options) -> Any:
+    return _exchange(pg, max_rows, g["row_shape"], g["dtype"], **options)
+
+
+def _build_query(pg, max_rows: int, g: dict, **options) -> Any:
+    import torch_sdcp
+
+    if g["rope_dim"] == 0 and not query_direct(g["nope_dim"], g["out_dtype"]):
+        return _exchange(pg, max_rows, (g["local_heads"], g["nope_dim"]), g["out_dtype"], **options)
+    return torch_sdcp.QueryWorkspace(pg, max_rows, g["local_heads"], nope_dim=g["nope_dim"], rope_dim=g["rope_dim"],
+                                     dtype=g["out_dtype"], rope_style=g["rope_style"], **options)
+
+
+def _build_output_lse(pg, max_rows: int, g: dict, **options) -> Any:
+    import torch_sdcp
+
+    return torch_sdcp.OutputLSEWorkspace(pg, max_rows, g["total_heads"], g["head_dim"], dtype=g["dtype"], **options)
+
+
+def _build_topk(pg, max_rows: int, g: dict, **options) -> Any:
+    import torch_sdcp
+
+    return torch_sdcp.TopKWorkspace(pg, max_rows, g["k"], candidates_per_rank=g["candidates_per_rank"], **options)
+
+
+class Boundary(NamedTuple):
+    """One row of :data:`BOUNDARIES`."""
+
+    label: str  # how logs name it
+    geometry: tuple[str, ...]  # the fields that key its workspace, in key order
+    build: Callable[..., Any]  # (bootstrap group, max_rows, geometry dict, **workspace options) -> workspace
+    summary: Callable[[dict], str]  # the geometry in a log line
+
+
+BOUNDARIES: dict[str, Boundary] = {
+    "all_gather": Boundary("exchange", ("row_shape", "dtype"), _build_all_gather,
+                           lambda g: f"rows {list(g['row_shape'])} of {g['dtype']}"),
+    # rope_dim=0: a gather-only query (a query produced by the engine).
+    "query": Boundary("query", ("local_heads", "nope_dim", "rope_dim", "out_dtype", "rope_style"), _build_query,
+                      lambda g: f"{g['local_heads']} heads x {g['nope_dim'] + g['rope_dim']} of {g['out_dtype']}"),
+    "output_lse": Boundary("Output/LSE", ("total_heads", "head_dim", "dtype"), _build_output_lse,
+                           lambda g: f"{g['total_heads']} heads x {g['head_dim']} of {g['dtype']}"),
+    "topk": Boundary("top-K", ("k", "candidates_per_rank"), _build_topk,
+                     lambda g: f"k={g['k']} over {g['candidates_per_rank']} local candidates"),
+}
+
+
+def _geometry(kind: str, geometry: dict) -> tuple:
+    fields = BOUNDARIES[kind].geometry
+    if tuple(geometry) != fields:
+        raise AssertionError(f"torch_sdcp: the {kind} geometry is {fields}, got {tuple(geometry)}")
+    return tuple(geometry.items())
+
+
+# ---------------------------------------------------------------------------
+# Groups and devices
+# ---------------------------------------------------------------------------
+
+
+class Group(NamedTuple):
+    """A face's group, resolved: the cache key, the process group workspaces
+    bootstrap over, the world size and (a callable for) this rank."""
+
+    key: Any
+    pg: Any
+    world: int
+    rank_of: Callable[[], int]
+
+    @property
+    def rank(self) -> int:
+        return self.rank_of()
+
+
+def resolve_group(group: Any, via: str, arg: str) -> Group:
+    """``group`` as a face bootstraps over it. ``via="device_group"``: a
+    ProcessGroup, None (the default group) or an object with a
+    ``device_group`` ProcessGroup; keyed by ``group_name``, which torch.compile
+    traces (``id(group)`` it does not). ``via="cpu_group"``: a ProcessGroup
+    (or None), or a vLLM-style GroupCoordinator bootstrapped over its
+    ``cpu_group`` (gloo) and keyed by its ``unique_name``."""
+    if via == "device_group":
+        if not dist.is_initialized():
+            raise RuntimeError("torch_sdcp: the integrations need an initialised torch.distributed "
+                               "(call torch.distributed.init_process_group first)")
+        if group is None:
+            pg = dist.group.WORLD
+        elif isinstance(group, dist.ProcessGroup):
+            pg = group
+        elif isinstance(getattr(group, "device_group", None), dist.ProcessGroup):
+            pg = group.device_group
+        else:
+            raise arg_error(arg, "a torch.distributed ProcessGroup, None, or an object with a 'device_group' "
+                            "ProcessGroup (a vLLM GroupCoordinator)", type(group).__name__)
+        return Group(pg.group_name, pg, dist.get_world_size(pg), lambda: dist.get_rank(pg))
+    if isinstance(group, dist.ProcessGroup) or group is None:
+        return Group(("pg", id(group)), group, dist.get_world_size(group), lambda: dist.get_rank(group))
+    cpu = getattr(group, "cpu_group", None)
+    if cpu is None:
+        raise TypeError(f"torch_sdcp: argument '{arg}': expected a vLLM GroupCoordinator (with a cpu_group) "
+                        f"or a ProcessGroup, got {type(group).__name__}")
+    name = getattr(group, "unique_name", None)
+    rank = int(group.rank_in_group)
+    return Group(("coordinator", name if name is not None else id(group)), cpu, int(group.world_size), lambda: rank)
+
+
+def normalise_device(device: torch.device | str | None) -> torch.device:
+    """None: the current CUDA device, or cpu without CUDA; a cuda device
+    without index: the current one."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError) as e:
+        raise arg_error("device", "a torch.device, a device string or None", repr(device)) from e
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise arg_error("device", "a cpu or cuda device", device)
+    return device
+
+
+def _in_capture_or_tracing() -> str | None:
+    """What forbids a collective workspace creation right now, or None."""
+    if torch.compiler.is_compiling():
+        return "torch.compile tracing"
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return "CUDA graph capture"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The cache
+# ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Entry:
+    workspace: Any
+    max_rows: int  # the rows bound it was made for (the workspace's own bound where it has one)
+    was_peer: bool
+    logged: set = field(default_factory=set)  # rows above the bound already logged, where a face logs per entry
+
+    @property
+    def bound(self) -> int:
+        return getattr(self.workspace, "max_rows", self.max_rows)
+
+
+# (face, kind, group key, geometry, device, micro-batch) -> Entry, in creation order. The face is part of
+# the key so that each face lists and tears down only what it created.
+_cache: dict[tuple, Entry] = {}
+_lock = threading.RLock()
+
+
+class Face:
+    """One engine face over the cache: how it resolves groups (``via``), what
+    a call without a workspace does (``create_missing``: create it on first
+    use, else take the call's fallback), where it logs, and which micro-batch
+    is current. Holds what the face has logged and which geometries have no
+    peer memory."""
+
+    def __init__(self, name: str, *, via: str, create_missing: bool, make_logger: Callable[[], logging.Logger],
+                 options: Callable[[], dict] = dict) -> None:
+        self.name = name
+        self.via = via
+        self.create_missing = create_missing
+        self.make_logger = make_logger
+        self.options = options  # workspace options of a face-made workspace
+        self.ubatch_id: Callable[[], int] = lambda: 0
+        self.logger: logging.Logger | None = None
+        self.logged: set = set()
+        self.unavailable: set = set()  # (kind, group key, geometry, device) that failed the peer-memory gate
+
+    # -- logging -------------------------------------------------------------
+
+    def log_once(self, level: str, reason: Any, msg: str, *args: Any) -> None:
+        """Log ``msg`` once per ``reason`` (per process)."""
+        with _lock:
+            if reason in self.logged:
+                return
+            self.logged.add(reason)
+        if self.logger is None:
+            self.logger = self.make_logger()
+        once = getattr(self.logger, f"{level}_once", None)
+        if once is not None and callable(once):
+            once(msg, *args)
+        else:
+            getattr(self.logger, level)(msg, *args)
+
+    def rows_logger(self, kind: str, msg: str) -> Callable[[Entry, int], None]:
+        """An ``over_bound`` for :meth:`call`: ``msg % (rows, bound)``, logged
+        once per boundary."""
+        return lambda entry, rows: self.log_once("warning", ("rows", kind), msg, rows, entry.max_rows)
+
+    # -- the cache -----------------------------------------------------------
+
+    def group(self, group: Any, arg: str = "group") -> Group:
+        return resolve_group(group, self.via, arg)
+
+    def _key(self, kind: str, group: Group, geometry: tuple, device: torch.device, ubatch: int) -> tuple:
+        return (self.name, kind, group.key, geometry, device, ubatch)
+
+    def describe(self, kind: str, group: Group, geometry: tuple, device: torch.device) -> str:
+        fields = ", ".join(f"{name}={value}" for name, value in geometry + (("device", device),))
+        return f"{kind} workspace for a group of world size {group.world} ({fields})"
+
+    def lookup(self, kind: str, group: Group, geometry: dict, device: torch.device) -> Entry | None:
+        """The current micro-batch's cached entry, or None. Lock-free: it runs
+        on the hot path and under torch.compile tracing."""
+        g = _geometry(kind, geometry)
+        ubatch = int(self.ubatch_id())
+        key = self._key(kind, group, g, device, ubatch)
+        entry = _cache.get(key)
+        if entry is not None and entry.was_peer and not entry.workspace.peer:
+            # Closed directly (not through teardown): treat it as never prepared.
+            with _lock:
+                if _cache.get(key) is entry:
+                    del _cache[key]
+            return None
+        if entry is None and ubatch > 0 and self._key(kind, group, g, device, 0) in _cache:
+            raise RuntimeError(f"torch_sdcp: micro-batch {ubatch} has no {kind} workspace: the workspaces were "
+                               "prepared for fewer micro-batches (num_ubatches) than the engine runs")
+        return entry
+
+    def _create(self, kind: str, group: Group, g: tuple, device: torch.device, max_rows: int, options: dict,
+                caller: str) -> Entry:
+        why = _in_capture_or_tracing()
+        if why is not None:
+            raise RuntimeError(f"torch_sdcp: {caller}: cannot create the {self.describe(kind, group, g, device)} "
+                               f"during {why} (creation is collective): prepare it at model load, before capture "
+                               "and compilation")
+        return self._build(kind, group, g, device, max_rows, options)
+
+    def _build(self, kind: str, group: Group, g: tuple, device: torch.device, max_rows: int, options: dict) -> Entry:
+        backend = "host" if device.type == "cpu" else "cuda"
+        workspace = BOUNDARIES[kind].build(group.pg, max_rows, dict(g), backend=backend, device=device, **options)
+        return Entry(workspace, max_rows, workspace.peer)
+
+    def prepare(self, kind: str, group: Group, geometry: dict, device: torch.device, max_rows: int,
+                options: dict, caller: str) -> Any:
+        """Create (collectively) the workspace of ``kind`` for ``geometry``, or
+        return the cached one (a different ``max_rows`` is an error). A group
+        without peer memory gets a workspace in collective mode, cached too."""
+        g = _geometry(kind, geometry)
+        entry = self.lookup(kind, group, geometry, device)
+        if entry is not None:
+            if entry.bound != max_rows:
+                raise arg_error("max_rows", f"{entry.bound} (the bound of the prepared "
+                                f"{self.describe(kind, group, g, device)})", max_rows)
+            return entry.workspace
+        entry = self._create(kind, group, g, device, max_rows, options, caller)
+        with _lock:
+            _cache[self._key(kind, group, g, device, 0)] = entry
+        return entry.workspace
+
+    def try_prepare(self, kind: str, group: Group, geometry: dict, device: torch.device, max_rows: int,
+                    num_ubatches: int, own_path: str) -> bool:
+        """Prepare one peer workspace per micro-batch (cached ones are kept,
+        with their bound). False when the group cannot use peer memory: then
+        nothing is cached and ``own_path`` keeps the boundary (logged once)."""
+        if not isinstance(num_ubatches, int) or num_ubatches < 1:
+            raise ValueError(f"torch_sdcp: argument 'num_ubatches': expected a positive int, got {num_ubatches!r}")
+        g = _geometry(kind, geometry)
+        options = self.options()
+        with _lock:
+            if (kind, group.key, g, device) in self.unavailable:
+                return False
+            for ub in range(num_ubatches):
+                key = self._key(kind, group, g, device, ub)
+                entry = _cache.get(key)
+                if entry is not None:
+                    if entry.max_rows != max_rows:
+                        self.log_once("warning", ("bound", key, max_rows), "torch_sdcp: the %s workspace of "
+                                      "micro-batch %d keeps its rows bound %d (asked for %d): it may already be "
+                                      "captured", kind, ub, entry.max_rows, max_rows)
+                    continue
+                entry = self._build(kind, group, g, device, max_rows, options)
+                if not entry.workspace.peer:
+                    # The gate is collective: every rank got here and agrees.
+                    entry.workspace.close()
+                    self.unavailable.add((kind, group.key, g, device))
+                    self.log_once("warning", ("unavailable", kind), "torch_sdcp: peer memory is unavailable for "
+                                  "the DCP group (rank %d of %d, %s); the %s boundary keeps %s path", group.rank,
+                                  group.world, device, kind, own_path)
+                    return False
+                _cache[key] = entry
+        return True
+
+    # -- calls ---------------------------------------------------------------
+
+    def call(self, kind: str, group: Group, geometry: dict, device: torch.device, rows: int,
+             peer: Callable[[Any], Any], *, caller: str, fallback: Callable[[], Any] | None = None,
+             prepare_call: str = "", missing: str = "", over_bound: Callable[[Entry, int], None] | None = None
+             ) -> Any:
+        """``peer(workspace)`` on the cached workspace, or the fallback.
+
+        No workspace: a face with ``create_missing`` creates it (bound
+        :data:`DEFAULT_MAX_ROWS`), or raises naming ``prepare_call`` during
+        capture or tracing; any other face logs ``missing`` once per geometry
+        and calls ``fallback()``. With a ``fallback``, a workspace in
+        collective mode or ``rows`` above its bound calls ``fallback()``
+        (``over_bound(entry, rows)`` logs the latter); without one, the
+        workspace applies its own policy."""
+        entry = self.lookup(kind, group, geometry, device)
+        if entry is None:
+            if not self.create_missing:
+                boundary = BOUNDARIES[kind]
+                self.log_once("warning", ("no-workspace", kind) + tuple(geometry.values()), "torch_sdcp: no %s "
+                              "workspace for %s (not prepared, or peer memory unavailable); %s", boundary.label,
+                              boundary.summary(geometry), missing)
+                return fallback()
+            entry = self._create_on_first_use(kind, group, geometry, device, caller, prepare_call)
+        if fallback is not None and (not entry.workspace.peer or rows > entry.max_rows):
+            if entry.workspace.peer and over_bound is not None:
+                over_bound(entry, rows)
+            return fallback()
+        return peer(entry.workspace)
+
+    def _create_on_first_use(self, kind: str, group: Group, geometry: dict, device: torch.device, caller: str,
+                             prepare_call: str) -> Entry:
+        g = _geometry(kind, geometry)
+        why = _in_capture_or_tracing()
+        if why is not None:
+            raise RuntimeError(
+                f"torch_sdcp: {caller}: no {self.describe(kind, group, g, device)} was prepared, and "
+                f"workspaces cannot be created during {why} (creation is collective): call "
+                f"torch_sdcp.integrations.{prepare_call} on every rank at model load, before capture and "
+                "compilation")
+        entry = self._create(kind, group, g, device, DEFAULT_MAX_ROWS, {}, caller)
+        with _lock:
+            _cache[self._key(kind, group, g, device, 0)] = entry
+        return entry
+
+    # -- the face's workspaces -----------------------------------------------
+
+    def _entries(self) -> list[tuple[tuple, Entry]]:
+        with _lock:
+            return [(key, entry) for key, entry in _cache.items() if key[0] == self.name]
+
+    def workspaces(self) -> list[Any]:
+        """The workspaces this face holds, in creation order."""
+        return [entry.workspace for _, entry in self._entries()]
+
+    def forget(self) -> None:
+        """Drop this face's entries without closing them, its log-once reasons
+        and its record of groups without peer memory: a fresh process, as far
+        as this face knows."""
+        with _lock:
+            for key, _ in self._entries():
+                del _cache[key]
+            self.unavailable.clear()
+            self.logged.clear()
+            self.logger = None
+
+    def teardown(self) -> None:
+        """Close every workspace of this face, in creation order, and forget
+        them. Collective like ``close()``; idempotent. A failing close does not
+        stop the others: the first error is raised after all were tried."""
+        with _lock:
+            entries = self._entries()
+            for key, _ in entries:
+                del _cache[key]
+            self.unavailable.clear()
+        errors = []
+        for _, entry in entries:
+            try:
+                entry.workspace.close()
+            except Exception as e:  # noqa: BLE001  (close the rest, then report)
+                errors.append(e)
+        if errors:
+            raise errors[0]

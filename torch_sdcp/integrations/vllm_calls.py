@@ -1,0 +1,445 @@
+"""vLLM's DCP call shapes on peer memory: the vLLM face over the integration
+core (:mod:`torch_sdcp.integrations._core`).
+
+Each function has the signature and semantics of the vLLM function it
+replaces and falls back to that function (or, without vLLM, to torch_sdcp's
+collective path) when its boundary has no workspace or a call has more rows
+than the workspace's bound, logged once per reason. The ``try_prepare_*``
+functions create the workspaces, one per micro-batch, bootstrapped over a
+GroupCoordinator's ``cpu_group``. :mod:`torch_sdcp.integrations.vllm` patches
+these into vLLM and re-exports them; this module never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from torch_sdcp.integrations._core import Face, normalise_device
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "gather_heads",
+    "gather_query", "mask_empty_shards", "merge_dcp_topk_global", "teardown", "try_prepare_output_lse",
+    "try_prepare_query_gather", "try_prepare_topk", "workspaces",
+]
+
+ENV_TIMEOUT_S = "SDCP_VLLM_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0  # engines skew by many seconds at start; NCCL itself waits 10 minutes
+
+_OWN_PATH = "vLLM's own"
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"torch_sdcp: environment variable {name}: expected a number, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"torch_sdcp: environment variable {name}: expected > 0, got {raw!r}")
+    return value
+
+
+def _make_logger() -> logging.Logger:
+    """vLLM's logger conventions when vLLM is importable (init_logger, under
+    the ``vllm`` logger so that vLLM's handler and VLLM_LOGGING_LEVEL apply),
+    the ``torch_sdcp`` logger otherwise."""
+    if "vllm" not in sys.modules:
+        return logging.getLogger("torch_sdcp")
+    try:
+        from vllm.logger import init_logger
+
+        return init_logger("vllm.torch_sdcp.integrations.vllm")
+    except Exception:  # noqa: BLE001  (a vLLM without init_logger: plain logging)
+        return logging.getLogger("torch_sdcp")
+
+
+def _workspace_options() -> dict:
+    # A start-up-safe wait bound; a group without peer memory gives a workspace in collective mode, which
+    # the face then refuses (try_prepare returns False) so that vLLM keeps its own path.
+    return {"timeout_s": _env_float(ENV_TIMEOUT_S, DEFAULT_TIMEOUT_S), "fallback": True}
+
+
+# Bootstraps over a coordinator's cpu_group (gloo); a call without a workspace takes vLLM's own function.
+_face = Face("vllm", via="cpu_group", create_missing=False, make_logger=_make_logger, options=_workspace_options)
+
+
+class _Hooks:
+    """What the calls read from vLLM (set by install() or configure())."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.originals: dict[str, Callable] = {}  # vLLM's own functions by name: the fallbacks
+        self.dcp_group: Callable[[], Any] | None = None
+
+
+_hooks = _Hooks()
+
+
+def configure(*, ubatch_id: Callable[[], int] | None = None, dcp_group: Callable[[], Any] | None = None,
+              originals: dict[str, Callable] | None = None) -> None:
+    """Set, without vLLM, what :func:`install` reads from vLLM: the current
+    micro-batch id (``dbo_current_ubatch_id``), the DCP group
+    (``get_dcp_group``) and the fallback functions by name
+    (``cp_lse_ag_out_rs``, ``dcp_a2a_lse_reduce``, ``_merge_dcp_topk_global``).
+    For engines that call the boundary functions themselves."""
+    with _hooks.lock:
+        if ubatch_id is not None:
+            _face.ubatch_id = ubatch_id
+        if dcp_group is not None:
+            _hooks.dcp_group = dcp_group
+        if originals:
+            _hooks.originals.update(originals)
+
+
+def workspaces() -> list[Any]:
+    """Every workspace this face prepared in this process."""
+    return _face.workspaces()
+
+
+def teardown() -> None:
+    """Close every prepared workspace (collective: every rank calls it, at
+    shutdown, outside capture) and forget them."""
+    _face.teardown()
+
+
+# ---------------------------------------------------------------------------
+# Preparation
+# ---------------------------------------------------------------------------
+
+
+def _query_geometry(local_heads: int, width: int, dtype: torch.dtype) -> dict:
+    # vLLM's query arrives roped: a gather-only query boundary (rope_dim 0).
+    return {"local_heads": local_heads, "nope_dim": width, "rope_dim": 0, "out_dtype": dtype,
+            "rope_style": "interleaved"}
+
+
+def try_prepare_output_lse(group: Any, *, max_rows: int, total_heads: int, head_dim: int, dtype: torch.dtype,
+                           device: Any, num_ubatches: int = 1) -> bool:
+    """Prepare the Output/LSE workspaces (one per micro-batch) for partial
+    outputs ``[T <= max_rows, total_heads, head_dim]`` of ``dtype``. False
+    when the group cannot use peer memory (then vLLM keeps its own path)."""
+    return _face.try_prepare("output_lse", _face.group(group, "cp_group"),
+                             {"total_heads": total_heads, "head_dim": head_dim, "dtype": dtype},
+                             normalise_device(device), max_rows, num_ubatches, _OWN_PATH)
+
+
+def try_prepare_query_gather(group: Any, *, max_rows: int, local_heads: int, width: int, dtype: torch.dtype,
+                             device: Any, num_ubatches: int = 1) -> bool:
+    """Prepare the query-gather workspaces (one per micro-batch) for queries
+    ``[T <= max_rows, local_heads, width]`` of ``dtype``: ``QueryWorkspace``
+    (gather-only, no RoPE part), or ``ExchangeWorkspace`` where the dtype or
+    width rules it out (see :func:`gather_heads`). False when the group
+    cannot use peer memory."""
+    return _face.try_prepare("query", _face.group(group, "cp_group"), _query_geometry(local_heads, width, dtype),
+                             normalise_device(device), max_rows, num_ubatches, _OWN_PATH)
+
+
+def try_prepare_topk(group: Any, *, max_rows: int, k: int, candidates_per_rank: int | None = None, device: Any,
+                     num_ubatches: int = 1) -> bool:
+    """Prepare the top-K workspaces (one per micro-batch) for ``[T <= max_rows,
+    candidates_per_rank]`` local candidates (default ``k``) selecting ``k``.
+    False when the group cannot use peer memory."""
+    c = k if candidates_per_rank is None else candidates_per_rank
+    return _face.try_prepare("topk", _face.group(group, "cp_group"), {"k": k, "candidates_per_rank": c},
+                             normalise_device(device), max_rows, num_ubatches, _OWN_PATH)
+
+
+# ---------------------------------------------------------------------------
+# Output/LSE
+# ---------------------------------------------------------------------------
+
+
+def _check_mask_args(seq_lens: Tensor | None, query_start_loc: Tensor | None) -> bool:
+    """True when masking is asked for. Shapes only: no device work."""
+    if seq_lens is None and query_start_loc is None:
+        return False
+    if seq_lens is None or query_start_loc is None:
+        raise ValueError("torch_sdcp: arguments 'seq_lens' and 'query_start_loc': expected both or neither, got "
+                         f"seq_lens={'None' if seq_lens is None else 'a tensor'}, "
+                         f"query_start_loc={'None' if query_start_loc is None else 'a tensor'}")
+    if seq_lens.dim() != 1 or query_start_loc.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
+        raise ValueError("torch_sdcp: argument 'query_start_loc': expected a 1-D tensor of len(seq_lens) + 1 "
+                         f"boundaries for a 1-D seq_lens, got shapes {list(query_start_loc.shape)} and "
+                         f"{list(seq_lens.shape)}")
+    return True
+
+
+def mask_empty_shards(lse: Tensor, seq_lens: Tensor | None, query_start_loc: Tensor | None) -> Tensor:
+    """``lse [T, H]`` with -inf in every row that must get no weight: rows at
+    or past ``query_start_loc[-1]`` (CUDA-graph padding) and rows of requests
+    whose local ``seq_len`` is 0 (an empty KV shard). Out of place; no host
+    synchronisation and no data-dependent shape, so it can be captured.
+    Without ``seq_lens``/``query_start_loc`` returns ``lse`` itself."""
+    if not _check_mask_args(seq_lens, query_start_loc):
+        return lse
+    rows = lse.shape[0]
+    if seq_lens.numel() == 0:  # no local request at all (warm-up): every row is empty
+        return torch.full_like(lse, -math.inf)
+    qsl = query_start_loc.to(lse.device)
+    row = torch.arange(rows, device=lse.device, dtype=qsl.dtype)
+    # Request of each row: the number of request ends at or before it.
+    request = torch.bucketize(row, qsl[1:], right=True).clamp_max(seq_lens.numel() - 1)
+    empty = (row >= qsl[-1]) | (seq_lens.to(lse.device).index_select(0, request) == 0)
+    return lse.masked_fill(empty.unsqueeze(-1), -math.inf)
+
+
+def _squeeze_inputs(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    if out.dim() == 4 and out.shape[1] == 1:  # [B, 1, H, D]
+        out = out.squeeze(1)
+    if lse.dim() == 3 and lse.shape[-1] == 1:  # [B, H, 1]
+        lse = lse.squeeze(-1)
+    elif lse.dim() == 3 and lse.shape[1] == 1:  # [B, 1, H]
+        lse = lse.squeeze(1)
+    if out.dim() != 3:
+        raise ValueError(f"torch_sdcp: argument 'cp_attn_out': expected [B, H, D] or [B, 1, H, D], got shape "
+                         f"{list(out.shape)}")
+    if tuple(lse.shape) != tuple(out.shape[:2]):
+        raise ValueError(f"torch_sdcp: argument 'cp_attn_lse': expected shape {list(out.shape[:2])} (or with a "
+                         f"1-sized extra dimension), got shape {list(lse.shape)}")
+    return out, lse
+
+
+def _collective_combine(cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e, seq_lens,
+                        query_start_loc):
+    """The fallback when vLLM's own function is not known (the plugin used
+    without vLLM): the same masking, then torch_sdcp's collective path."""
+    from torch_sdcp import collective
+
+    out, lse = _squeeze_inputs(cp_attn_out, cp_attn_lse)
+    lse = mask_empty_shards(lse.float(), seq_lens, query_start_loc)
+    pg = getattr(cp_group, "device_group", cp_group)
+    return collective.lse_all_gather_correct_reduce_scatter(out, lse, base2=not is_lse_base_on_e,
+                                                            return_lse=return_lse, group=pg)
+
+
+def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any,
+             return_lse: bool, is_lse_base_on_e: bool, seq_lens: Tensor | None,
+             query_start_loc: Tensor | None):
+    args = (cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e, seq_lens, query_start_loc)
+    fallback = _hooks.originals.get(fallback_name, _collective_combine)
+    group = _face.group(cp_group, "cp_group")
+    if group.world == 1:
+        return fallback(*args)
+    _check_mask_args(seq_lens, query_start_loc)
+    out, lse = _squeeze_inputs(cp_attn_out, cp_attn_lse)
+    rows, heads, dim = out.shape
+
+    def peer(workspace):
+        masked = mask_empty_shards(lse.float(), seq_lens, query_start_loc)
+        return workspace.combine(out.contiguous(), masked.contiguous(), lse_base="e" if is_lse_base_on_e else "2",
+                                 return_lse=return_lse)
+
+    return _face.call("output_lse", group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device,
+                      rows, peer, caller=fallback_name, fallback=lambda: fallback(*args),
+                      missing=f"{fallback_name} takes {_OWN_PATH} path",
+                      over_bound=_face.rows_logger("output_lse", "torch_sdcp: %d rows exceed the Output/LSE bound of "
+                                                   f"%d; such calls take {_OWN_PATH} {fallback_name}"))
+
+
+def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
+                     return_lse: bool = False, is_lse_base_on_e: bool = True, seq_lens: Tensor | None = None,
+                     query_start_loc: Tensor | None = None):
+    """vLLM's ``cp_lse_ag_out_rs`` (``--dcp-comm-backend ag_rs``) on peer
+    memory. ``cp_attn_out [B, H, D]`` (or ``[B, 1, H, D]``) and
+    ``cp_attn_lse [B, H]`` of this rank's KV shard -> this rank's heads
+    ``[B, H/N, D]`` (and their global LSE ``[B, H/N]`` fp32 with
+    ``return_lse``). With ``seq_lens``/``query_start_loc``, rows of empty
+    shards and padding rows get LSE -inf first (no weight). ``ctx`` (vLLM's
+    Triton kernel cache) is accepted and ignored. Rows above the prepared
+    bound, or no prepared workspace, run vLLM's own function."""
+    return _combine("cp_lse_ag_out_rs", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e,
+                    seq_lens, query_start_loc)
+
+
+def dcp_a2a_lse_reduce(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
+                       return_lse: bool = False, is_lse_base_on_e: bool = True, seq_lens: Tensor | None = None,
+                       query_start_loc: Tensor | None = None):
+    """vLLM's ``dcp_a2a_lse_reduce`` (``--dcp-comm-backend a2a``) on peer
+    memory: the same inputs, masking and result as :func:`cp_lse_ag_out_rs`
+    (the two backends differ in how vLLM moves data, not in what they
+    compute). Falls back to vLLM's own ``dcp_a2a_lse_reduce``."""
+    return _combine("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e,
+                    seq_lens, query_start_loc)
+
+
+# ---------------------------------------------------------------------------
+# Query
+# ---------------------------------------------------------------------------
+
+
+def _storage(rows: int, heads: int, width: int, padded_num_heads: int | None, like: Tensor) -> Tensor:
+    """A packed ``[rows, heads, width]`` tensor whose storage holds
+    ``padded_num_heads`` heads per row (vLLM's reserve_query_head_storage:
+    fixed-head kernels may read past the gathered heads)."""
+    if padded_num_heads is None:
+        return like.new_empty((rows, heads, width))
+    if padded_num_heads < heads:
+        raise ValueError(f"torch_sdcp: argument 'padded_num_heads': expected at least the {heads} gathered heads, "
+                         f"got {padded_num_heads}")
+    flat = like.new_empty((rows * padded_num_heads * width,))
+    return flat[: rows * heads * width].view(rows, heads, width)
+
+
+def gather_heads(workspace: Any, query: Tensor, padded_num_heads: int | None = None) -> Tensor:
+    """``[T, H_loc, W]`` on every rank -> ``[T, N*H_loc, W]``, head
+    ``src*H_loc + h``: ``all_gather(query, dim=1)``, with ``padded_num_heads``
+    heads of storage per row when asked.
+
+    On a ``QueryWorkspace`` (the dtypes whose all-ones element is NaN): one
+    data-as-flag kernel stores each rank's heads straight into every peer's
+    buffer and its own heads into the result; every non-NaN value is
+    bit-exact, and an aligned 4-byte word of all-ones bytes (a NaN) arrives as
+    the canonical NaN word. On an ``ExchangeWorkspace`` (any other dtype): a
+    tagged peer all-gather of the raw bytes (``[N, T, H_loc, W]``) and one
+    layout copy, bit-exact for every byte."""
+    import torch_sdcp
+
+    rows, local_heads, width = query.shape
+    out = _storage(rows, workspace.world_size * local_heads, width, padded_num_heads, query)
+    if isinstance(workspace, torch_sdcp.QueryWorkspace):
+        return workspace.all_gather_heads(query.contiguous(), out=out)
+    raw = query.contiguous().view(torch.uint8)  # bytes: float8 and bf16 alike
+    stacked = workspace.all_gather(raw)  # [N, T, H_loc, W * element size]
+    out.view(torch.uint8).view(rows, stacked.shape[0], local_heads, -1).copy_(stacked.permute(1, 0, 2, 3))
+    return out
+
+
+def _collective_gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None) -> Tensor:
+    pg = getattr(cp_group, "device_group", cp_group)
+    n = dist.get_world_size(pg)
+    raw = query.contiguous().view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(n)]
+    dist.all_gather(parts, raw, group=pg)
+    rows, local_heads, width = query.shape
+    out = _storage(rows, n * local_heads, width, padded_num_heads, query)
+    out.view(torch.uint8).view(rows, n, local_heads, -1).copy_(torch.stack(parts, dim=1))
+    return out
+
+
+def gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None = None,
+                 fallback: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """The MLA DCP query gather on heads: an already-roped (and possibly
+    FP8-quantised) ``query [T, H_loc, W]`` -> ``[T, N*H_loc, W]``, equal to
+    ``cp_group.all_gather(query, dim=1)`` with every non-NaN value bit-exact
+    (see :func:`gather_heads`); with
+    ``padded_num_heads`` the result's storage has that many heads per row.
+    Rows above the prepared bound, or no prepared workspace, call
+    ``fallback(query)`` (the manager's own ``_gather_query`` when patched
+    into vLLM) or torch.distributed's all_gather."""
+    if query.dim() != 3:
+        raise ValueError(f"torch_sdcp: argument 'query': expected [T, H_loc, W], got shape {list(query.shape)}")
+
+    def slow():
+        if fallback is not None:
+            return fallback(query)
+        return _collective_gather_query(query, cp_group, padded_num_heads)
+
+    group = _face.group(cp_group, "cp_group")
+    rows, local_heads, width = query.shape
+
+    def peer(workspace):
+        if rows == 0:
+            return _storage(0, group.world * local_heads, width, padded_num_heads, query)
+        return gather_heads(workspace, query, padded_num_heads)
+
+    return _face.call("query", group, _query_geometry(local_heads, width, query.dtype), query.device, rows, peer,
+                      caller="gather_query", fallback=slow, missing=f"the query gather takes {_OWN_PATH} path",
+                      over_bound=_face.rows_logger("query", "torch_sdcp: %d rows exceed the query-gather bound of %d; "
+                                                   f"such calls take {_OWN_PATH} all_gather"))
+
+
+# ---------------------------------------------------------------------------
+# Top-K (sparse attention indexer)
+# ---------------------------------------------------------------------------
+
+
+def _local_candidates(logits: Tensor, topk_indices: Tensor, dcp_rank: int, dcp_world_size: int,
+                      cp_interleave: int, row_starts: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(scores fp32 [T, C], global ids int32 [T, C], -1 = none) of this rank's
+    local top-K positions: the score at ``row_start + position`` (column
+    clamped to the row as vLLM does), the global token through the KV
+    interleave (``torch_sdcp.reference.token_global_index``)."""
+    from torch_sdcp import reference
+
+    rows = topk_indices.shape[0]
+    local = topk_indices.long()
+    valid = local >= 0
+    pos = local.clamp_min(0)
+    if logits.shape[1] == 0:
+        scores = torch.full(local.shape, -math.inf, dtype=torch.float32, device=local.device)
+    else:
+        col = pos if row_starts is None else pos + row_starts[:rows].to(local.device).long().unsqueeze(1)
+        col = col.clamp(0, logits.shape[1] - 1)
+        scores = logits[:rows].gather(1, col).float().masked_fill(~valid, -math.inf)
+    ids = reference.token_global_index(pos, dcp_rank, dcp_world_size, cp_interleave)
+    ids = torch.where(valid, ids, -1).to(torch.int32)
+    return scores.contiguous(), ids.contiguous()
+
+
+def _collective_merge(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
+                      row_starts=None) -> None:
+    from torch_sdcp import collective
+
+    if _hooks.dcp_group is None:
+        raise RuntimeError("torch_sdcp: merge_dcp_topk_global has no DCP group: install() the plugin in vLLM, or "
+                           "configure(dcp_group=...) first")
+    group = _hooks.dcp_group()
+    scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
+    pg = getattr(group, "device_group", group)
+    topk_indices.copy_(collective.topk_all_gather_merge(scores, ids, topk_tokens, group=pg))
+
+
+def merge_dcp_topk_global(logits: Tensor, topk_indices: Tensor, topk_tokens: int, dcp_rank: int,
+                          dcp_world_size: int, cp_interleave: int, row_starts: Tensor | None = None) -> None:
+    """vLLM's ``_merge_dcp_topk_global`` on peer memory: ``logits`` fp32 rows
+    (``row_starts`` offsets, optional), ``topk_indices [T, C]`` int32 LOCAL
+    positions in this rank's KV shard (-1 = none) -> overwritten IN PLACE with
+    the global top-``topk_tokens`` token ids of the DCP group (-1 padded),
+    the same set and order on every rank.
+
+    Selection: the same set as vLLM's merge wherever both define it (see
+    docs/VLLM.md for the cases that differ: -0.0 vs +0.0, NaN scores, ids at
+    or above 2^24); order: score descending, lower global id first on ties
+    (vLLM's selector leaves the order within the set unspecified)."""
+    if dcp_world_size <= 1:
+        return
+    fallback = _hooks.originals.get("_merge_dcp_topk_global", _collective_merge)
+    args = (logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave, row_starts)
+    if _hooks.dcp_group is None:
+        return fallback(*args)
+    group = _face.group(_hooks.dcp_group(), "cp_group")
+    if (group.world, group.rank) != (dcp_world_size, dcp_rank):
+        raise ValueError(f"torch_sdcp: arguments 'dcp_rank'/'dcp_world_size': expected the DCP group's "
+                         f"{group.rank}/{group.world}, got {dcp_rank}/{dcp_world_size}")
+    if topk_indices.dim() != 2 or topk_indices.dtype != torch.int32:
+        raise ValueError(f"torch_sdcp: argument 'topk_indices': expected a 2-D int32 tensor, got shape "
+                         f"{list(topk_indices.shape)} of {topk_indices.dtype}")
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"torch_sdcp: argument 'logits': expected a 2-D float32 tensor, got shape "
+                         f"{list(logits.shape)} of {logits.dtype}")
+    rows, c = topk_indices.shape
+
+    def peer(workspace):
+        if rows == 0:
+            return
+        scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
+        topk_indices.copy_(workspace.merge(scores, ids))
+        return
+
+    return _face.call("topk", group, {"k": topk_tokens, "candidates_per_rank": c}, topk_indices.device, rows, peer,
+                      caller="merge_dcp_topk_global", fallback=lambda: fallback(*args),
+                      missing=f"the top-K merge takes {_OWN_PATH} path",
+                      over_bound=_face.rows_logger("topk", "torch_sdcp: %d rows exceed the top-K bound of %d; such "
+                                                   f"calls (prefill chunks) take {_OWN_PATH} _merge_dcp_topk_global"))
