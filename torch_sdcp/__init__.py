@@ -38,7 +38,7 @@ def __getattr__(name):
         return importlib.import_module(f"torch_sdcp.{name}")
     raise AttributeError(f"module 'torch_sdcp' has no attribute {name!r}")
 
-__version__ = "0.1.0"
+from torch_sdcp._version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "ExchangeWorkspace", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace", "TopKWorkspace",
