@@ -17,7 +17,7 @@ import torch
 
 # Loading the extension registers every torch.ops.sdcp operator. A failure here
 # is an installation problem and must be loud, never a silent fallback.
-from torch_sdcp import _C  # noqa: F401
+from torch_sdcp._extension import _C  # noqa: F401
 from torch_sdcp import fake  # noqa: F401  (registers the fake implementations)
 from torch_sdcp import ops  # noqa: F401
 
