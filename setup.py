@@ -1,8 +1,15 @@
 """Build torch_sdcp._C: CPU kernels always, CUDA kernels when a CUDA toolkit and
 a CUDA build of torch are present (SDCP_NO_CUDA=1 turns them off).
 
-CUDA architectures: TORCH_CUDA_ARCH_LIST when set, else Hopper and Blackwell
-(9.0, 10.0, 12.0) as far as the toolkit's nvcc supports them."""
+CUDA architectures: TORCH_CUDA_ARCH_LIST when set; else those of the visible
+GPUs (PyTorch's own default); else, with no GPU visible, Hopper and Blackwell
+(9.0, 10.0) as far as the toolkit's nvcc supports them.
+
+Objects are kept in build/ (ignored by git), one folder per torch build and
+kind of build, so that re-running the install on an unchanged tree compiles
+nothing: an editable install would otherwise compile every source again in a
+fresh temporary folder. Beside the extension, torch_sdcp/_build_info.py
+records the torch it was built against, which the package checks on import."""
 
 import glob
 import importlib.util
@@ -10,6 +17,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 from setuptools import find_packages, setup
 
@@ -40,11 +48,27 @@ def locate_cuda_home() -> None:
 
 locate_cuda_home()
 
-import torch  # noqa: E402
+import torch  # noqa: E402  (cpp_extension reads CUDA_HOME when imported)
 from torch.utils import cpp_extension  # noqa: E402
 
 CUDA_HEADERS_TORCH_NEEDS = ("cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h", "curand.h", "cufft.h")
-DEFAULT_CUDA_ARCHS = ("9.0", "10.0", "12.0")  # Hopper, Blackwell data centre, Blackwell workstation
+# Hopper and Blackwell data centre GPUs, the ones with the NVLink peer access
+# the library is for (a 10.0 binary also runs on 10.3). Not 12.0: those GPUs
+# lack the shared memory of the top-K kernel at k = 2048, and a third
+# architecture makes every CUDA build half as long again.
+DEFAULT_CUDA_ARCHS = ("9.0", "10.0")
+EXTENSION = "torch_sdcp._C"
+# What the extension was built against, read by torch_sdcp/_extension.py before loading it.
+BUILD_INFO = "_build_info.py"
+
+
+def read_version() -> str:
+    """The version from torch_sdcp/_version.py, without importing the package (it needs the extension)."""
+    with open(os.path.join("torch_sdcp", "_version.py")) as f:
+        m = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    if m is None:
+        raise RuntimeError("torch_sdcp/_version.py: expected a line __version__ = \"X.Y.Z\"")
+    return m.group(1)
 
 
 def want_cuda() -> bool:
@@ -84,31 +108,110 @@ def default_cuda_arch_list() -> str:
     return ";".join([a for a in DEFAULT_CUDA_ARCHS if a.replace(".", "") in listed] or ["9.0"])
 
 
+def choose_cuda_archs() -> None:
+    """TORCH_CUDA_ARCH_LIST wins; unset, torch builds for the visible GPUs; with none, the default."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return
+    os.environ["TORCH_CUDA_ARCH_LIST"] = default_cuda_arch_list()
+
+
+def cuda_targets() -> str:
+    """What nvcc will be asked to build, as torch turns the architectures into flags: sm_90, compute_100 (PTX)."""
+    try:
+        flags = cpp_extension._get_cuda_arch_flags()
+    except Exception:  # a private helper of torch: if it changes, say what was asked for instead
+        return os.environ.get("TORCH_CUDA_ARCH_LIST", "the visible GPUs")
+    codes = {c for flag in flags for m in re.findall(r",code=\[?([\w,]+)\]?", flag) for c in m.split(",")}
+    ordered = sorted(codes, key=lambda c: (int(re.sub(r"\D", "", c) or 0), c.startswith("compute_")))
+    return ", ".join(c if c.startswith("sm_") else f"{c} (PTX)" for c in ordered)
+
+
 def extension():
     # torch chooses the C++ standard its headers need (C++17 or C++20).
     cxx = ["-O3", "-ffp-contract=off"]
     if not want_cuda():
-        return cpp_extension.CppExtension("torch_sdcp._C", sources("*.cpp"), extra_compile_args={"cxx": cxx})
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = default_cuda_arch_list()
+        return cpp_extension.CppExtension(EXTENSION, sources("*.cpp"), extra_compile_args={"cxx": cxx})
+    choose_cuda_archs()
     nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
     return cpp_extension.CUDAExtension(
-        "torch_sdcp._C",
+        EXTENSION,
         sources("*.cpp") + sources("*.cu"),
         include_dirs=pip_cuda_include_dirs(),
         extra_compile_args={"cxx": cxx + ["-DSDCP_WITH_CUDA"], "nvcc": nvcc + ["-DSDCP_WITH_CUDA"]},
     )
 
 
+def describe_torch() -> str:
+    return f"torch {torch.__version__} / " + (f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA")
+
+
+def report(line: str) -> None:
+    """pip shows a build's output only with -v or when the build fails: the
+    line also goes to the terminal, when there is one."""
+    print(line, file=sys.stderr, flush=True)
+    if sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(f"\n{line}\n")
+    except OSError:  # no terminal (CI, a pipe): stderr is all there is
+        pass
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's build_ext with objects kept in build/, a progress line, and the
+    torch the extension was built against written beside it."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        # A per-build folder, not pip's temporary one: ninja then finds its
+        # objects again and recompiles only what changed.
+        kind = "cuda" if want_cuda() else "cpu"
+        self.build_temp = os.path.join(HERE, "build", f"{sys.implementation.cache_tag}-torch{torch.__version__}-{kind}")
+
+    def build_extensions(self) -> None:
+        for ext in self.extensions:
+            what = f"CUDA for {cuda_targets()}" if any(s.endswith(".cu") for s in ext.sources) else "C++ only"
+            jobs = os.environ.get("MAX_JOBS") or "unset (ninja's default)"
+            report(f"torch_sdcp: compiling {len(ext.sources)} sources ({what}) against {describe_torch()}, "
+                   f"MAX_JOBS={jobs}, in {os.path.relpath(self.build_temp, HERE)} (only what changed is compiled)")
+        super().build_extensions()
+
+    def run(self) -> None:
+        super().run()
+        # Beside each copy of the extension: in build_lib, and in the source
+        # tree for an in-place or editable build.
+        folders = {os.path.dirname(os.path.join(self.build_lib, self.get_ext_filename(EXTENSION)))}
+        if self.inplace:
+            folders.add(os.path.join(HERE, "torch_sdcp"))
+        for folder in folders:
+            write_build_info(os.path.join(folder, BUILD_INFO))
+
+
+def write_build_info(path: str) -> None:
+    text = (f'"""What torch_sdcp._C was built against (written by setup.py; not in git)."""\n\n'
+            f"TORCH_VERSION = {str(torch.__version__)!r}\n"
+            f"CUDA_VERSION = {torch.version.cuda!r}\n"
+            f"CUDA_TARGETS = {cuda_targets() if want_cuda() else None!r}  # None: no CUDA kernels\n")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+# The extension works with the torch release it was compiled against only.
+TORCH_REQUIREMENT = f"torch=={torch.__version__.split('+')[0]}"
+
 setup(
     name="torch_sdcp",
-    version="0.1.0",
+    version=read_version(),
     description="Shared-DCP: peer-addressable decode data paths for Decode Context Parallelism",
     packages=find_packages(include=["torch_sdcp", "torch_sdcp.*"]),
     ext_modules=[extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
+    cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",
-    install_requires=["torch>=2.11", "cuda-bindings>=12.6"],  # as requirements.txt
+    install_requires=[TORCH_REQUIREMENT, "cuda-bindings>=12.6"],  # and requirements.txt
     # vLLM loads this in every process; it does nothing unless SDCP_VLLM=1 (docs/VLLM.md).
     entry_points={"vllm.general_plugins": ["torch_sdcp = torch_sdcp.integrations.vllm:register"]},
 )

@@ -63,8 +63,8 @@ def render(data: dict) -> str:
                 lower = (f"{1 - step['sdcp'] / step['collective']:.0%}" if cuda and step["sdcp"] and step["collective"]
                          else "n/a")
                 out.append(f"| {r['layers']} | {r['requests']} x {r['context']} | {r['sparse']} "
-                           f"| {cell(r, 'collective', 'k1')} | {cell(r, 'sdcp', 'k1')} | {cell(r, 'compute_only', 'k1')} "
-                           f"| {lower} | {r['agree']} ({r['max_rel_error']:.1e}) |")
+                           f"| {cell(r, 'collective', 'k1')} | {cell(r, 'sdcp', 'k1')} "
+                           f"| {cell(r, 'compute_only', 'k1')} | {lower} | {r['agree']} ({r['max_rel_error']:.1e}) |")
                 if r.get("attention"):
                     out.append(f"\nAttention: {DecodeStep.ATTENTION.get(r['attention'], r['attention'])}.")
             elif "rows" not in r:

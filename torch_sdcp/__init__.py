@@ -17,7 +17,7 @@ import torch
 
 # Loading the extension registers every torch.ops.sdcp operator. A failure here
 # is an installation problem and must be loud, never a silent fallback.
-from torch_sdcp import _C  # noqa: F401
+from torch_sdcp._extension import _C  # noqa: F401
 from torch_sdcp import fake  # noqa: F401  (registers the fake implementations)
 from torch_sdcp import ops  # noqa: F401
 
@@ -38,7 +38,7 @@ def __getattr__(name):
         return importlib.import_module(f"torch_sdcp.{name}")
     raise AttributeError(f"module 'torch_sdcp' has no attribute {name!r}")
 
-__version__ = "0.1.0"
+from torch_sdcp._version import __version__ as __version__  # noqa: E402
 
 __all__ = [
     "ExchangeWorkspace", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace", "TopKWorkspace",

@@ -8,7 +8,7 @@ that have more than one wording in use take it as a parameter.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_int(value: object, arg: str, minimum: Optional[int] = None, *, expected: str = "an int",
+def check_int(value: Any, arg: str, minimum: Optional[int] = None, *, expected: str = "an int",
               bound: Optional[str] = None) -> int:
     """``value`` is an int and, with ``minimum``, at least ``minimum``.
 
@@ -41,7 +41,7 @@ def check_int(value: object, arg: str, minimum: Optional[int] = None, *, expecte
     return value
 
 
-def check_positive_int(value: object, arg: str, *, named: bool = False) -> int:
+def check_positive_int(value: Any, arg: str, *, named: bool = False) -> int:
     """``value`` is an int >= 1: ``expected a positive int, got <repr>``. With
     ``named`` the messages name the argument and tell the two failures apart
     (``expected world_size to be an int``, ``expected world_size >= 1``)."""
@@ -51,7 +51,7 @@ def check_positive_int(value: object, arg: str, *, named: bool = False) -> int:
     return value
 
 
-def check_bool(value: object, arg: str) -> bool:
+def check_bool(value: Any, arg: str) -> bool:
     check(isinstance(value, bool), arg, "a bool", repr(value))
     return value
 
@@ -62,12 +62,12 @@ def check_choice(value: object, arg: str, choices: Sequence) -> object:
     return value
 
 
-def check_tensor(t: object, arg: str) -> Tensor:
+def check_tensor(t: Any, arg: str) -> Tensor:
     check(isinstance(t, Tensor), arg, "a Tensor", type(t).__name__)
     return t
 
 
-def check_dim(t: object, arg: str, ndim: Union[int, Tuple[int, ...]]) -> Tensor:
+def check_dim(t: Any, arg: str, ndim: Union[int, Tuple[int, ...]]) -> Tensor:
     """A Tensor of ``ndim`` dimensions (an int, or a tuple of the allowed ones)."""
     check_tensor(t, arg)
     dims = (ndim,) if isinstance(ndim, int) else tuple(ndim)

@@ -11,6 +11,14 @@ from torch import Tensor
 
 from torch_sdcp._checks import check_choice
 
+__all__ = [
+    # the wrappers of the data-path operators (the workspace_* operators belong to torch_sdcp.workspace)
+    "lse_combine", "lse_correct", "output_lse_combine", "output_lse_combine_out", "peer_all_gather",
+    "query_all_gather_heads", "query_all_gather_heads_out", "query_gather", "query_publish", "query_release",
+    "query_rope_quant", "topk_merge", "topk_select",
+    # the options they take
+    "LSE_BASES", "QUERY_DTYPES", "QUERY_GATHER_DTYPES", "ROPE_STYLES", "lse_is_base2", "rope_is_neox",
+]
 ROPE_STYLES = ("interleaved", "neox")
 LSE_BASES = ("e", "2")
 QUERY_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)

@@ -113,7 +113,7 @@ class PeerArena:
         try:
             _hook(stage)
             result = action()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             err = e
         return steps.agree(stage, err, result)
 
@@ -208,7 +208,7 @@ class PeerArena:
         N, me, stride = self.world_size, self.rank, self.stride
         tail = stride - 8 * N if stride >= 16 * N else None
         # write: word(me, dst) at 8*me of the head and of the tail of every region
-        err = None
+        err: Optional[Exception] = None
         try:
             _hook("probe")
             for dst in range(N):
@@ -216,7 +216,7 @@ class PeerArena:
                     if off is not None:
                         self._raw_words(dst, off, N)[me:me + 1].fill_(_word(me, dst))
             self._sync()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             err = RuntimeError(f"probe write through the mapping failed: {e}")
         steps.agree("probe write", err)
         # verify our region, re-zero the probe words, check peer capabilities
@@ -240,7 +240,7 @@ class PeerArena:
                 raise RuntimeError("write-and-verify probe: stores through the peer mapping did "
                                    "not arrive (" + "; ".join(bad) + ")")
             atomics = mem.check_peer_access(infos)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             err = e
         extras = steps.agree("probe verify", err, atomics)
         # host: every rank reports True
@@ -362,7 +362,7 @@ class PeerArena:
                 self._mapping.backend.synchronize()
             if barrier and not _interpreter_exiting() and dist.is_available() and dist.is_initialized():
                 _group_barrier(self._group, self.timeout_s)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             logger.warning("torch_sdcp: PeerArena rank %d: close() could not synchronise with "
                            "the group (%s); releasing locally", self.rank, e)
         finally:
@@ -380,7 +380,7 @@ class PeerArena:
             if not getattr(self, "_closed", True):
                 self._closed = True
                 self._release_local()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
 
     def __enter__(self) -> "PeerArena":

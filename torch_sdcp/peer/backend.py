@@ -118,12 +118,12 @@ class MemoryBackend:
         def attempt(what: str, fn: Callable, *args):
             try:
                 return fn(*args)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 try:
                     (logger.debug if quiet else logger.warning)(
                         "torch_sdcp: PeerArena rank %d: %s failed during release: %s",
                         self.rank, what, e)
-                except BaseException:  # noqa: BLE001
+                except BaseException:  # logging itself may be torn down at interpreter exit
                     pass
                 return None
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 def _collective_device(group) -> torch.device:
     try:
         backend = str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001
+    except Exception:
         backend = "gloo"
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -85,7 +85,7 @@ class _Agreement:
     def _gather(self, stage: str, obj, own_status: Optional[Tuple[str, str]]) -> list:
         try:
             gathered = _all_gather_obj(self.group, (stage, obj), self.timeout_s)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             extra = f"; this rank's own status: {own_status[1]}" if own_status else ""
             raise RuntimeError(
                 f"torch_sdcp: PeerArena creation failed at step '{stage}': the collective over "

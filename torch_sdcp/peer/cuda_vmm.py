@@ -22,7 +22,7 @@ logger = logging.getLogger("torch_sdcp")
 
 def _driver():
     try:
-        from cuda.bindings import driver  # noqa: PLC0415
+        from cuda.bindings import driver
     except ImportError as e:  # pragma: no cover - depends on the installation
         raise RuntimeError(
             "torch_sdcp: the 'cuda' backend of PeerArena needs cuda-python "
@@ -35,7 +35,7 @@ def _cu_error_string(err) -> str:
     try:
         e2, desc = _driver().cuGetErrorString(err)
         text = desc.decode() if isinstance(desc, (bytes, bytearray)) and int(e2) == 0 else "?"
-    except Exception:  # noqa: BLE001
+    except Exception:
         text = "?"
     return f"{name} ({int(err)}): {text}"
 
@@ -206,7 +206,7 @@ class CudaVmmBackend(MemoryBackend):
                 finally:
                     try:
                         _cu("cuMemRelease", h)  # the mapping keeps the imported allocation alive
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         logger.warning("torch_sdcp: PeerArena rank %d: cuMemRelease of the "
                                        "handle imported from rank %d failed: %s", me, r, e)
             desc = drv.CUmemAccessDesc()

@@ -8,6 +8,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
+from .lifetime import _Mapping
+
 # The device must never be inferred from the pointer: for peer memory cudaPointerGetAttributes names
 # the owning GPU (torch.as_tensor(__cuda_array_interface__) without a device gives a tensor on the
 # peer's GPU). at::fromDLPack passes the DLPack device to from_blob as its target device, so no
@@ -43,7 +45,7 @@ _DLTENSOR_NAME = b"dltensor"
 
 # address of the DLManagedTensor -> (struct, shape array, _Mapping): keeps the struct alive
 # until torch calls the deleter, and holds the mapping reference of that storage.
-_LIVE: Dict[int, Tuple[Any, Any, "_Mapping"]] = {}
+_LIVE: Dict[int, Tuple[Any, Any, _Mapping]] = {}
 _LIVE_LOCK = threading.Lock()
 
 
@@ -53,7 +55,7 @@ def _dl_deleter_impl(address) -> None:
             entry = _LIVE.pop(address, None)
         if entry is not None:
             entry[2].unref()
-    except BaseException:  # noqa: BLE001 - never let an exception escape into C
+    except BaseException:  # never let an exception escape into C
         pass
 
 
@@ -69,7 +71,7 @@ _PyCapsule_New.restype = ctypes.py_object
 _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
 
 
-def _byte_tensor(address: int, nbytes: int, device: torch.device, mapping: "_Mapping") -> torch.Tensor:
+def _byte_tensor(address: int, nbytes: int, device: torch.device, mapping: _Mapping) -> torch.Tensor:
     """A 1-D uint8 tensor over [address, address + nbytes) on `device`, zero-copy, whose storage
     holds one reference on `mapping` until torch frees it."""
     m = _DLManagedTensor()

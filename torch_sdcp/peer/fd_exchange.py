@@ -139,7 +139,7 @@ def _exchange_fds(listener: socket.socket, fd: int, rank: int, world_size: int, 
     def serve():
         try:
             box["served"] = _serve_fd(listener, fd, rank, nbytes, expected, uid, deadline, stop)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             box["error"] = e
 
     thread = threading.Thread(target=serve, name=f"sdcp-fd-server-{rank}", daemon=True)

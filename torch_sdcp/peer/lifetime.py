@@ -49,5 +49,5 @@ class _Mapping:
     def __del__(self) -> None:  # backstop; normally released through unref()
         try:
             self.release()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass

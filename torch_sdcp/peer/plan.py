@@ -8,7 +8,7 @@ import math
 import os
 import socket
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -19,7 +19,7 @@ from .host_shm import HostShmBackend
 logger = logging.getLogger("torch_sdcp")
 
 # Every backend, in the order backend "auto" tries them; the last one is the fallback.
-BACKENDS: Tuple[type, ...] = (CudaVmmBackend, HostShmBackend)
+BACKENDS: Tuple[Type[MemoryBackend], ...] = (CudaVmmBackend, HostShmBackend)
 _BY_NAME = {b.name: b for b in BACKENDS}
 
 
@@ -86,7 +86,7 @@ def local_plan(rank: int, world_size: int, nbytes_per_rank, backend, device,
         candidates[cls.name] = b = cls(rank, world_size)
         try:
             plan["backends"][cls.name] = b.local_plan(nbytes_per_rank, device)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if backend != "auto":
                 raise
             logger.info("torch_sdcp: PeerArena rank %d: %s unusable for backend 'auto' (%s); "
