@@ -10,9 +10,9 @@ fallback to vLLM's own functions above it. In-process: the setting, the
 version refusal, idempotent and reversible patching, the peer-memory gate,
 argument errors, and where the top-K order agrees with vLLM's selector.
 
-The stand-in is written from vLLM's documented contracts
-(/work/shared/VLLM_CONTRACTS.md); test_vllm_conformance.py checks the
-contracts against a real vLLM's sources.
+The stand-in is written from vLLM 0.33.0's call sites as docs/VLLM.md
+describes them; test_vllm_conformance.py checks them against a real vLLM's
+sources.
 """
 
 from __future__ import annotations
