@@ -7,19 +7,19 @@ Workspaces (created collectively, before CUDA-graph capture):
     QueryWorkspace(group, max_rows, local_heads).gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
     ExchangeWorkspace(group, max_bytes).all_gather(x)
 Peer memory: PeerArena. Operators: torch.ops.sdcp.* (typed wrappers in torch_sdcp.ops).
-Exact references: torch_sdcp.reference. The collective paths (the fallback and
-the baseline): torch_sdcp.collective.
+Exact references: torch_sdcp.reference. Inputs (the RoPE cache layout, score
+distributions): torch_sdcp.inputs. The collective paths (the fallback and the
+baseline): torch_sdcp.collective.
 """
 
 import importlib
-
-import torch
 
 # Loading the extension registers every torch.ops.sdcp operator. A failure here
 # is an installation problem and must be loud, never a silent fallback.
 from torch_sdcp._extension import _C  # noqa: F401
 from torch_sdcp import fake  # noqa: F401  (registers the fake implementations)
-from torch_sdcp import ops  # noqa: F401
+from torch_sdcp import ops
+from torch_sdcp._version import __version__
 
 _LAZY = {
     "PeerArena": "torch_sdcp.peer",
@@ -27,7 +27,7 @@ _LAZY = {
     "PeerWorkspace": "torch_sdcp.workspaces", "QueryWorkspace": "torch_sdcp.workspaces",
     "TopKWorkspace": "torch_sdcp.workspaces",
 }
-_LAZY_MODULES = ("collective", "reference")
+_LAZY_MODULES = ("collective", "inputs", "reference")
 
 
 def __getattr__(name):
@@ -38,9 +38,7 @@ def __getattr__(name):
         return importlib.import_module(f"torch_sdcp.{name}")
     raise AttributeError(f"module 'torch_sdcp' has no attribute {name!r}")
 
-from torch_sdcp._version import __version__ as __version__  # noqa: E402
-
 __all__ = [
     "ExchangeWorkspace", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace", "TopKWorkspace",
-    "collective", "ops", "reference",
+    "__version__", "collective", "inputs", "ops", "reference",
 ]

@@ -41,4 +41,4 @@ def workspace_layout(kind: WorkspaceKind, params: Sequence[int], world_size: int
     order of ``WorkspaceLayout``, with its values named."""
     values = torch.ops.sdcp.workspace_layout(int(kind), list(params), world_size)
     fixed = len(WorkspaceLayout._fields) - 1
-    return WorkspaceLayout(*values[:fixed], tuple(values[fixed:]))
+    return WorkspaceLayout._make([*values[:fixed], tuple(values[fixed:])])

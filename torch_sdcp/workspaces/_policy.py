@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -26,7 +27,7 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 86400.0
 MAX_REGION_BYTES = 1 << 40
 
 
-def check_timeout(value: object, arg: str = "timeout_s") -> float:
+def check_timeout(value: Any, arg: str = "timeout_s") -> float:
     """``value`` as a float number of seconds in [MIN_TIMEOUT_S, MAX_TIMEOUT_S]:
     a real number (not a string, not a bool), finite."""
     check(isinstance(value, numbers.Real) and not isinstance(value, bool), arg,
@@ -51,7 +52,7 @@ def default_timeout_s() -> float:
                          f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], got {raw!r}") from None
 
 
-def check_size_param(value: object, arg: str) -> int:
+def check_size_param(value: Any, arg: str) -> int:
     """A size parameter of a workspace: an int (not a bool), >= 1 and at most
     MAX_REGION_BYTES (a larger one cannot fit in a region, and larger than
     int64 cannot reach the C++ layout)."""

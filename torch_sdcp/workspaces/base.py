@@ -9,7 +9,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,11 @@ def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena) -> Non
         arena.close(barrier=False)
     with contextlib.suppress(Exception):
         logger.info("torch_sdcp %s workspace, rank %d: dropped without close(); released locally", name, rank)
+
+
+class CallRefused(RuntimeError):
+    """A call refused before it touched the workspace (the ordering rules, an
+    open view): the workspace is not poisoned."""
 
 
 class _Call:
@@ -112,8 +117,8 @@ class PeerWorkspace:
         check_bool(fallback, "fallback")
         self.rows_fallback = check_bool(rows_fallback, "rows_fallback")
         self.group = group
-        self._init_kwargs = {"backend": backend, "device": device, "allow_shared_device": allow_shared_device,
-                             "fallback": fallback}
+        self._init_kwargs: dict[str, Any] = {"backend": backend, "device": device,
+                                             "allow_shared_device": allow_shared_device, "fallback": fallback}
         self._stream: torch.cuda.Stream | None = None
         self._captured = False
         self._call_lock = threading.Lock()
@@ -254,7 +259,7 @@ class PeerWorkspace:
         rank and abort it on every rank, so that a peer waiting in this call
         gives up at once instead of after its timeout. Refusals of the
         ordering rules (a second stream) are not failures of the call."""
-        if not held or not self.POISON_ON_ERROR or self.handle is None or getattr(error, "_sdcp_refusal", False):
+        if not held or not self.POISON_ON_ERROR or self.handle is None or isinstance(error, CallRefused):
             return
         if self._poisoned is None:
             self._poisoned = f"{type(error).__name__}: {error}"
@@ -345,13 +350,11 @@ class PeerWorkspace:
         # A capture starts from a synchronised device (torch.cuda.graph does
         # it); querying another stream during a global capture is not allowed.
         if last is not None and last != stream and not capturing and not last.query():
-            refusal = RuntimeError(
+            raise CallRefused(
                 f"torch_sdcp: {type(self).__name__} on rank {self.rank} is used from stream "
                 f"{stream.cuda_stream:#x} while stream {last.cuda_stream:#x} still runs an earlier call on it: "
                 "calls on one workspace must be ordered; use one workspace per stream, or make this stream "
                 "wait for the other (stream.wait_stream)")
-            refusal._sdcp_refusal = True  # refused before the call touched the workspace: no poisoning
-            raise refusal
         self._stream = stream
 
     # -- resize and teardown --------------------------------------------------------------------

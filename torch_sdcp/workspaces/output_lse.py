@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -13,7 +15,7 @@ from torch_sdcp.workspaces._policy import check_size_param, require_tensor, reso
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
-def _check_combine_inputs(ws: OutputLSEWorkspace, partial_out: object, partial_lse: object) -> None:
+def _check_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_lse: Any) -> None:
     """The inputs of combine and combine_out, checked alike on the peer and the
     collective path (the C++ op checks the same, but cannot tell two dtypes of
     one element size apart)."""

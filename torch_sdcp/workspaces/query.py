@@ -11,7 +11,7 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check
 from torch_sdcp.workspaces._layout import WorkspaceKind
 from torch_sdcp.workspaces._policy import check_size_param, require_tensor
-from torch_sdcp.workspaces.base import PeerWorkspace
+from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace
 
 
 def _check_query_inputs(ql_nope: object, q_pe: object) -> None:
@@ -104,11 +104,9 @@ class QueryWorkspace(PeerWorkspace):
 
     def _check_no_open_view(self, what: str) -> None:
         if self._open_view is not None:
-            refusal = RuntimeError(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by "
-                                   "the last gather_view() is still open; call release() once its reader is done, "
-                                   "before producing the next query")
-            refusal._sdcp_refusal = True  # refused before the call touched the workspace: no poisoning
-            raise refusal
+            raise CallRefused(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by "
+                              "the last gather_view() is still open; call release() once its reader is done, "
+                              "before producing the next query")
 
     def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                q_scale: Tensor | None = None) -> Tensor:
@@ -160,10 +158,8 @@ class QueryWorkspace(PeerWorkspace):
         call's query. Enqueued on the current stream (capturable)."""
         with self._call("release"):
             if self._open_view is None:
-                refusal = RuntimeError(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
-                                       "(gather_view() was not called, or release() was already called)")
-                refusal._sdcp_refusal = True  # nothing was touched: no poisoning
-                raise refusal
+                raise CallRefused(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
+                                  "(gather_view() was not called, or release() was already called)")
             view, self._open_view = self._open_view, None
             if self.peer and self._inbox_view is not None and view.data_ptr() == self._inbox_view.data_ptr():
                 self._check_stream()
