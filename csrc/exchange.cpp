@@ -7,12 +7,12 @@ namespace sdcp {
 
 void exchange_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
   check_params(p, 1, "max_bytes_per_rank");
-  l.slots = kLamportBuffers;
+  l.slots = kDataFlagBuffers;
   // Buffer [peer slot][word]: tagged 64-bit words of kTaggedPayload bytes.
   const int64_t words = (p[0] + kTaggedPayload - 1) / kTaggedPayload;
   const int64_t per_src = align_up(checked_mul({words, 8}, "max_bytes"), kAlign);
   const int64_t payload = checked_mul({n - 1, per_src}, "max_bytes");
-  // Then the call headers [peer slot][kHeaderFields tagged words] (lamport.h).
+  // Then the call headers [peer slot][kHeaderFields tagged words] (dataflag.h).
   l.slot_bytes = payload + align_up((n - 1) * kHeaderFields * 8, kAlign);
   l.part_offset[0] = 0;
   l.part_offset[1] = per_src;

@@ -15,13 +15,13 @@ void output_lse_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout
   TORCH_CHECK_VALUE(heads % n == 0, cat("torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
                     n, ", got ", heads));
   const int64_t hl = heads / n;
-  l.slots = kLamportBuffers;
+  l.slots = kDataFlagBuffers;
   // One entry per peer: this rank's own shard is read in place from partial_out.
   const int64_t out_bytes = align_up(checked_mul({n - 1, rows, hl, dim, eb}, "max_rows"), kAlign);
   const int64_t lse_bytes = align_up(checked_mul({n - 1, rows, hl, 4}, "max_rows"), kAlign);
   l.part_offset[0] = 0;          // payload inbox
   l.part_offset[1] = out_bytes;  // LSE inbox
-  l.part_offset[2] = out_bytes + lse_bytes;  // call headers [peer][16 bytes] (lamport.h)
+  l.part_offset[2] = out_bytes + lse_bytes;  // call headers [peer][16 bytes] (dataflag.h)
   l.slot_bytes = out_bytes + lse_bytes + align_up((n - 1) * kHeaderFields * 4, kAlign);
 }
 

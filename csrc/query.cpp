@@ -22,7 +22,7 @@ void query_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) 
   l.slots = 1;
   const int64_t view = align_up(checked_mul({rows, n, hl, dim, eb}, "max_rows"), kAlign);
   const int64_t buffer = align_up(checked_mul({n - 1, rows, hl, dim, eb}, "max_rows"), kAlign);
-  const int64_t headers = view + checked_mul({kLamportBuffers, buffer}, "max_rows");
+  const int64_t headers = view + checked_mul({kDataFlagBuffers, buffer}, "max_rows");
   l.part_offset[0] = 0;        // view [row][src*H_loc + h][dim]
   l.part_offset[1] = view;     // buffer 0 [peer][row][h][dim]; buffer 1 follows
   l.part_offset[2] = buffer;   // bytes of one buffer

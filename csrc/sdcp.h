@@ -2,7 +2,7 @@
 // workspace registry and the peer-memory layout every family uses.
 #pragma once
 
-#include "lamport.h"
+#include "dataflag.h"
 #include "limits.h"
 
 #include <torch/types.h>
@@ -82,7 +82,7 @@ void check_params(const std::vector<int64_t>& params, size_t n, const char* what
 // argument.
 //
 // Region layout (identical on every rank; docs/PROTOCOL.md, version 4):
-//   [0, control_bytes)        a LamportControl (call counters, abort word),
+//   [0, control_bytes)        a DataFlagControl (call counters, abort word),
 //                             padded to 4 KiB; a family may keep its own
 //                             control words after it (QueryControl)
 //   [control_bytes, ...)      the family's data, `slots` slots (1 or 2)
@@ -100,7 +100,7 @@ const char* kind_name(WorkspaceKind kind);
 
 // Every family signals with data-as-flag (docs/PROTOCOL.md, version 4).
 struct WorkspaceLayout {
-  int64_t control_bytes = 0;  // the LamportControl, aligned to 4 KiB
+  int64_t control_bytes = 0;  // the DataFlagControl, aligned to 4 KiB
   int64_t slot_bytes = 0;     // one data slot
   int64_t data_offset = 0;    // == control_bytes
   int64_t slots = 2;          // data slots: 2 (the buffers, by call index) or 1 (query: view and buffers in one)
@@ -137,14 +137,14 @@ struct Workspace {
   // rank's error record (never null once registered: host memory, or
   // host-mapped pinned memory on CUDA, whose device address is error_device).
   uint32_t geometry_hash = 0;
-  LamportError* error = nullptr;
-  LamportError* error_device = nullptr;
+  DataFlagError* error = nullptr;
+  DataFlagError* error_device = nullptr;
   std::shared_ptr<void> error_storage;
 
   uint8_t* region(int64_t r) const {
     return reinterpret_cast<uint8_t*>(base + static_cast<uintptr_t>(r * stride));
   }
-  LamportControl* lamport(int64_t r) const { return reinterpret_cast<LamportControl*>(region(r)); }
+  DataFlagControl* control(int64_t r) const { return reinterpret_cast<DataFlagControl*>(region(r)); }
   uint8_t* slot_data(int64_t r, int64_t slot) const {
     return region(r) + layout.data_offset + slot * layout.slot_bytes;
   }
@@ -161,24 +161,24 @@ inline int64_t peer_slot(int64_t src, int64_t dst, int64_t n) { return (src - ds
 // the peers' polls give up at once.
 
 // The text of an error record (what failed, rank, peer, buffer, call).
-std::string describe_lamport_error(const Workspace& ws, const LamportError& e);
+std::string describe_dataflag_error(const Workspace& ws, const DataFlagError& e);
 // Records `e` as this rank's error (unless one is recorded already) and
 // stores this rank's abort word into every rank's control region that has
 // none yet (own included; on CUDA through the device hook, off the stream).
-void lamport_abort(const Workspace& ws, const LamportError& e);
+void dataflag_abort(const Workspace& ws, const DataFlagError& e);
 // Raises "poisoned ..." when this rank's error record is set, or (host
 // backend) a peer's abort word is in this rank's control region.
 void check_workspace_health(const Workspace& ws);
 
-// The CUDA backend's part, set by lamport_cuda.cu when it is built:
+// The CUDA backend's part, set by dataflag_cuda.cu when it is built:
 // allocation of a host-mapped error record (host pointer, device pointer),
 // and a launch (on a side stream) that stores an abort word into every
 // rank's control region where none is yet.
-struct LamportDeviceHooks {
-  std::shared_ptr<void> (*alloc_error)(const c10::Device& device, LamportError** host, LamportError** dev) = nullptr;
+struct DataFlagDeviceHooks {
+  std::shared_ptr<void> (*alloc_error)(const c10::Device& device, DataFlagError** host, DataFlagError** dev) = nullptr;
   void (*store_abort)(const Workspace& ws, uint64_t word) = nullptr;
 };
-LamportDeviceHooks& lamport_device_hooks();
+DataFlagDeviceHooks& dataflag_device_hooks();
 
 // Resolve a handle; checks that it is alive, of the expected kind, and lives
 // on the device of `on` (CPU tensors need a host workspace, CUDA tensors a

@@ -15,11 +15,11 @@ void topk_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
                         ", got ", k));
   // Data-as-flag: each owner pushes its best min(C, k) keys per row into
   // every peer's buffer; its own list never travels.
-  l.slots = kLamportBuffers;
+  l.slots = kDataFlagBuffers;
   const int64_t inbox = align_up(checked_mul({n - 1, rows, std::min(c, k), 8}, "max_rows"), kAlign);
   l.part_offset[0] = 0;                 // inbox [peer][row][keys_per_row]
   l.part_offset[1] = std::min(c, k);    // keys per row
-  l.part_offset[2] = inbox;             // call headers [peer][16 bytes] (lamport.h)
+  l.part_offset[2] = inbox;             // call headers [peer][16 bytes] (dataflag.h)
   l.slot_bytes = inbox + align_up((n - 1) * kHeaderFields * 4, kAlign);
 }
 

@@ -8,7 +8,7 @@
 // then merges each peer's list as it lands in its own buffer, writing the
 // sentinel back (kTopKSentinel: no key takes it).
 
-#include "lamport.cuh"
+#include "dataflag.cuh"
 #include "semantics.h"
 #include "topk.h"
 #include "topk_sort.cuh"
@@ -164,7 +164,7 @@ static __device__ __noinline__ void check_headers(const DeviceWorkspace& ws, int
 // same rows of its peers, which every block pushes before it waits, so the
 // grid need not be co-resident.
 //
-// Call headers (lamport.cuh): thread 0 of block 0 stores this rank's header
+// Call headers (dataflag.cuh): thread 0 of block 0 stores this rank's header
 // into every peer's buffer as soon as it knows the call (after its first
 // sort, before the keys), and checks every peer's header once its first row's
 // keys are merged: both ranks have that row (a call without rows runs
@@ -172,7 +172,7 @@ static __device__ __noinline__ void check_headers(const DeviceWorkspace& ws, int
 // row count, and a mismatch aborts the blocks that wait for rows the peer
 // does not have. Checked outside the poll loop, the header costs the sort and
 // the merge no registers. One thread stores and checks, so that its fence
-// before an abort word (lamport_record) also orders its headers: a peer that
+// before an abort word (dataflag_record) also orders its headers: a peer that
 // meets the abort still finds this rank's header and names both sides.
 // The workspace is a grid constant: the failure paths take its address, which
 // would otherwise make every thread copy it into local memory at entry.
@@ -327,7 +327,7 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   check_device_world(ws);
   if (c.rows == 0) {
     const c10::cuda::CUDAGuard guard(scores.device());
-    launch_lamport(topk_headers_kernel, 1, 32, 0, at::cuda::getCurrentCUDAStream().stream(), scores.get_device(),
+    launch_dataflag(topk_headers_kernel, 1, 32, 0, at::cuda::getCurrentCUDAStream().stream(), scores.get_device(),
                    device_workspace(ws), c.geo.header_offset, c.header);
     return;
   }
@@ -344,7 +344,7 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   // the kernel waits for the previous one in pdl_wait_and_release before it
   // loads anything.
   const int grid = static_cast<int>(std::min<int64_t>(c.rows, sm_count(device)));
-  launch_lamport(topk_merge_kernel, grid, kThreads, static_cast<size_t>(p.total),
+  launch_dataflag(topk_merge_kernel, grid, kThreads, static_cast<size_t>(p.total),
                  at::cuda::getCurrentCUDAStream().stream(), device, device_workspace(ws), c.geo, p,
                  scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
                  static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>(),

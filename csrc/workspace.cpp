@@ -122,7 +122,7 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
     default:
       TORCH_CHECK_VALUE(false, cat("torch_sdcp: argument 'kind': expected 0..3, got ", static_cast<int64_t>(kind)));
   }
-  l.control_bytes = align_up(static_cast<int64_t>(sizeof(LamportControl)), 4096);
+  l.control_bytes = align_up(static_cast<int64_t>(sizeof(DataFlagControl)), 4096);
   l.data_offset = l.control_bytes;
   l.region_bytes = l.control_bytes + l.slots * l.slot_bytes + kTailPad;
   return l;
@@ -130,8 +130,8 @@ WorkspaceLayout compute_layout(WorkspaceKind kind, const std::vector<int64_t>& p
 
 // ---- Failure handling ------------------------------------------------------
 
-LamportDeviceHooks& lamport_device_hooks() {
-  static LamportDeviceHooks hooks;
+DataFlagDeviceHooks& dataflag_device_hooks() {
+  static DataFlagDeviceHooks hooks;
   return hooks;
 }
 
@@ -199,17 +199,17 @@ const char* reason_text(uint32_t reason) {
 
 std::string call_text(uint64_t call) { return call == ~uint64_t{0} ? std::string("unknown") : std::to_string(call); }
 
-std::string where(const Workspace& ws, const LamportError& e) {
-  if (lamport_wait_is_view(e.wait))  // the query's view: one buffer, its own call index
+std::string where(const Workspace& ws, const DataFlagError& e) {
+  if (dataflag_wait_is_view(e.wait))  // the query's view: one buffer, its own call index
     return cat(kind_name(ws.kind), " workspace ", ws.handle, ", view buffer, view call ", call_text(e.call));
   return cat(kind_name(ws.kind), " workspace ", ws.handle, ", buffer ",
-             e.call == ~uint64_t{0} ? std::string("unknown") : std::to_string(e.call % kLamportBuffers), ", call ",
+             e.call == ~uint64_t{0} ? std::string("unknown") : std::to_string(e.call % kDataFlagBuffers), ", call ",
              call_text(e.call));
 }
 
-std::string block_text(const LamportError& e) { return e.block >= 0 ? cat(" block ", e.block) : std::string(); }
+std::string block_text(const DataFlagError& e) { return e.block >= 0 ? cat(" block ", e.block) : std::string(); }
 
-const char* wait_text(uint32_t wait) { return lamport_wait_is_header(wait) ? "call header" : "data"; }
+const char* wait_text(uint32_t wait) { return dataflag_wait_is_header(wait) ? "call header" : "data"; }
 
 // "peer 1's data", "peer 1 to release the previous view call"
 std::string waited_for(int64_t peer, uint32_t wait) {
@@ -219,7 +219,7 @@ std::string waited_for(int64_t peer, uint32_t wait) {
 
 }  // namespace
 
-std::string describe_lamport_error(const Workspace& ws, const LamportError& e) {
+std::string describe_dataflag_error(const Workspace& ws, const DataFlagError& e) {
   switch (e.state) {
     case kReasonTimeout:
       if (e.wait == kWaitViewRelease)
@@ -228,7 +228,7 @@ std::string describe_lamport_error(const Workspace& ws, const LamportError& e) {
                    "of the last view did not finish, or it did not call release()");
       return cat("timeout: rank ", ws.rank, block_text(e), " waited ", ws.timeout_ns / 1e9, " s for ",
                  waited_for(e.peer, e.wait), " (", where(ws, e), "); ",
-                 lamport_wait_is_header(e.wait)
+                 dataflag_wait_is_header(e.wait)
                      ? "the peer did not enter this call: it stopped participating, skipped the call, or took the "
                        "collective path (rows > max_rows) while this rank took the peer path"
                      : "the peer stopped participating, skipped the call, took the collective path (rows > "
@@ -265,50 +265,50 @@ std::string describe_lamport_error(const Workspace& ws, const LamportError& e) {
   }
 }
 
-void lamport_abort(const Workspace& ws, const LamportError& e) {
+void dataflag_abort(const Workspace& ws, const DataFlagError& e) {
   if (__atomic_load_n(&ws.error->state, __ATOMIC_ACQUIRE) == kReasonNone) {
-    LamportError r = e;
+    DataFlagError r = e;
     const uint32_t state = r.state;
     r.state = kReasonNone;
     std::memcpy(static_cast<void*>(ws.error), &r, sizeof(r));
     __atomic_store_n(&ws.error->state, state, __ATOMIC_RELEASE);
   }
   if (e.state == kReasonPeerAbort) return;  // the aborter told everyone
-  const uint64_t word = lamport_abort_word(ws.rank, e.state);
+  const uint64_t word = dataflag_abort_word(ws.rank, e.state);
   if (ws.device.is_cpu()) {
     for (int64_t r = 0; r < ws.world_size; ++r) {
       uint64_t expected = 0;
-      __atomic_compare_exchange_n(&ws.lamport(r)->abort, &expected, word, false, __ATOMIC_RELEASE,
+      __atomic_compare_exchange_n(&ws.control(r)->abort, &expected, word, false, __ATOMIC_RELEASE,
                                   __ATOMIC_RELAXED);
     }
-  } else if (lamport_device_hooks().store_abort != nullptr) {
-    lamport_device_hooks().store_abort(ws, word);
+  } else if (dataflag_device_hooks().store_abort != nullptr) {
+    dataflag_device_hooks().store_abort(ws, word);
   }
 }
 
 void check_workspace_health(const Workspace& ws) {
   uint32_t state = __atomic_load_n(&ws.error->state, __ATOMIC_ACQUIRE);
   if (state == kReasonNone && ws.device.is_cpu()) {
-    const uint64_t a = __atomic_load_n(&ws.lamport(ws.rank)->abort, __ATOMIC_ACQUIRE);
+    const uint64_t a = __atomic_load_n(&ws.control(ws.rank)->abort, __ATOMIC_ACQUIRE);
     if (a != 0) {
-      LamportError e{};
+      DataFlagError e{};
       e.state = kReasonPeerAbort;
       e.block = -1;
       e.peer = -1;
-      e.call = __atomic_load_n(&ws.lamport(ws.rank)->call_index[0], __ATOMIC_RELAXED);
+      e.call = __atomic_load_n(&ws.control(ws.rank)->call_index[0], __ATOMIC_RELAXED);
       e.aborter = abort_word_rank(a);
       e.abort_reason = abort_word_reason(a);
-      lamport_abort(ws, e);
+      dataflag_abort(ws, e);
       state = kReasonPeerAbort;
     }
   }
   if (state == kReasonNone) return;
   std::atomic_thread_fence(std::memory_order_acquire);
-  LamportError e;
+  DataFlagError e;
   std::memcpy(&e, static_cast<const void*>(ws.error), sizeof(e));
   e.state = state;
   TORCH_CHECK(false, cat("torch_sdcp: ", kind_name(ws.kind), " workspace ", ws.handle, " on rank ", ws.rank,
-              " is poisoned: ", describe_lamport_error(ws, e),
+              " is poisoned: ", describe_dataflag_error(ws, e),
               "; re-create the workspace (close() it and create a new one)"));
 }
 
@@ -358,11 +358,11 @@ void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, i
   ws->device = device;
   ws->timeout_ns = timeout_ns;
   ws->geometry_hash = geometry_hash(ws->kind, world_size, ws->params);
-  if (device.is_cuda() && lamport_device_hooks().alloc_error != nullptr)
-    ws->error_storage = lamport_device_hooks().alloc_error(device, &ws->error, &ws->error_device);
+  if (device.is_cuda() && dataflag_device_hooks().alloc_error != nullptr)
+    ws->error_storage = dataflag_device_hooks().alloc_error(device, &ws->error, &ws->error_device);
   if (ws->error == nullptr) {  // host backend, or no mapped memory: the kernels trap on a timeout
-    auto record = std::make_shared<LamportError>();
-    std::memset(static_cast<void*>(record.get()), 0, sizeof(LamportError));
+    auto record = std::make_shared<DataFlagError>();
+    std::memset(static_cast<void*>(record.get()), 0, sizeof(DataFlagError));
     ws->error = record.get();
     ws->error_device = nullptr;
     ws->error_storage = record;
@@ -395,15 +395,15 @@ void workspace_check(int64_t handle) { check_workspace_health(*lookup(handle)); 
 // tell every peer (a peer waiting in the call gives up at once).
 void workspace_abort(int64_t handle) {
   const auto ws = lookup(handle);
-  LamportError e{};
+  DataFlagError e{};
   e.state = kReasonError;
   e.block = -1;
   e.peer = -1;
   e.aborter = -1;
   e.call = ws->device.is_cpu()
-               ? __atomic_load_n(&ws->lamport(ws->rank)->call_index[0], __ATOMIC_RELAXED)
+               ? __atomic_load_n(&ws->control(ws->rank)->call_index[0], __ATOMIC_RELAXED)
                : ~uint64_t{0};
-  lamport_abort(*ws, e);
+  dataflag_abort(*ws, e);
 }
 
 std::vector<int64_t> workspace_handles() {
