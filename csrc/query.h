@@ -72,7 +72,7 @@ inline uint32_t* query_header(const Workspace& ws, const QueryGeometry& g, int64
 
 // The header flags of a query call: the op (1 query_gather, 2
 // query_all_gather_heads, 3 query_publish), then for the producer bit 2 neox
-// RoPE and bit 3 a q_scale (workspace.cpp names them in a mismatch).
+// RoPE and bit 3 a q_scale (query_flags_text in query.cpp names them in a mismatch).
 enum QueryOp : uint32_t { kQueryGatherOp = 1, kQueryHeadsOp = 2, kQueryPublishOp = 3 };
 inline uint32_t query_call_flags(QueryOp op, bool neox = false, bool scaled = false) {
   return op | (neox ? 4u : 0u) | (scaled ? 8u : 0u);

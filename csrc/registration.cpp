@@ -66,7 +66,7 @@ TORCH_LIBRARY(sdcp, m) {
 
   // ---- Workspace control (host side, never captured) --------------------
   m.def("workspace_nbytes(int kind, int[] params, int world_size) -> int");
-  // [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset x 4]
+  // [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_values x 4]
   m.def("workspace_layout(int kind, int[] params, int world_size) -> int[]");
   m.def("workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, "
         "int world_size, Device device, int timeout_ns) -> ()");

@@ -65,6 +65,9 @@ void check_same_device(const at::Tensor& t, const char* name,
                        const at::Tensor& ref, const char* ref_name);
 void check_float_dtype(const at::Tensor& t, const char* name);
 
+// "0x0000abcd"
+std::string hex32(uint32_t v);
+
 // Layout arithmetic. Sizes are products of user arguments: every product is
 // checked, and a region larger than kMaxRegionBytes is refused with an error
 // naming `arg` (the argument that made it too large).
@@ -89,6 +92,8 @@ void check_params(const std::vector<int64_t>& params, size_t n, const char* what
 //   then the tail pad (kTailPad)
 // ---------------------------------------------------------------------------
 
+// A workspace's family, by the number the Python side passes (torch_sdcp's
+// WorkspaceKind mirrors it). Each has one entry in kFamilies below.
 enum class WorkspaceKind : int64_t {
   kExchange = 0,   // generic peer all-gather inbox (signalling primitive)
   kOutputLSE = 1,  // output/LSE boundary
@@ -96,7 +101,9 @@ enum class WorkspaceKind : int64_t {
   kQuery = 3,      // query boundary
 };
 
-const char* kind_name(WorkspaceKind kind);
+// Values of a family's layout that its Geometry struct decodes (offsets
+// inside a slot, strides, counts); the Python class names them in PARTS.
+constexpr int kPartValues = 4;
 
 // Every family signals with data-as-flag (docs/PROTOCOL.md, version 4).
 struct WorkspaceLayout {
@@ -107,16 +114,45 @@ struct WorkspaceLayout {
   int64_t region_bytes = 0;   // control + slots + tail pad (before granularity rounding)
   // Family-specific values, named by each family's Geometry struct
   // (ExchangeGeometry, OutputLSEGeometry, TopKGeometry, QueryGeometry).
-  int64_t part_offset[4] = {0, 0, 0, 0};
+  int64_t part_values[kPartValues] = {0, 0, 0, 0};
 };
 
-// params per kind (decoded by the family's Geometry struct):
-//   kExchange : [max_bytes_per_rank]
-//   kOutputLSE: [max_rows, total_heads, head_dim, elem_bytes]
-//   kTopK     : [max_rows, candidates_per_rank, k]
-//   kQuery    : [max_rows, local_heads, head_dim, elem_bytes]
-// Each family lays out its slot (<family>_layout in <family>.cpp); this adds
-// the control region and the tail pad.
+// What the workspace code needs of a family: its name, its slot layout and
+// the words of its failure texts. Each family defines its entry in
+// <family>.cpp; a text the family does not need is null.
+struct FamilyInfo {
+  const char* name;  // "exchange", "output_lse", "topk", "query"
+  // Lays out one slot: slots, slot_bytes and part_values (params as the
+  // family's Geometry struct documents them).
+  void (*layout)(const std::vector<int64_t>& params, int64_t world_size, WorkspaceLayout& l);
+  // What a call header's rows word counts (the exchange's: " bytes").
+  const char* rows_unit;
+  // A call header's flags word in the family's words (a mismatch's text).
+  std::string (*flags_text)(uint32_t flags);
+  // Waits on the query's view (kWaitView*): where ("view buffer, view call
+  // 3"), what a release waits for ("to release the previous view call") and
+  // what a release timeout suggests.
+  std::string (*view_where)(uint64_t view_call);
+  const char* view_release_wait;
+  const char* view_release_hint;
+  // A kernel's bad input (kReasonBadInput): why a peer aborted, and what this
+  // rank's record says about the argument.
+  const char* bad_input_reason;
+  std::string (*bad_input_text)(const DataFlagError& e);
+};
+
+extern const FamilyInfo kExchangeFamily, kOutputLSEFamily, kTopKFamily, kQueryFamily;
+
+// Every family, indexed by WorkspaceKind: the one list of families.
+inline constexpr const FamilyInfo* kFamilies[] = {&kExchangeFamily, &kOutputLSEFamily, &kTopKFamily, &kQueryFamily};
+constexpr int64_t kWorkspaceKinds = static_cast<int64_t>(sizeof(kFamilies) / sizeof(kFamilies[0]));
+
+inline const FamilyInfo& family(WorkspaceKind kind) { return *kFamilies[static_cast<int64_t>(kind)]; }
+inline const char* kind_name(WorkspaceKind kind) { return family(kind).name; }
+
+// The layout of a workspace of `kind`, whose params the family's Geometry
+// struct documents: the family lays out its slots (FamilyInfo::layout); this
+// adds the control region and the tail pad.
 WorkspaceLayout compute_layout(WorkspaceKind kind,
                                const std::vector<int64_t>& params,
                                int64_t world_size);
