@@ -19,6 +19,11 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(sdcp, m) {
+  // The fake implementations of the ops below live in this module: torch
+  // imports it when a fake is needed and checks that register_fake was
+  // called from it.
+  m.set_python_module("torch_sdcp.fake");
+
   // ---- Local computations (also the collective path's kernels) ----------
   // RoPE on q_pe (interleaved/GPT-J or NeoX pairing), concatenation with
   // ql_nope, then bf16 or saturating float8_e4m3fn (x / q_scale).
