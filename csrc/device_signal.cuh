@@ -1,5 +1,5 @@
 // A workspace as the CUDA kernels see it, and the basic device accesses the
-// data-as-flag protocol (lamport.cuh) and the query view's release flags are
+// data-as-flag protocol (dataflag.cuh) and the query view's release flags are
 // built on. docs/PROTOCOL.md has the protocol and its argument.
 #pragma once
 
@@ -21,20 +21,20 @@ struct DeviceWorkspace {
   int32_t rank;
   int32_t world;
   // Data-as-flag workspaces: this rank's error record in host-mapped memory
-  // (lamport.h), or null (a timeout then traps).
-  LamportError* error;
+  // (dataflag.h), or null (a timeout then traps).
+  DataFlagError* error;
 
   __device__ __forceinline__ uint8_t* region(int r) const { return base + r * stride; }
   __device__ __forceinline__ uint8_t* slot_data(int r, int slot) const {
     return region(r) + data_offset + slot * slot_bytes;
   }
-  // Data-as-flag workspaces (lamport.h): this rank's control, the buffer of a
+  // Data-as-flag workspaces (dataflag.h): this rank's control, the buffer of a
   // call in rank r's region, and where a destination keeps a source's entry.
-  __device__ __forceinline__ LamportControl* lamport_control() const {
-    return reinterpret_cast<LamportControl*>(region(rank));
+  __device__ __forceinline__ DataFlagControl* dataflag_control() const {
+    return reinterpret_cast<DataFlagControl*>(region(rank));
   }
   __device__ __forceinline__ uint8_t* buffer(int r, uint64_t call) const {
-    return slot_data(r, static_cast<int>(call % kLamportBuffers));
+    return slot_data(r, static_cast<int>(call % kDataFlagBuffers));
   }
   // (src - dst - 1) mod world, for ranks src != dst in [0, world)
   __device__ __forceinline__ int peer_slot(int src, int dst) const {

@@ -7,20 +7,20 @@ namespace sdcp {
 
 void exchange_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
   check_params(p, 1, "max_bytes_per_rank");
-  l.slots = kLamportBuffers;
+  l.slots = kDataFlagBuffers;
   // Buffer [peer slot][word]: tagged 64-bit words of kTaggedPayload bytes.
   const int64_t words = (p[0] + kTaggedPayload - 1) / kTaggedPayload;
   const int64_t per_src = align_up(checked_mul({words, 8}, "max_bytes"), kAlign);
   const int64_t payload = checked_mul({n - 1, per_src}, "max_bytes");
-  // Then the call headers [peer slot][kHeaderFields tagged words] (lamport.h).
+  // Then the call headers [peer slot][kHeaderFields tagged words] (dataflag.h).
   l.slot_bytes = payload + align_up((n - 1) * kHeaderFields * 8, kAlign);
-  l.part_offset[0] = 0;
-  l.part_offset[1] = per_src;
-  l.part_offset[2] = payload;
+  l.part_values[0] = 0;
+  l.part_values[1] = per_src;
+  l.part_values[2] = payload;
 }
 
 ExchangeGeometry ExchangeGeometry::of(const Workspace& ws) {
-  return {ws.params[0], ws.layout.part_offset[1], ws.layout.part_offset[2]};
+  return {ws.params[0], ws.layout.part_values[1], ws.layout.part_values[2]};
 }
 
 AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
@@ -39,5 +39,17 @@ AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
   c.header = make_call_header(c.nbytes, static_cast<int64_t>(x.scalar_type()), shape_hash, c.ws->geometry_hash);
   return c;
 }
+
+// A call header's flags word: a hash of x's shape.
+namespace {
+std::string exchange_flags_text(uint32_t v) { return cat("x of shape hash ", hex32(v)); }
+}  // namespace
+
+const FamilyInfo kExchangeFamily = {
+    .name = "exchange",
+    .layout = exchange_layout,
+    .rows_unit = " bytes",
+    .flags_text = exchange_flags_text,
+};
 
 }  // namespace sdcp

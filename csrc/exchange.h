@@ -22,7 +22,7 @@ struct AllGatherCall {
   ExchangeGeometry geo;
   int64_t nbytes;  // bytes of x
   at::Tensor out;  // [N, *x.shape]
-  CallHeader header;  // what this call is (lamport.h): every peer compares it with its own
+  CallHeader header;  // what this call is (dataflag.h): every peer compares it with its own
 };
 
 AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace);

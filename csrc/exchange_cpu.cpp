@@ -1,6 +1,6 @@
 // Signalling primitive, CPU: peer all-gather through a host workspace. Every
 // rank stores its tensor as tagged words into every peer's buffer and waits
-// until each peer's words carry this call's tag (lamport.h).
+// until each peer's words carry this call's tag (dataflag.h).
 
 #include "exchange.h"
 #include "host_signal.h"
@@ -19,7 +19,7 @@ void all_gather_cpu(const AllGatherCall& c, const at::Tensor& x) {
   const Workspace& ws = *c.ws;
   const int64_t n = ws.world_size, nbytes = c.nbytes, words = (nbytes + 3) / 4;
   const uint64_t call = host_call_index(ws);
-  const int64_t buf = call % kLamportBuffers;
+  const int64_t buf = call % kDataFlagBuffers;
   const uint64_t tag = static_cast<uint64_t>(call_tag(call)) << 32;
   const auto* src = static_cast<const uint8_t*>(x.data_ptr());
   auto entry = [&](int64_t dst, int64_t from) {

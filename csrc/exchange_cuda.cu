@@ -1,10 +1,10 @@
 // Signalling primitive, CUDA: peer all-gather through a data-as-flag
-// workspace. Every word of x travels tagged with the call (lamport.h), so the
+// workspace. Every word of x travels tagged with the call (dataflag.h), so the
 // consumer polls its local buffer and no flag, fence or acknowledgement is
 // needed; the grid is sized to the words.
 
 #include "exchange.h"
-#include "lamport.cuh"
+#include "dataflag.cuh"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -78,8 +78,8 @@ void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
   auto* dst = static_cast<uint8_t*>(c.out.data_ptr());
   const bool aligned = c.nbytes % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(dst) % 4 == 0;
-  const int grid = lamport_grid((c.nbytes + 3) / 4, kThreads, x.get_device());
-  launch_lamport(peer_all_gather_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), x.get_device(),
+  const int grid = dataflag_grid((c.nbytes + 3) / 4, kThreads, x.get_device());
+  launch_dataflag(peer_all_gather_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), x.get_device(),
                  device_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned, c.geo.header_offset, c.header);
 }
 

@@ -1,4 +1,4 @@
-// Host-backend equivalents of the device signals (data-as-flag, lamport.h):
+// Host-backend equivalents of the device signals (data-as-flag, dataflag.h):
 // the same buffers in the same shared memory, every wait bounded.
 #pragma once
 
@@ -13,32 +13,32 @@ namespace sdcp {
 
 // The call index of this rank's next call (one writer: this rank).
 inline uint64_t host_call_index(const Workspace& ws) {
-  return __atomic_load_n(&ws.lamport(ws.rank)->call_index[0], __ATOMIC_RELAXED);
+  return __atomic_load_n(&ws.control(ws.rank)->call_index[0], __ATOMIC_RELAXED);
 }
 
 inline void host_finish_call(const Workspace& ws, uint64_t call) {
-  __atomic_store_n(&ws.lamport(ws.rank)->call_index[0], call + 1, __ATOMIC_RELAXED);
+  __atomic_store_n(&ws.control(ws.rank)->call_index[0], call + 1, __ATOMIC_RELAXED);
 }
 
 // Records `e` as this rank's error, aborts the workspace on every rank
-// (lamport_abort) and throws its description.
-[[noreturn]] inline void host_fail(const Workspace& ws, const LamportError& e) {
-  lamport_abort(ws, e);
-  TORCH_CHECK(false, cat("torch_sdcp: ", describe_lamport_error(ws, e)));
+// (dataflag_abort) and throws its description.
+[[noreturn]] inline void host_fail(const Workspace& ws, const DataFlagError& e) {
+  dataflag_abort(ws, e);
+  TORCH_CHECK(false, cat("torch_sdcp: ", describe_dataflag_error(ws, e)));
   __builtin_unreachable();
 }
 
 // Spins until `ready()` holds. Its slow path reads this rank's abort word and
 // gives up at once when a peer aborted the workspace; after the workspace
 // timeout it aborts the workspace itself. Either way it throws naming the
-// rank, the peer, what it waited for (`wait`, LamportWait), the buffer and the
+// rank, the peer, what it waited for (`wait`, DataFlagWait), the buffer and the
 // call index.
 template <typename Ready>
 void host_spin(const Workspace& ws, int64_t src, uint64_t call, Ready ready, uint32_t wait = kWaitData) {
   if (ready()) return;
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::nanoseconds(ws.timeout_ns);
-  const uint64_t* abort = &ws.lamport(ws.rank)->abort;
+  const uint64_t* abort = &ws.control(ws.rank)->abort;
   for (uint64_t spins = 0;; ++spins) {
     // The abort word first: what its writer stored before aborting (its call
     // header, say) is then visible to ready(), and is used, not given up on.
@@ -47,7 +47,7 @@ void host_spin(const Workspace& ws, int64_t src, uint64_t call, Ready ready, uin
     if (spins > 64) std::this_thread::yield();
     const bool late = (spins & 255) == 0 && std::chrono::steady_clock::now() - start > limit;
     if (a == 0 && !late) continue;
-    LamportError e{};
+    DataFlagError e{};
     e.block = -1;
     e.peer = static_cast<int32_t>(src);
     e.wait = wait;
@@ -64,7 +64,7 @@ void host_spin(const Workspace& ws, int64_t src, uint64_t call, Ready ready, uin
   }
 }
 
-// ---- Call headers (lamport.h) ------------------------------------------
+// ---- Call headers (dataflag.h) ------------------------------------------
 
 // Sentinel buffers: stores this rank's header into a peer's header entry
 // before any payload word of the call.
@@ -79,7 +79,7 @@ inline void host_compare_call_header(const Workspace& ws, int64_t src, uint64_t 
                                      const CallHeader& theirs, uint32_t wait = kWaitHeader) {
   const uint32_t f = call_header_mismatch(mine, theirs);
   if (f == kHeaderFields) return;
-  LamportError e{};
+  DataFlagError e{};
   e.state = kReasonMismatch;
   e.block = -1;
   e.peer = static_cast<int32_t>(src);

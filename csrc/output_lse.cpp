@@ -15,20 +15,20 @@ void output_lse_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout
   TORCH_CHECK_VALUE(heads % n == 0, cat("torch_sdcp: argument 'total_heads': expected a multiple of the world size ",
                     n, ", got ", heads));
   const int64_t hl = heads / n;
-  l.slots = kLamportBuffers;
+  l.slots = kDataFlagBuffers;
   // One entry per peer: this rank's own shard is read in place from partial_out.
   const int64_t out_bytes = align_up(checked_mul({n - 1, rows, hl, dim, eb}, "max_rows"), kAlign);
   const int64_t lse_bytes = align_up(checked_mul({n - 1, rows, hl, 4}, "max_rows"), kAlign);
-  l.part_offset[0] = 0;          // payload inbox
-  l.part_offset[1] = out_bytes;  // LSE inbox
-  l.part_offset[2] = out_bytes + lse_bytes;  // call headers [peer][16 bytes] (lamport.h)
+  l.part_values[0] = 0;          // payload inbox
+  l.part_values[1] = out_bytes;  // LSE inbox
+  l.part_values[2] = out_bytes + lse_bytes;  // call headers [peer][16 bytes] (dataflag.h)
   l.slot_bytes = out_bytes + lse_bytes + align_up((n - 1) * kHeaderFields * 4, kAlign);
 }
 
 OutputLSEGeometry OutputLSEGeometry::of(const Workspace& ws) {
   const auto& p = ws.params;
-  return {p[0], p[1], p[2], p[3], p[1] / ws.world_size, ws.layout.part_offset[0], ws.layout.part_offset[1],
-          ws.layout.part_offset[2]};
+  return {p[0], p[1], p[2], p[3], p[1] / ws.world_size, ws.layout.part_values[0], ws.layout.part_values[1],
+          ws.layout.part_values[2]};
 }
 
 namespace {
@@ -126,5 +126,17 @@ TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
   m.impl("output_lse_combine", &output_lse_combine);
 }
 #endif
+
+// A call header's flags word: the LSE base.
+namespace {
+std::string output_lse_flags_text(uint32_t v) { return cat("lse base ", v ? "2" : "e"); }
+}  // namespace
+
+const FamilyInfo kOutputLSEFamily = {
+    .name = "output_lse",
+    .layout = output_lse_layout,
+    .rows_unit = " rows",
+    .flags_text = output_lse_flags_text,
+};
 
 }  // namespace sdcp

@@ -15,7 +15,7 @@ struct OutputLSEGeometry {
   int64_t local_heads;
   int64_t out_inbox_offset;  // inside a slot
   int64_t lse_inbox_offset;
-  int64_t header_offset;     // call headers [peer][kHeaderFields words] (lamport.h)
+  int64_t header_offset;     // call headers [peer][kHeaderFields words] (dataflag.h)
   static OutputLSEGeometry of(const Workspace& ws);
 };
 
@@ -35,7 +35,7 @@ struct CombineCall {
   std::shared_ptr<const Workspace> ws;
   OutputLSEGeometry geo;
   int64_t rows;
-  CallHeader header;  // what this call is (rows, dtype, lse base, geometry; lamport.h)
+  CallHeader header;  // what this call is (rows, dtype, lse base, geometry; dataflag.h)
 };
 
 CombineCall prepare_combine_out(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,

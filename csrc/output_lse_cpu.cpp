@@ -51,7 +51,7 @@ void lse_combine_cpu(const at::Tensor& partial_out, const at::Tensor& partial_ls
   });
 }
 
-// Data-as-flag (lamport.h): push every peer's head shard and LSE into its
+// Data-as-flag (dataflag.h): push every peer's head shard and LSE into its
 // buffer, take the peers' shards from the local buffer as they land (writing
 // the sentinel back), read this rank's own shard in place, then combine.
 void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2,
@@ -64,7 +64,7 @@ void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const 
                  dim << " elements of " << eb << " bytes");
   const int64_t item_words = dim * eb / 4;
   const uint64_t call = host_call_index(ws);
-  const int64_t buf = call % kLamportBuffers;
+  const int64_t buf = call % kDataFlagBuffers;
   // Buffer of rank d, entry of source s: payload [row][h_loc][dim], LSE [row][h_loc].
   auto inbox_out = [&](int64_t d, int64_t s) {
     return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.out_inbox_offset) +

@@ -3,7 +3,7 @@
 // output_lse_kernel). A warp handles one (row, head) item; payloads move as
 // 16-byte vectors.
 
-#include "lamport.cuh"
+#include "dataflag.cuh"
 #include "output_lse.h"
 #include "semantics.h"
 
@@ -78,7 +78,7 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
   }
 }
 
-// Data-as-flag (lamport.h). Block b owns the same items (row, local head) on
+// Data-as-flag (dataflag.h). Block b owns the same items (row, local head) on
 // every rank: it stores its items' head shards for every peer into that
 // peer's buffer, then, for its own heads, polls each peer's LSE and payload
 // vectors in the local buffer as they land, writes the sentinel back, reads
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kThreads)
   auto inbox_lse = [&](int d, int s) {
     return reinterpret_cast<uint32_t*>(ws.buffer(d, call) + g.lse_inbox_offset) + ws.peer_slot(s, d) * entry_words;
   };
-  // Call headers (lamport.cuh): block 0's last warp, lane d for peer d, stores
+  // Call headers (dataflag.cuh): block 0's last warp, lane d for peer d, stores
   // this rank's header as soon as it knows the call and checks the peers'
   // with its first LSE poll (or alone, if it owns no item).
   auto header = [&](int d, int s) {
@@ -291,14 +291,14 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   const c10::cuda::CUDAGuard guard(partial_out.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   // One warp per item; at least one block, even for 0 rows (it advances the call index).
-  const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device());
+  const int grid = dataflag_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device());
   // Items and vector offsets fit in 32 bits (the kernel's index arithmetic).
   TORCH_CHECK(c.rows * c.geo.local_heads * c.geo.head_dim < (int64_t{1} << 31),
               "torch_sdcp: output_lse_combine: ", c.rows, " rows x ", c.geo.local_heads, " heads x ", c.geo.head_dim,
               " elements exceed the CUDA kernel's 32-bit indexing");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
     auto launch = [&](auto kernel) {
-      launch_lamport(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws), c.geo,
+      launch_dataflag(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws), c.geo,
                      partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
                      out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header);
     };

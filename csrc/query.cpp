@@ -22,17 +22,17 @@ void query_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) 
   l.slots = 1;
   const int64_t view = align_up(checked_mul({rows, n, hl, dim, eb}, "max_rows"), kAlign);
   const int64_t buffer = align_up(checked_mul({n - 1, rows, hl, dim, eb}, "max_rows"), kAlign);
-  const int64_t headers = view + checked_mul({kLamportBuffers, buffer}, "max_rows");
-  l.part_offset[0] = 0;        // view [row][src*H_loc + h][dim]
-  l.part_offset[1] = view;     // buffer 0 [peer][row][h][dim]; buffer 1 follows
-  l.part_offset[2] = buffer;   // bytes of one buffer
-  l.part_offset[3] = headers;  // call headers [buffer 0, buffer 1, view][peer][16 bytes]
+  const int64_t headers = view + checked_mul({kDataFlagBuffers, buffer}, "max_rows");
+  l.part_values[0] = 0;        // view [row][src*H_loc + h][dim]
+  l.part_values[1] = view;     // buffer 0 [peer][row][h][dim]; buffer 1 follows
+  l.part_values[2] = buffer;   // bytes of one buffer
+  l.part_values[3] = headers;  // call headers [buffer 0, buffer 1, view][peer][16 bytes]
   l.slot_bytes = headers + align_up((kQueryViewHeaders + 1) * (n - 1) * kHeaderFields * 4, kAlign);
 }
 
 QueryGeometry QueryGeometry::of(const Workspace& ws) {
   const auto& p = ws.params;
-  const auto& o = ws.layout.part_offset;
+  const auto& o = ws.layout.part_values;
   return {p[0], p[1], p[2], p[3], o[0], o[1], o[2], o[3], query_canonical(p[3])};
 }
 
@@ -177,5 +177,47 @@ TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
   m.impl("query_all_gather_heads", &query_all_gather_heads);
 }
 #endif
+
+namespace {
+
+// A call header's flags word (query_call_flags in query.h): the op, and for
+// the producer its RoPE style and whether it quantised with a scale.
+std::string query_flags_text(uint32_t v) {
+  static const char* ops[] = {"an unknown op", "query_gather", "query_all_gather_heads", "query_publish"};
+  std::string s = ops[v & 3u];
+  if ((v & 3u) == 1u || (v & 3u) == 3u)
+    s += cat(" (", (v & 4u) ? "neox" : "interleaved", " RoPE, ", (v & 8u) ? "with" : "without", " q_scale)");
+  return s;
+}
+
+// The view: one buffer with its own call index.
+std::string query_view_where(uint64_t view_call) {
+  return cat("view buffer, view call ", view_call == ~uint64_t{0} ? std::string("unknown") : std::to_string(view_call));
+}
+
+// A position outside cos_sin_cache (the producer kernels' record: field =
+// row, mine = the position saturated to int32, theirs = the cache rows).
+std::string query_bad_input_text(const DataFlagError& e) {
+  const bool saturated = e.mine == 0x7FFFFFFFu || e.mine == 0x80000000u;
+  return cat("argument 'positions': ", "expected values in [0, ", e.theirs, ") (the rows of cos_sin_cache), got ",
+             saturated ? (static_cast<int32_t>(e.mine) < 0 ? "a value below " : "a value of at least ") : "",
+             static_cast<int32_t>(e.mine), " at row ", e.field,
+             "; positions are checked on the device only (a host check would synchronise the stream)");
+}
+
+}  // namespace
+
+const FamilyInfo kQueryFamily = {
+    .name = "query",
+    .layout = query_layout,
+    .rows_unit = " rows",
+    .flags_text = query_flags_text,
+    .view_where = query_view_where,
+    .view_release_wait = "to release the previous view call",
+    .view_release_hint = "the peer stopped participating, its reader of the last view did not finish, or it did "
+                         "not call release()",
+    .bad_input_reason = "a kernel on that rank met bad input (a position outside cos_sin_cache)",
+    .bad_input_text = query_bad_input_text,
+};
 
 }  // namespace sdcp

@@ -15,7 +15,7 @@ struct QueryShape {
   int64_t width() const { return nope + rope; }
 };
 
-// The view's part of each rank's control region (after its LamportControl).
+// The view's part of each rank's control region (after its DataFlagControl).
 // `released[src]` is written by rank src only: the number of view calls src
 // has released (its reader finished and its view rows are sentinel again).
 struct QueryControl {
@@ -24,8 +24,8 @@ struct QueryControl {
   uint32_t pad;
   uint64_t released[kMaxWorld];
 };
-// After the LamportControl (its call counters fill most of the 4 KiB).
-constexpr int64_t kQueryControlOffset = (sizeof(LamportControl) + 63) / 64 * 64;
+// After the DataFlagControl (its call counters fill most of the 4 KiB).
+constexpr int64_t kQueryControlOffset = (sizeof(DataFlagControl) + 63) / 64 * 64;
 // compute_layout gives a data-as-flag workspace 4 KiB of control.
 static_assert(kQueryControlOffset + sizeof(QueryControl) <= 4096, "QueryControl must fit in the control region");
 
@@ -34,7 +34,7 @@ static_assert(kQueryControlOffset + sizeof(QueryControl) <= 4096, "QueryControl 
 //   the view       [max_rows][src * local_heads + h][head_dim] (final layout, fixed address)
 //   two buffers    [peer_slot(src, dst)][max_rows][local_heads][head_dim] each
 //                  (peer entries only: a rank's own heads never travel)
-//   call headers   [buffer 0, buffer 1, view][peer_slot(src, dst)][16 bytes] (lamport.h)
+//   call headers   [buffer 0, buffer 1, view][peer_slot(src, dst)][16 bytes] (dataflag.h)
 struct QueryGeometry {
   int64_t max_rows, local_heads, head_dim, elem_bytes;
   int64_t view_offset;     // inside the slot
@@ -62,7 +62,7 @@ inline uint8_t* query_view(const Workspace& ws, const QueryGeometry& g, int64_t 
   return ws.slot_data(r, 0) + g.view_offset;
 }
 // The header set of the view (after the two rotating buffers' sets).
-constexpr int64_t kQueryViewHeaders = kLamportBuffers;
+constexpr int64_t kQueryViewHeaders = kDataFlagBuffers;
 // Rank dst's header entry for source src: set `which` is call % 2 for the
 // copying calls, kQueryViewHeaders for the view.
 inline uint32_t* query_header(const Workspace& ws, const QueryGeometry& g, int64_t dst, int64_t src, int64_t which) {
@@ -72,7 +72,7 @@ inline uint32_t* query_header(const Workspace& ws, const QueryGeometry& g, int64
 
 // The header flags of a query call: the op (1 query_gather, 2
 // query_all_gather_heads, 3 query_publish), then for the producer bit 2 neox
-// RoPE and bit 3 a q_scale (workspace.cpp names them in a mismatch).
+// RoPE and bit 3 a q_scale (query_flags_text in query.cpp names them in a mismatch).
 enum QueryOp : uint32_t { kQueryGatherOp = 1, kQueryHeadsOp = 2, kQueryPublishOp = 3 };
 inline uint32_t query_call_flags(QueryOp op, bool neox = false, bool scaled = false) {
   return op | (neox ? 4u : 0u) | (scaled ? 8u : 0u);
@@ -80,7 +80,7 @@ inline uint32_t query_call_flags(QueryOp op, bool neox = false, bool scaled = fa
 
 // Rank dst's entry for source src in the rotating buffer of call `call`.
 inline uint8_t* query_entry(const Workspace& ws, const QueryGeometry& g, int64_t dst, int64_t src, uint64_t call) {
-  return ws.slot_data(dst, 0) + g.buffers_offset + static_cast<int64_t>(call % kLamportBuffers) * g.buffer_bytes +
+  return ws.slot_data(dst, 0) + g.buffers_offset + static_cast<int64_t>(call % kDataFlagBuffers) * g.buffer_bytes +
          peer_slot(src, dst, ws.world_size) * g.entry_bytes();
 }
 
@@ -127,7 +127,7 @@ ReleaseCall prepare_query_release(const at::Tensor& view, int64_t workspace);
 //   GatherLaunch(call, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, view)
 //   HeadsLaunch(call, q, out)
 //   ReleaseLaunch(call, view)
-// Every call carries a call header (lamport.h), compared by each consumer. A
+// Every call carries a call header (dataflag.h), compared by each consumer. A
 // call of 0 rows launches nothing and advances no index (a peer with rows
 // then waits for this rank's header and times out, naming the header).
 template <auto ProduceLaunch>

@@ -114,7 +114,7 @@ void fan_out(const Workspace& ws, const QueryGeometry& g, const CallHeader& head
   };
   if (!view) {
     const uint64_t call = host_call_index(ws);
-    const int64_t set = static_cast<int64_t>(call % kLamportBuffers);
+    const int64_t set = static_cast<int64_t>(call % kDataFlagBuffers);
     for (int64_t d = 0; d < n; ++d) {
       if (d == me) continue;
       host_store_call_header(query_header(ws, g, d, me, set), header);  // before the data it describes

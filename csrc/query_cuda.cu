@@ -7,8 +7,9 @@
 // buffers by the call index and re-fill what they read; the zero-copy view is
 // one fixed buffer that query_release re-fills and acknowledges.
 
-#include "lamport.cuh"
+#include "dataflag.cuh"
 #include "query.h"
+#include "query_produce.cuh"
 #include "semantics.h"
 
 #include <ATen/cuda/CUDAContext.h>
@@ -20,93 +21,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-struct ProducerArgs {
-  const c10::BFloat16* nope;
-  const c10::BFloat16* pe;
-  const void* positions;
-  const void* cache;
-  const float* scale;  // nullptr: 1.0
-  int64_t nope_s0, nope_s1, pe_s0, pe_s1, pos_s0;
-  int64_t max_pos;
-  int rows, heads, nope_dim, rope_dim;  // 32-bit: checked on the host (producer_args)
-  bool pos64, cache_f32, neox;
-  bool vec_nope;  // nope rows are 16-byte aligned and a multiple of 8 elements
-};
-
-template <typename out_t>
-__device__ __forceinline__ out_t convert_out(float v, float scale) {
-  if constexpr (std::is_same<out_t, c10::Float8_e4m3fn>::value) return quantize_e4m3(v, scale);
-  else return static_cast<out_t>(v);
-}
-
-// Eight converted elements as one shared-memory store (8 or 16 bytes).
-template <typename out_t>
-__device__ __forceinline__ void store8(out_t* dst, const out_t (&v)[8]) {
-  if constexpr (sizeof(out_t) == 1) {
-    uint2 w;
-    memcpy(&w, v, 8);
-    *reinterpret_cast<uint2*>(dst) = w;
-  } else {
-    uint4 w;
-    memcpy(&w, v, 16);
-    *reinterpret_cast<uint4*>(dst) = w;
-  }
-}
-
-// Produces item (t, h) into `dst` (its first element). Called by a whole warp
-// (convergent). The position and this lane's first nope vector are loaded
-// first, then `loaded()` runs (the call index: its load overlaps theirs); the
-// cache row, which depends on the position, is loaded after. A position
-// outside the cache goes to `bad_position(pos)` (warp-uniform) and the item is
-// produced unrotated (no row of the cache is read).
-template <typename out_t, typename Loaded, typename BadPosition>
-__device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h, out_t* dst, Loaded&& loaded,
-                                             BadPosition&& bad_position) {
-  const int lane = threadIdx.x & 31;
-  const int64_t pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
-                              : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
-  const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
-  const int d0 = lane * 8;
-  uint4 first = make_uint4(0, 0, 0, 0);
-  if (a.vec_nope && d0 < a.nope_dim) first = *reinterpret_cast<const uint4*>(n + d0);
-  const float scale = a.scale ? *a.scale : 1.0f;
-  loaded();
-  if (a.vec_nope) {  // 8 elements per lane step: one 16-byte load, one 8- or 16-byte shared store
-    for (int d = d0; d < a.nope_dim; d += 32 * 8) {
-      const uint4 raw = d == d0 ? first : *reinterpret_cast<const uint4*>(n + d);
-      const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(&raw);
-      out_t v[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = convert_out<out_t>(static_cast<float>(x[e]), scale);
-      store8(dst + d, v);
-    }
-  } else {
-    for (int d = lane; d < a.nope_dim; d += 32) dst[d] = convert_out<out_t>(static_cast<float>(n[d]), scale);
-  }
-  const bool good = pos >= 0 && pos < a.max_pos;
-  if (!good) bad_position(pos);
-  const int half = a.rope_dim / 2;
-  const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
-  for (int j = lane; j < half; j += 32) {
-    float co = 1.0f, si = 0.0f;
-    if (good) {
-      if (a.cache_f32) {
-        const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
-        co = c[j];
-        si = c[half + j];
-      } else {
-        const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
-        co = static_cast<float>(c[j]);
-        si = static_cast<float>(c[half + j]);
-      }
-    }
-    const int i0 = a.neox ? j : 2 * j, i1 = a.neox ? j + half : 2 * j + 1;
-    const float x0 = static_cast<float>(q[i0]), x1 = static_cast<float>(q[i1]);
-    dst[a.nope_dim + i0] = convert_out<out_t>(rope_first(x0, x1, co, si), scale);
-    dst[a.nope_dim + i1] = convert_out<out_t>(rope_second(x0, x1, co, si), scale);
-  }
-}
 
 // The local producer has no workspace, hence no error record: a bad position
 // prints and traps (the CUDA context fails).
@@ -159,13 +73,13 @@ __device__ __forceinline__ uint4 canonical_vector(uint4 v, uint32_t c) {
   return make_uint4(canonical_word(v.x, c), canonical_word(v.y, c), canonical_word(v.z, c), canonical_word(v.w, c));
 }
 
-// A bad position in a workspace call: recorded (kReasonBadInput, lamport.h)
+// A bad position in a workspace call: recorded (kReasonBadInput, dataflag.h)
 // and the workspace aborted on every rank, as a timeout is; the kernel goes
 // on with the item unrotated and every later poll returns at once, so the
 // host raises at its next call or check() and the CUDA context survives.
 static __device__ __noinline__ void record_bad_position(const DeviceWorkspace& ws, uint64_t call, int row,
                                                         int64_t pos, int64_t max_pos, uint32_t wait) {
-  LamportError e{};
+  DataFlagError e{};
   e.state = kReasonBadInput;
   e.block = blockIdx.x;
   e.peer = -1;
@@ -176,7 +90,7 @@ static __device__ __noinline__ void record_bad_position(const DeviceWorkspace& w
   e.mine = static_cast<uint32_t>(static_cast<int32_t>(saturated));
   e.theirs = static_cast<uint32_t>(max_pos > UINT32_MAX ? UINT32_MAX : max_pos);
   e.aborter = -1;
-  lamport_record(ws, e, true);
+  dataflag_record(ws, e, true);
 }
 
 // Takes peer `src`'s call header at `h`, whose first load `hv` the caller
@@ -196,7 +110,7 @@ __device__ __forceinline__ void land_header(const DeviceWorkspace& ws, uint4* h,
   if (f == kHeaderFields) return;
   // Words selected, not indexed by f: an indexed header would live in local memory.
   auto word = [f](const CallHeader& c) { return f == 0 ? c.w[0] : f == 1 ? c.w[1] : f == 2 ? c.w[2] : c.w[3]; };
-  lamport_mismatch(ws, src, call, f, word(mine), word(theirs), kWait);
+  dataflag_mismatch(ws, src, call, f, word(mine), word(theirs), kWait);
 }
 
 // Vectors per lane kept in flight (loads issued together, then used).
@@ -253,12 +167,12 @@ __global__ void __launch_bounds__(kThreads)
   };
   auto entry = [&](int dst, int src) {  // src's entry in dst's rotating buffer of this call
     return reinterpret_cast<uint4*>(ws.slot_data(dst, 0) + q.buffers_offset +
-                                    static_cast<int64_t>(call % kLamportBuffers) * q.buffer_bytes) +
+                                    static_cast<int64_t>(call % kDataFlagBuffers) * q.buffer_bytes) +
            static_cast<int64_t>(ws.peer_slot(src, dst)) * q.entry_vecs;
   };
   auto view_of = [&](int r) { return reinterpret_cast<uint4*>(ws.slot_data(r, 0) + q.view_offset); };
   auto header = [&](int dst, int src) {
-    const int set = kView ? static_cast<int>(kQueryViewHeaders) : static_cast<int>(call % kLamportBuffers);
+    const int set = kView ? static_cast<int>(kQueryViewHeaders) : static_cast<int>(call % kDataFlagBuffers);
     return reinterpret_cast<uint4*>(ws.slot_data(dst, 0) + q.header_offset) + set * (n - 1) + ws.peer_slot(src, dst);
   };
   auto begin_call = [&] {  // copying calls: the call index, then this rank's headers before any payload
@@ -322,7 +236,7 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x == 0) {  // a peer's abort that no poll may meet
       const uint64_t a = ld_volatile_u64(own_abort_word(ws));
       if (a != 0) {
-        lamport_give_up(ws, -1, call, a, kWaitViewData);
+        dataflag_give_up(ws, -1, call, a, kWaitViewData);
         gave_up = true;
       }
     }
@@ -518,13 +432,13 @@ void rope_quant_cuda(const QueryShape& s, const at::Tensor& ql_nope, const at::T
 }
 
 // Launches query_kernel<Items, kView, kN> with the world size as a template
-// parameter where it is 2, 4 or 8 (0: any), programmatically (launch_lamport).
+// parameter where it is 2, 4 or 8 (0: any), programmatically (launch_dataflag).
 template <typename Items, bool kView>
 void launch_query(const Workspace& ws, int grid, size_t shared_bytes, int device, const DeviceQuery& dq,
                   const Items& items, uint4* out, const CallHeader& header) {
   auto stream = at::cuda::getCurrentCUDAStream();
   auto go = [&](auto kernel) {
-    launch_lamport(kernel, grid, kThreads, shared_bytes, stream, device, device_workspace(ws), dq, items, out, header);
+    launch_dataflag(kernel, grid, kThreads, shared_bytes, stream, device, device_workspace(ws), dq, items, out, header);
   };
   switch (ws.world_size) {
     case 2: go(query_kernel<Items, kView, 2>); break;
@@ -545,7 +459,7 @@ void gather_cuda(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor
   const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, c.shape);
   const auto dq = device_query(ws, c.geo, c.shape.rows);
   // One warp per item; at least one block. Each warp stages one item.
-  const int grid = lamport_grid(c.shape.rows * c.shape.heads, kWarps, ql_nope.get_device());
+  const int grid = dataflag_grid(c.shape.rows * c.shape.heads, kWarps, ql_nope.get_device());
   const size_t stage = static_cast<size_t>(kWarps) * c.geo.item_bytes();
   auto* out = c.out ? static_cast<uint4*>(c.out->data_ptr()) : nullptr;
   auto launch = [&](auto items) {
@@ -571,7 +485,7 @@ void all_gather_heads_cuda(const HeadsCall& c, const at::Tensor& q, at::Tensor& 
   check_aligned(out, "out");
   const c10::cuda::CUDAGuard guard(q.device());
   const auto dq = device_query(ws, c.geo, c.rows);
-  const int grid = lamport_grid(c.rows * c.geo.local_heads, kWarps, q.get_device());
+  const int grid = dataflag_grid(c.rows * c.geo.local_heads, kWarps, q.get_device());
   launch_query<Given, false>(ws, grid, 0, q.get_device(), dq, Given{static_cast<const uint4*>(q.data_ptr())},
                              static_cast<uint4*>(out.data_ptr()), c.header);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -584,9 +498,9 @@ void release_cuda(const ReleaseCall& c, const at::Tensor& view) {
   const c10::cuda::CUDAGuard guard(view.device());
   const auto dq = device_query(ws, c.geo, c.rows);
   // One thread per re-filled vector; at least one block (it acknowledges).
-  const int grid = lamport_grid(c.rows * (ws.world_size - 1) * c.geo.local_heads * dq.nvec, kThreads,
+  const int grid = dataflag_grid(c.rows * (ws.world_size - 1) * c.geo.local_heads * dq.nvec, kThreads,
                                 view.get_device());
-  launch_lamport(query_release_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), view.get_device(),
+  launch_dataflag(query_release_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), view.get_device(),
                  device_workspace(ws), dq);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -19,6 +19,11 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(sdcp, m) {
+  // The fake implementations of the ops below live in this module: torch
+  // imports it when a fake is needed and checks that register_fake was
+  // called from it.
+  m.set_python_module("torch_sdcp.fake");
+
   // ---- Local computations (also the collective path's kernels) ----------
   // RoPE on q_pe (interleaved/GPT-J or NeoX pairing), concatenation with
   // ql_nope, then bf16 or saturating float8_e4m3fn (x / q_scale).
@@ -66,7 +71,7 @@ TORCH_LIBRARY(sdcp, m) {
 
   // ---- Workspace control (host side, never captured) --------------------
   m.def("workspace_nbytes(int kind, int[] params, int world_size) -> int");
-  // [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset x 4]
+  // [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_values x 4]
   m.def("workspace_layout(int kind, int[] params, int world_size) -> int[]");
   m.def("workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, "
         "int world_size, Device device, int timeout_ns) -> ()");

@@ -2,7 +2,7 @@
 // workspace registry and the peer-memory layout every family uses.
 #pragma once
 
-#include "lamport.h"
+#include "dataflag.h"
 #include "limits.h"
 
 #include <torch/types.h>
@@ -65,6 +65,9 @@ void check_same_device(const at::Tensor& t, const char* name,
                        const at::Tensor& ref, const char* ref_name);
 void check_float_dtype(const at::Tensor& t, const char* name);
 
+// "0x0000abcd"
+std::string hex32(uint32_t v);
+
 // Layout arithmetic. Sizes are products of user arguments: every product is
 // checked, and a region larger than kMaxRegionBytes is refused with an error
 // naming `arg` (the argument that made it too large).
@@ -82,13 +85,15 @@ void check_params(const std::vector<int64_t>& params, size_t n, const char* what
 // argument.
 //
 // Region layout (identical on every rank; docs/PROTOCOL.md, version 4):
-//   [0, control_bytes)        a LamportControl (call counters, abort word),
+//   [0, control_bytes)        a DataFlagControl (call counters, abort word),
 //                             padded to 4 KiB; a family may keep its own
 //                             control words after it (QueryControl)
 //   [control_bytes, ...)      the family's data, `slots` slots (1 or 2)
 //   then the tail pad (kTailPad)
 // ---------------------------------------------------------------------------
 
+// A workspace's family, by the number the Python side passes (torch_sdcp's
+// WorkspaceKind mirrors it). Each has one entry in kFamilies below.
 enum class WorkspaceKind : int64_t {
   kExchange = 0,   // generic peer all-gather inbox (signalling primitive)
   kOutputLSE = 1,  // output/LSE boundary
@@ -96,27 +101,58 @@ enum class WorkspaceKind : int64_t {
   kQuery = 3,      // query boundary
 };
 
-const char* kind_name(WorkspaceKind kind);
+// Values of a family's layout that its Geometry struct decodes (offsets
+// inside a slot, strides, counts); the Python class names them in PARTS.
+constexpr int kPartValues = 4;
 
 // Every family signals with data-as-flag (docs/PROTOCOL.md, version 4).
 struct WorkspaceLayout {
-  int64_t control_bytes = 0;  // the LamportControl, aligned to 4 KiB
+  int64_t control_bytes = 0;  // the DataFlagControl, aligned to 4 KiB
   int64_t slot_bytes = 0;     // one data slot
   int64_t data_offset = 0;    // == control_bytes
   int64_t slots = 2;          // data slots: 2 (the buffers, by call index) or 1 (query: view and buffers in one)
   int64_t region_bytes = 0;   // control + slots + tail pad (before granularity rounding)
   // Family-specific values, named by each family's Geometry struct
   // (ExchangeGeometry, OutputLSEGeometry, TopKGeometry, QueryGeometry).
-  int64_t part_offset[4] = {0, 0, 0, 0};
+  int64_t part_values[kPartValues] = {0, 0, 0, 0};
 };
 
-// params per kind (decoded by the family's Geometry struct):
-//   kExchange : [max_bytes_per_rank]
-//   kOutputLSE: [max_rows, total_heads, head_dim, elem_bytes]
-//   kTopK     : [max_rows, candidates_per_rank, k]
-//   kQuery    : [max_rows, local_heads, head_dim, elem_bytes]
-// Each family lays out its slot (<family>_layout in <family>.cpp); this adds
-// the control region and the tail pad.
+// What the workspace code needs of a family: its name, its slot layout and
+// the words of its failure texts. Each family defines its entry in
+// <family>.cpp; a text the family does not need is null.
+struct FamilyInfo {
+  const char* name;  // "exchange", "output_lse", "topk", "query"
+  // Lays out one slot: slots, slot_bytes and part_values (params as the
+  // family's Geometry struct documents them).
+  void (*layout)(const std::vector<int64_t>& params, int64_t world_size, WorkspaceLayout& l);
+  // What a call header's rows word counts (the exchange's: " bytes").
+  const char* rows_unit;
+  // A call header's flags word in the family's words (a mismatch's text).
+  std::string (*flags_text)(uint32_t flags);
+  // Waits on the query's view (kWaitView*): where ("view buffer, view call
+  // 3"), what a release waits for ("to release the previous view call") and
+  // what a release timeout suggests.
+  std::string (*view_where)(uint64_t view_call);
+  const char* view_release_wait;
+  const char* view_release_hint;
+  // A kernel's bad input (kReasonBadInput): why a peer aborted, and what this
+  // rank's record says about the argument.
+  const char* bad_input_reason;
+  std::string (*bad_input_text)(const DataFlagError& e);
+};
+
+extern const FamilyInfo kExchangeFamily, kOutputLSEFamily, kTopKFamily, kQueryFamily;
+
+// Every family, indexed by WorkspaceKind: the one list of families.
+inline constexpr const FamilyInfo* kFamilies[] = {&kExchangeFamily, &kOutputLSEFamily, &kTopKFamily, &kQueryFamily};
+constexpr int64_t kWorkspaceKinds = static_cast<int64_t>(sizeof(kFamilies) / sizeof(kFamilies[0]));
+
+inline const FamilyInfo& family(WorkspaceKind kind) { return *kFamilies[static_cast<int64_t>(kind)]; }
+inline const char* kind_name(WorkspaceKind kind) { return family(kind).name; }
+
+// The layout of a workspace of `kind`, whose params the family's Geometry
+// struct documents: the family lays out its slots (FamilyInfo::layout); this
+// adds the control region and the tail pad.
 WorkspaceLayout compute_layout(WorkspaceKind kind,
                                const std::vector<int64_t>& params,
                                int64_t world_size);
@@ -137,14 +173,14 @@ struct Workspace {
   // rank's error record (never null once registered: host memory, or
   // host-mapped pinned memory on CUDA, whose device address is error_device).
   uint32_t geometry_hash = 0;
-  LamportError* error = nullptr;
-  LamportError* error_device = nullptr;
+  DataFlagError* error = nullptr;
+  DataFlagError* error_device = nullptr;
   std::shared_ptr<void> error_storage;
 
   uint8_t* region(int64_t r) const {
     return reinterpret_cast<uint8_t*>(base + static_cast<uintptr_t>(r * stride));
   }
-  LamportControl* lamport(int64_t r) const { return reinterpret_cast<LamportControl*>(region(r)); }
+  DataFlagControl* control(int64_t r) const { return reinterpret_cast<DataFlagControl*>(region(r)); }
   uint8_t* slot_data(int64_t r, int64_t slot) const {
     return region(r) + layout.data_offset + slot * layout.slot_bytes;
   }
@@ -161,24 +197,24 @@ inline int64_t peer_slot(int64_t src, int64_t dst, int64_t n) { return (src - ds
 // the peers' polls give up at once.
 
 // The text of an error record (what failed, rank, peer, buffer, call).
-std::string describe_lamport_error(const Workspace& ws, const LamportError& e);
+std::string describe_dataflag_error(const Workspace& ws, const DataFlagError& e);
 // Records `e` as this rank's error (unless one is recorded already) and
 // stores this rank's abort word into every rank's control region that has
 // none yet (own included; on CUDA through the device hook, off the stream).
-void lamport_abort(const Workspace& ws, const LamportError& e);
+void dataflag_abort(const Workspace& ws, const DataFlagError& e);
 // Raises "poisoned ..." when this rank's error record is set, or (host
 // backend) a peer's abort word is in this rank's control region.
 void check_workspace_health(const Workspace& ws);
 
-// The CUDA backend's part, set by lamport_cuda.cu when it is built:
+// The CUDA backend's part, set by dataflag_cuda.cu when it is built:
 // allocation of a host-mapped error record (host pointer, device pointer),
 // and a launch (on a side stream) that stores an abort word into every
 // rank's control region where none is yet.
-struct LamportDeviceHooks {
-  std::shared_ptr<void> (*alloc_error)(const c10::Device& device, LamportError** host, LamportError** dev) = nullptr;
+struct DataFlagDeviceHooks {
+  std::shared_ptr<void> (*alloc_error)(const c10::Device& device, DataFlagError** host, DataFlagError** dev) = nullptr;
   void (*store_abort)(const Workspace& ws, uint64_t word) = nullptr;
 };
-LamportDeviceHooks& lamport_device_hooks();
+DataFlagDeviceHooks& dataflag_device_hooks();
 
 // Resolve a handle; checks that it is alive, of the expected kind, and lives
 // on the device of `on` (CPU tensors need a host workspace, CUDA tensors a

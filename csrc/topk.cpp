@@ -15,17 +15,17 @@ void topk_layout(const std::vector<int64_t>& p, int64_t n, WorkspaceLayout& l) {
                         ", got ", k));
   // Data-as-flag: each owner pushes its best min(C, k) keys per row into
   // every peer's buffer; its own list never travels.
-  l.slots = kLamportBuffers;
+  l.slots = kDataFlagBuffers;
   const int64_t inbox = align_up(checked_mul({n - 1, rows, std::min(c, k), 8}, "max_rows"), kAlign);
-  l.part_offset[0] = 0;                 // inbox [peer][row][keys_per_row]
-  l.part_offset[1] = std::min(c, k);    // keys per row
-  l.part_offset[2] = inbox;             // call headers [peer][16 bytes] (lamport.h)
+  l.part_values[0] = 0;                 // inbox [peer][row][keys_per_row]
+  l.part_values[1] = std::min(c, k);    // keys per row
+  l.part_values[2] = inbox;             // call headers [peer][16 bytes] (dataflag.h)
   l.slot_bytes = inbox + align_up((n - 1) * kHeaderFields * 4, kAlign);
 }
 
 TopKGeometry TopKGeometry::of(const Workspace& ws) {
   const auto& p = ws.params;
-  return {p[0], p[1], p[2], ws.layout.part_offset[1], ws.layout.part_offset[0], ws.layout.part_offset[2]};
+  return {p[0], p[1], p[2], ws.layout.part_values[1], ws.layout.part_values[0], ws.layout.part_values[2]};
 }
 
 at::Tensor prepare_topk_select(const at::Tensor& scores, const at::Tensor& ids, int64_t k) {
@@ -59,5 +59,12 @@ TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids
   c.header = make_call_header(c.rows, static_cast<int64_t>(scores.scalar_type()), 0u, c.ws->geometry_hash);
   return c;
 }
+
+// The flags word is unused (k and C are in the geometry hash).
+const FamilyInfo kTopKFamily = {
+    .name = "topk",
+    .layout = topk_layout,
+    .rows_unit = " rows",
+};
 
 }  // namespace sdcp

@@ -10,7 +10,7 @@ namespace sdcp {
 // one data-as-flag buffer, decoded once: one entry per peer (peer_slot(src,
 // dst)), each the peer's best min(C, k) candidates per row as sorted 64-bit
 // selection keys (semantics.h), [peer][max_rows][keys_per_row], then the call
-// headers [peer][16 bytes] (lamport.h).
+// headers [peer][16 bytes] (dataflag.h).
 struct TopKGeometry {
   int64_t max_rows = 0, candidates_per_rank = 0, k = 0;
   int64_t keys_per_row = 0;   // min(candidates_per_rank, k)
@@ -38,7 +38,7 @@ struct TopKMergeCall {
   TopKGeometry geo;
   int64_t rows = 0;
   at::Tensor out;     // [T, k] int32
-  CallHeader header;  // what this call is (rows, scores dtype, geometry; lamport.h)
+  CallHeader header;  // what this call is (rows, scores dtype, geometry; dataflag.h)
 };
 
 TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k);

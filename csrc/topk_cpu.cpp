@@ -42,7 +42,7 @@ void select_cpu(const at::Tensor& scores, const at::Tensor& ids, int64_t k, at::
   });
 }
 
-// Data-as-flag (lamport.h): each owner stores its call header into every
+// Data-as-flag (dataflag.h): each owner stores its call header into every
 // peer's buffer, sorts its rows once and pushes its best kk keys per row
 // after it; each consumer checks a peer's header, then takes its lists from
 // the local buffer as they land (writing the sentinel back) and merges them
@@ -53,7 +53,7 @@ void merge_cpu(const TopKMergeCall& c, const at::Tensor& scores, const at::Tenso
   const int64_t rows = c.rows, cand = g.candidates_per_rank, n = ws.world_size, me = ws.rank, k = g.k;
   const int64_t kk = g.keys_per_row;
   const uint64_t call = host_call_index(ws);
-  const int64_t buf = call % kLamportBuffers;
+  const int64_t buf = call % kDataFlagBuffers;
   // Buffer of rank d, entry of source s: [row][kk] keys.
   auto inbox = [&](int64_t d, int64_t s) {
     return reinterpret_cast<uint64_t*>(ws.slot_data(d, buf) + g.inbox_offset) + peer_slot(s, d, n) * g.max_rows * kk;

@@ -34,3 +34,17 @@ sdcp::workspace_layout(int kind, int[] params, int world_size) -> int[]
 sdcp::workspace_nbytes(int kind, int[] params, int world_size) -> int
 sdcp::workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, int world_size, Device device, int timeout_ns) -> ()
 sdcp::workspace_unregister(int handle) -> ()""")
+
+    def test_every_peer_op_is_kept_by_the_compiler(self):
+        # An op whose schema takes `int workspace` stores into peers' memory: a
+        # peer op missing from PEER_OPS can be dropped as dead code when the
+        # caller does not use its result on this rank.
+        from torch_sdcp.fake import PEER_OPS
+
+        peer_ops = sorted(s.name for s in torch._C._jit_get_all_schemas()
+                          if s.name.startswith("sdcp::")
+                          and any(a.name == "workspace" and str(a.type) == "int" for a in s.arguments))
+        self.assertTrue(peer_ops, "no sdcp op takes `int workspace`")
+        self.assertEqual(peer_ops, sorted(op._schema.name for op in PEER_OPS))
+        for op in PEER_OPS:
+            self.assertIn(op, torch.fx.node._side_effectful_functions, op._schema.name)

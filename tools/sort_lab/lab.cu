@@ -1,18 +1,18 @@
-// The top-K owner sort on its own, one GPU, no torch: checks every variant
-// against std::sort on awkward sizes and inputs (NaN, +-inf, -0.0, invalid
-// ids, ties), then times 2048-key rows in 8-launch CUDA graphs for five score
-// distributions. Built with -DTRACE=1, thread 0 of block 0 also stamps
-// clock64 between the phases (the numbers after us/call).
-//   nvcc -O3 -arch=sm_90 -std=c++17 --expt-relaxed-constexpr [-DTRACE=1] lab.cu -o /tmp/sort_lab
+// The top-K owner sort on its own, one GPU, linked without torch: checks the
+// library's sort (csrc/topk_sort.cuh, included as it is built there) against
+// std::sort on awkward sizes and inputs (NaN, +-inf, -0.0, invalid ids, ties),
+// then times 2048-key rows in 8-launch CUDA graphs for five score
+// distributions, and the peer merge of two ranks simulated by two blocks.
+// Built with -DTRACE=1, thread 0 of block 0 also stamps clock64 between the
+// phases (the numbers after us/call). From the repository root (the include
+// folder is for the c10 headers semantics.h uses; nothing of torch is linked):
+//   nvcc -O3 -arch=sm_90 -std=c++17 --expt-relaxed-constexpr \
+//     -I$(python3 -c 'import torch.utils.cpp_extension as c; print(c.include_paths()[0])') \
+//     [-DTRACE=1] tools/sort_lab/lab.cu -o /tmp/sort_lab
 //   /tmp/sort_lab [sim]   (sim: the correctness pass and the simulated peer merge only)
-// Variants: cur1024 = v40 (multi-pass, as shipped in version 4.0), bk2x2 =
-// v42 (2 buckets per key, shipped in 4.2), bk3k64 = v42 with the counting
-// rank up to 64 keys per bucket (version 4.3), bk5* = v45 (rank by position, id buckets for equal
-// scores, one 16-byte count vector per thread; s0/s1 = keys kept in registers
-// / staged in shared memory across the scan, p0/p1 = rank by key / by
-// position; bk5s0p1 is what csrc/topk_cuda.cu runs, there with kRankMax =
-// 128), cl* = v50 (a row over a cluster of CTAs: cl<CTAs>x<threads>),
-// floor1024 = load and store only.
+// Variants: shipped = the library's sort, floor = load and store only.
+// Earlier versions and measured negatives (v40-v45, the cluster row v50) are
+// in docs/NOTES.md with the commits that hold them.
 #ifndef TRACE
 #define TRACE 0
 #endif
@@ -25,106 +25,61 @@
 #include <string>
 #include <vector>
 
+#include "common.cuh"
+#include "../../csrc/topk_sort.cuh"
+
+using sdcp::kThreads;
+using sdcp::topk_key;
+using sdcp::topk_key_id;
+
 __device__ long long g_stamps[16];
-#define stamps g_stamps
-#include "v45_lazy.cuh"
-#include "v50_cluster.cuh"
 
 constexpr int kN = 2048;
 
-size_t sort_bytes() { return cur::rank_sort_bytes(kN); }
+size_t sort_bytes() { return sdcp::rank_sort_bytes(kN); }
 
-template <int V, int T>
-__global__ void __launch_bounds__(T) sort_kernel(const float* scores, const int* ids, int n, int* out) {
+// One row per block: the library's sort (SHIPPED) or the floor (load, store
+// in input order).
+template <bool SHIPPED>
+__global__ void __launch_bounds__(kThreads) sort_kernel(const float* scores, const int* ids, int n, int* out) {
   extern __shared__ __align__(16) uint8_t smem[];
   STAMP(0);
-  const cur::SortSmem m = cur::sort_smem(smem, kN);
-  uint64_t* res = reinterpret_cast<uint64_t*>(smem + cur::rank_sort_bytes(kN));
+  // The sorted keys first, then the sort's area (rank_sort_bytes is host code).
+  uint64_t* res = reinterpret_cast<uint64_t*>(smem);
+  const sdcp::SortSmem m = sdcp::sort_smem(smem + kN * 8, kN);
   const int t = blockIdx.x;
-  auto key_at = [&](int j) { return topk_key(scores[t * n + j], ids[t * n + j]); };
-  if (V == 0) {
-    cur::rank_sort(m, key_at, n, n, res);
-  } else if (V == 4) {
-    bk2::rank_sort<T, 2>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 5) {
-    bk2::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 10) {
-    bk5::rank_sort<T, 2, 64>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 11) {
-    bk5::rank_sort<T, 2, 128>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 12) {
-    bk5::rank_sort<T, 2, 64, false, false>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 13) {
-    bk5::rank_sort<T, 2, 64, false, true>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else if (V == 14) {
-    bk5::rank_sort<T, 2, 64, true, false>(m, [&](int j) { return scores[t * n + j]; }, [&](int j) { return ids[t * n + j]; }, n, n, res);
-  } else {  // floor: load, store in input order
-    for (int j = threadIdx.x; j < n; j += T) res[j] = key_at(j);
+  if (SHIPPED) {
+    sdcp::rank_sort(m, scores + t * n, ids + t * n, n, n, res);
+  } else {
+    for (int j = threadIdx.x; j < n; j += kThreads) res[j] = topk_key(scores[t * n + j], ids[t * n + j]);
     __syncthreads();
   }
   STAMP(6);
-  for (int j = threadIdx.x; j < n; j += T) out[t * n + j] = topk_key_id(res[j]);
+  for (int j = threadIdx.x; j < n; j += kThreads) out[t * n + j] = topk_key_id(res[j]);
   STAMP(7);
-}
-
-// A row over a cluster of CL CTAs (v50): grid = rows * CL.
-template <int CL, int T, int KF>
-__global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(T)
-    cluster_kernel(const float* scores, const int* ids, int n, int* out) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  STAMP(0);
-  const int t = blockIdx.x / CL;
-  clu::cluster_sort<CL, T, 2, KF>(scores + t * n, ids + t * n, n, out + t * n, smem);
-  STAMP(7);
-}
-
-// Merge path (as csrc/topk_cuda.cu's merge_path): the first nout keys of the
-// merge of a[0..la) and b[0..lb), both descending, handed to store(pos, key)
-// (a wins ties).
-template <int T, typename Store>
-__device__ void merge_path(const uint64_t* a, int la, const uint64_t* b, int lb, int nout, int min_per, Store store) {
-  const int per = max(min_per, (nout + T - 1) / T);
-  const int q = static_cast<int>(threadIdx.x) * per;
-  if (q >= nout) return;
-  int lo = max(0, q - lb), hi = min(q, la);
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (a[mid] >= b[q - 1 - mid]) lo = mid + 1; else hi = mid;
-  }
-  int i = lo, j = q - lo;
-  const int cnt = min(per, nout - q);
-  for (int x = 0; x < cnt; ++x) {
-    const bool take_a = j >= lb || (i < la && a[i] >= b[j]);
-    store(q + x, take_a ? a[i++] : b[j++]);
-  }
 }
 
 // The peer merge of two ranks simulated by two blocks of one kernel on one
-// GPU (block r plays rank r, row r): sort, push the sorted keys into the
-// other block's inbox (16-byte plain stores, the keys are their own flag),
-// poll the own inbox (re-filling the sentinel), merge path, ids out. What it
-// leaves out: the NVLink crossing and the skew between two GPUs.
-template <int T, int PER, bool VEC_OUT, int SORT = 2, bool FUSE = false>
-__global__ void __launch_bounds__(T) peer_sim_kernel(const float* scores, const int* ids, int n, uint64_t* inbox,
-                                                     int* out) {
+// GPU (block r plays rank r, row r), as topk_merge runs it: sort, push the
+// sorted keys into the other block's inbox (16-byte plain stores, the keys
+// are their own flag), poll the own inbox (re-filling the sentinel), merge
+// path writing the ids. What it leaves out: the NVLink crossing and the skew
+// between two GPUs.
+__global__ void __launch_bounds__(kThreads) peer_sim_kernel(const float* scores, const int* ids, int n,
+                                                            uint64_t* inbox, int* out) {
   extern __shared__ __align__(16) uint8_t smem[];
   STAMP(0);
-  const cur::SortSmem m = cur::sort_smem(smem, kN);
-  uint64_t* acc = reinterpret_cast<uint64_t*>(smem + cur::rank_sort_bytes(kN));
+  uint64_t* acc = reinterpret_cast<uint64_t*>(smem);
   uint64_t* stage = acc + kN;
-  uint64_t* tmp = stage + kN;
+  const sdcp::SortSmem m = sdcp::sort_smem(smem + 2 * kN * 8, kN);
   const int r = blockIdx.x;
-  if (SORT == 2)
-    bk2::rank_sort<T, 2>(m, [&](int j) { return scores[r * n + j]; }, [&](int j) { return ids[r * n + j]; }, n, n, acc);
-  else
-    bk5::rank_sort<T, 2, 128, false, true>(m, [&](int j) { return scores[r * n + j]; },
-                                           [&](int j) { return ids[r * n + j]; }, n, n, acc);
+  sdcp::rank_sort(m, scores + r * n, ids + r * n, n, n, acc);
   STAMP(6);
   ulonglong2* peer = reinterpret_cast<ulonglong2*>(inbox + (1 - r) * n);
   ulonglong2* mine = reinterpret_cast<ulonglong2*>(inbox + r * n);
-  for (int v = threadIdx.x; v < n / 2; v += T) peer[v] = reinterpret_cast<const ulonglong2*>(acc)[v];
+  for (int v = threadIdx.x; v < n / 2; v += kThreads) peer[v] = reinterpret_cast<const ulonglong2*>(acc)[v];
   STAMP(7);
-  for (int v = threadIdx.x; v < n / 2; v += T) {
+  for (int v = threadIdx.x; v < n / 2; v += kThreads) {
     ulonglong2 x;
     do {
       asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(x.x), "=l"(x.y) : "l"(mine + v) : "memory");
@@ -134,46 +89,19 @@ __global__ void __launch_bounds__(T) peer_sim_kernel(const float* scores, const 
   }
   __syncthreads();
   STAMP(8);
-  if (FUSE) {
-    int* o = out + r * n;
-    merge_path<T>(acc, n, stage, n, n, PER, [o](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
-    STAMP(9);
-    STAMP(10);
-    return;
-  }
-  merge_path<T>(acc, n, stage, n, n, PER, [tmp](int pos, uint64_t key) { tmp[pos] = key; });
-  __syncthreads();
+  int* o = out + r * n;
+  sdcp::merge_path(acc, n, stage, n, n, [o](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
   STAMP(9);
-  if (VEC_OUT) {  // 4 ids per 16-byte store
-    for (int j = threadIdx.x; j < n / 4; j += T) {
-      const ulonglong2 a = reinterpret_cast<const ulonglong2*>(tmp)[2 * j];
-      const ulonglong2 b = reinterpret_cast<const ulonglong2*>(tmp)[2 * j + 1];
-      reinterpret_cast<int4*>(out + r * n)[j] =
-          make_int4(topk_key_id(a.x), topk_key_id(a.y), topk_key_id(b.x), topk_key_id(b.y));
-    }
-  } else {
-    for (int j = threadIdx.x; j < n; j += T) out[r * n + j] = topk_key_id(tmp[j]);
-  }
-  STAMP(10);
 }
 
 struct Variant {
   const char* name;
   void (*kernel)(const float*, const int*, int, int*);
-  int threads;
-  int ctas = 1;  // CTAs per row
 };
 
 Variant variants[] = {
-    {"cur1024", sort_kernel<0, 1024>, 1024},
-    {"bk2x2", sort_kernel<4, 1024>, 1024},
-    {"bk3k64", sort_kernel<5, 1024>, 1024},
-    {"bk5k64", sort_kernel<10, 1024>, 1024},
-    {"bk5s0p0", sort_kernel<12, 1024>, 1024},
-    {"bk5s0p1", sort_kernel<13, 1024>, 1024},
-    {"bk5s1p0", sort_kernel<14, 1024>, 1024},
-    {"cl8x256", cluster_kernel<8, 256, 64>, 256, 8},
-    {"floor1024", sort_kernel<2, 1024>, 1024},
+    {"shipped", sort_kernel<true>},
+    {"floor", sort_kernel<false>},
 };
 
 std::vector<float> make_scores(const std::string& kind, int rows, int n, std::mt19937& g) {
@@ -275,7 +203,7 @@ int main(int argc, char** argv) {
       for (auto& v : variants) {
         if (std::string(v.name).rfind("floor", 0) == 0) continue;
         CK(cudaMemset(dout, 0x55, id.size() * 4));
-        v.kernel<<<rows * v.ctas, v.threads, smem>>>(ds, di, n, dout);
+        v.kernel<<<rows, kThreads, smem>>>(ds, di, n, dout);
         CK(cudaGetLastError());
         CK(cudaDeviceSynchronize());
         std::vector<int> got(id.size());
@@ -319,7 +247,7 @@ int main(int argc, char** argv) {
       for (auto& v : variants) {
         long long h[16] = {0};
         const float us = time_k8(
-            [&](cudaStream_t st) { v.kernel<<<rows * v.ctas, v.threads, smem, st>>>(ds, di, kN, dout); }, h);
+            [&](cudaStream_t st) { v.kernel<<<rows, kThreads, smem, st>>>(ds, di, kN, dout); }, h);
         printf("%-10s %-8s %5d %9.2f  ", v.name, kind, rows, us);
         if (TRACE)
           for (int i = 1; i < 8; ++i) printf(" %lld", h[i] ? h[i] - h[0] : -1);
@@ -336,10 +264,7 @@ int main(int argc, char** argv) {
     struct Sim {
       const char* name;
       void (*kernel)(const float*, const int*, int, uint64_t*, int*);
-    } sims[] = {{"sim_p2", peer_sim_kernel<1024, 2, false>},
-                {"sim45_p2", peer_sim_kernel<1024, 2, false, 5>},
-                {"sim45_fuse", peer_sim_kernel<1024, 2, false, 5, true>},
-                {"sim45_fuse4", peer_sim_kernel<1024, 4, false, 5, true>}};
+    } sims[] = {{"sim", peer_sim_kernel}};
     for (auto& sim : sims)
       CK(cudaFuncSetAttribute(sim.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(smem + 2 * kN * 8)));
@@ -364,7 +289,7 @@ int main(int argc, char** argv) {
       CK(cudaMemset(dinbox, 0xFF, 2 * kN * 8));
       CK(cudaMemcpy(ds, s.data(), s.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(di, id.data(), id.size() * 4, cudaMemcpyHostToDevice));
-      sim.kernel<<<2, 1024, smem + 2 * kN * 8>>>(ds, di, kN, dinbox, dout);
+      sim.kernel<<<2, kThreads, smem + 2 * kN * 8>>>(ds, di, kN, dinbox, dout);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
       std::vector<int> got(2 * kN);
@@ -378,10 +303,10 @@ int main(int argc, char** argv) {
       }
       long long h[16] = {0};
       const float us = time_k8(
-          [&](cudaStream_t st) { sim.kernel<<<2, 1024, smem + 2 * kN * 8, st>>>(ds, di, kN, dinbox, dout); }, h);
+          [&](cudaStream_t st) { sim.kernel<<<2, kThreads, smem + 2 * kN * 8, st>>>(ds, di, kN, dinbox, dout); }, h);
       printf("%-10s %-8s %5d %9.2f  ", sim.name, kind, 1, us);
       if (TRACE)
-        for (int i = 1; i < 11; ++i) printf(" %lld", h[i] ? h[i] - h[0] : -1);
+        for (int i = 1; i < 10; ++i) printf(" %lld", h[i] ? h[i] - h[0] : -1);
       printf("\n");
       CK(cudaFree(ds));
       CK(cudaFree(di));

@@ -1,9 +1,9 @@
-// Failure handling of data-as-flag workspaces, CUDA side (lamport.cuh): the
+// Failure handling of data-as-flag workspaces, CUDA side (dataflag.cuh): the
 // host-mapped error record of each workspace, and the abort a host-side
 // error stores into every rank's control region. Installed into
-// lamport_device_hooks() when the extension loads.
+// dataflag_device_hooks() when the extension loads.
 
-#include "lamport.cuh"
+#include "dataflag.cuh"
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -17,10 +17,10 @@ namespace {
 // system fence), the host reads it without synchronising a stream, during
 // capture too. Null when the device cannot map host memory (then a timeout
 // traps, as without this record).
-std::shared_ptr<void> alloc_error(const c10::Device& device, LamportError** host, LamportError** dev) {
+std::shared_ptr<void> alloc_error(const c10::Device& device, DataFlagError** host, DataFlagError** dev) {
   const c10::cuda::CUDAGuard guard(device);
   void* h = nullptr;
-  if (cudaHostAlloc(&h, sizeof(LamportError), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+  if (cudaHostAlloc(&h, sizeof(DataFlagError), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
     (void)cudaGetLastError();
     return nullptr;
   }
@@ -30,16 +30,16 @@ std::shared_ptr<void> alloc_error(const c10::Device& device, LamportError** host
     cudaFreeHost(h);
     return nullptr;
   }
-  std::memset(h, 0, sizeof(LamportError));
-  *host = static_cast<LamportError*>(h);
-  *dev = static_cast<LamportError*>(d);
+  std::memset(h, 0, sizeof(DataFlagError));
+  *host = static_cast<DataFlagError*>(h);
+  *dev = static_cast<DataFlagError*>(d);
   // cudaFreeHost waits for the device, so no kernel still writes the record.
   return std::shared_ptr<void>(h, [](void* p) { cudaFreeHost(p); });
 }
 
 __global__ void store_abort_kernel(DeviceWorkspace ws, uint64_t word) {
   for (int r = threadIdx.x; r < ws.world; r += blockDim.x) {
-    uint64_t* a = &reinterpret_cast<LamportControl*>(ws.region(r))->abort;
+    uint64_t* a = &reinterpret_cast<DataFlagControl*>(ws.region(r))->abort;
     if (ld_volatile_u64(a) == 0) st_volatile_u64(a, word);
   }
   __threadfence_system();
@@ -64,8 +64,8 @@ void store_abort(const Workspace& ws, uint64_t word) {
 
 struct Install {
   Install() {
-    lamport_device_hooks().alloc_error = &alloc_error;
-    lamport_device_hooks().store_abort = &store_abort;
+    dataflag_device_hooks().alloc_error = &alloc_error;
+    dataflag_device_hooks().store_abort = &store_abort;
   }
 } install;
 

@@ -1,11 +1,11 @@
-// Data-as-flag signalling on the GPU (lamport.h has the protocol): the call
+// Data-as-flag signalling on the GPU (dataflag.h has the protocol): the call
 // index, bounded polls of local buffers, stores into peers' buffers, call
 // headers, and failures that are reported (an error record and abort words),
 // not trapped.
 #pragma once
 
 #include "device_signal.cuh"
-#include "lamport.h"
+#include "dataflag.h"
 
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
@@ -18,7 +18,7 @@
 namespace sdcp {
 
 // Programmatic dependent launch (sm_90+): a kernel launched with
-// launch_lamport may start while the previous kernel of the stream finishes;
+// launch_dataflag may start while the previous kernel of the stream finishes;
 // it waits here, before it reads anything, until that kernel has completed
 // and its memory is visible. Then it lets the next kernel start its launch.
 __device__ __forceinline__ void pdl_wait_and_release() {
@@ -28,18 +28,18 @@ __device__ __forceinline__ void pdl_wait_and_release() {
 #endif
 }
 
-static __device__ __noinline__ void lamport_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
+static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
                                                     uint32_t wait);
 
 // The call this kernel runs, read by every warp from its block's counter
-// (lamport.h). Also advances the counters of the blocks this grid does not
+// (dataflag.h). Also advances the counters of the blocks this grid does not
 // have (b + g, b + 2g, ...): no block of this grid reads them. Thread 0 loads
 // the abort word beside the counter (both in flight, no added step) and
 // records a peer's abort that no poll may meet (every word already landed),
 // so that the host raises at its next call.
 __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) {
   pdl_wait_and_release();
-  LamportControl* c = ws.lamport_control();
+  DataFlagControl* c = ws.dataflag_control();
   uint64_t* counters = c->call_index;
   uint64_t call = 0, abort = 0;
   if ((threadIdx.x & 31) == 0) {
@@ -47,8 +47,8 @@ __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) 
     if (threadIdx.x == 0) abort = *reinterpret_cast<volatile uint64_t*>(&c->abort);
   }
   call = __shfl_sync(0xffffffffu, call, 0);
-  if (abort != 0) lamport_give_up(ws, -1, call, abort, kWaitData);
-  for (uint32_t j = blockIdx.x + gridDim.x * (threadIdx.x + 1); j < kLamportBlocks; j += gridDim.x * blockDim.x)
+  if (abort != 0) dataflag_give_up(ws, -1, call, abort, kWaitData);
+  for (uint32_t j = blockIdx.x + gridDim.x * (threadIdx.x + 1); j < kDataFlagBlocks; j += gridDim.x * blockDim.x)
     counters[j] = call + 1;
   return call;
 }
@@ -59,7 +59,7 @@ __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) 
 // stores into peer memory to be acknowledged.
 __device__ __forceinline__ void block_finish_call(const DeviceWorkspace& ws, uint64_t call) {
   __syncthreads();
-  if (threadIdx.x == 0) ws.lamport_control()->call_index[blockIdx.x] = call + 1;
+  if (threadIdx.x == 0) ws.dataflag_control()->call_index[blockIdx.x] = call + 1;
 }
 
 __device__ __forceinline__ uint4 ld_volatile_v4(const uint4* p) {
@@ -111,17 +111,17 @@ __device__ __forceinline__ uint4 sentinel_vector() { return make_uint4(kSentinel
 // once, so the kernel ends quickly with undefined output, and the host raises
 // at its next call or check(). Without a record (no host-mapped memory) it
 // prints and traps, as before.
-static __device__ __noinline__ void lamport_record(const DeviceWorkspace& ws, LamportError e, bool broadcast) {
+static __device__ __noinline__ void dataflag_record(const DeviceWorkspace& ws, DataFlagError e, bool broadcast) {
   if (ws.error == nullptr) {
     printf("torch_sdcp: rank %d block %d gave up on peer %d (workspace %lld, buffer %d, call %llu, reason %u) "
            "with no error record; trapping\n", ws.rank, blockIdx.x, e.peer, (long long)ws.handle,
-           (int)(e.call % kLamportBuffers), (unsigned long long)e.call, e.state);
+           (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call, e.state);
     __trap();
   }
   // Claim 1: a peer's abort was seen; claim 2: this rank's own failure, which
   // may replace a peer-abort record (a mismatch names both sides; the abort
   // it raced with does not).
-  LamportControl* c = ws.lamport_control();
+  DataFlagControl* c = ws.dataflag_control();
   const uint32_t want = e.state == kReasonPeerAbort ? 1u : 2u;
   const uint32_t prev = atomicCAS(&c->error_claim, 0u, want);
   if (prev != 0u && !(want == 2u && prev == 1u && atomicCAS(&c->error_claim, 1u, 2u) == 1u)) return;
@@ -130,9 +130,9 @@ static __device__ __noinline__ void lamport_record(const DeviceWorkspace& ws, La
            "call %llu); the peer stopped participating, skipped the call, took the collective path, or calls "
            "differ between ranks\n", ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, e.peer,
            e.wait == kWaitViewRelease ? " to release the previous view call"
-                                      : lamport_wait_is_header(e.wait) ? "'s call header" : "'s data",
-           (long long)ws.handle, lamport_wait_is_view(e.wait) ? "view buffer, view call" : "buffer",
-           lamport_wait_is_view(e.wait) ? (int)e.call : (int)(e.call % kLamportBuffers), (unsigned long long)e.call);
+                                      : dataflag_wait_is_header(e.wait) ? "'s call header" : "'s data",
+           (long long)ws.handle, dataflag_wait_is_view(e.wait) ? "view buffer, view call" : "buffer",
+           dataflag_wait_is_view(e.wait) ? (int)e.call : (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call);
   else if (e.state == kReasonBadInput)
     printf("torch_sdcp: bad input: rank %d block %d: positions[%u] = %d is outside [0, %u) (workspace %lld, call "
            "%llu)\n", ws.rank, blockIdx.x, e.field, (int)e.mine, e.theirs, (long long)ws.handle,
@@ -140,9 +140,9 @@ static __device__ __noinline__ void lamport_record(const DeviceWorkspace& ws, La
   else if (e.state == kReasonMismatch)
     printf("torch_sdcp: call mismatch: rank %d block %d, peer %d, header field %u: this rank 0x%08x, the peer "
            "0x%08x (workspace %lld, buffer %d, call %llu)\n", ws.rank, blockIdx.x, e.peer, e.field, e.mine,
-           e.theirs, (long long)ws.handle, (int)(e.call % kLamportBuffers), (unsigned long long)e.call);
+           e.theirs, (long long)ws.handle, (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call);
   if (ws.error != nullptr) {
-    volatile LamportError* r = ws.error;
+    volatile DataFlagError* r = ws.error;
     {
       r->block = e.block;
       r->peer = e.peer;
@@ -160,9 +160,9 @@ static __device__ __noinline__ void lamport_record(const DeviceWorkspace& ws, La
   if (broadcast) {
     // This thread's stores (the header lane's own call header) land before its abort word.
     __threadfence_system();
-    const uint64_t word = lamport_abort_word(ws.rank, e.state);
+    const uint64_t word = dataflag_abort_word(ws.rank, e.state);
     for (int r = 0; r < ws.world; ++r) {
-      uint64_t* a = &reinterpret_cast<LamportControl*>(ws.region(r))->abort;
+      uint64_t* a = &reinterpret_cast<DataFlagControl*>(ws.region(r))->abort;
       if (ld_volatile_u64(a) == 0) st_volatile_u64(a, word);
     }
   }
@@ -171,9 +171,9 @@ static __device__ __noinline__ void lamport_record(const DeviceWorkspace& ws, La
 
 // A poll's slow path ends here: `abort` is this rank's abort word as the
 // poll last read it (0: none, so the wait timed out).
-static __device__ __noinline__ void lamport_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
+static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
                                                     uint32_t wait) {
-  LamportError e{};
+  DataFlagError e{};
   e.block = blockIdx.x;
   e.peer = src;
   e.wait = wait;
@@ -184,25 +184,25 @@ static __device__ __noinline__ void lamport_give_up(const DeviceWorkspace& ws, i
     e.state = kReasonPeerAbort;
     e.aborter = abort_word_rank(abort);
     e.abort_reason = abort_word_reason(abort);
-    lamport_record(ws, e, false);  // the aborter told every rank
+    dataflag_record(ws, e, false);  // the aborter told every rank
   } else {
     e.state = kReasonTimeout;
-    lamport_record(ws, e, true);
+    dataflag_record(ws, e, true);
   }
 }
 
 // The slow path of a poll: true while it should go on waiting. The abort word
 // is loaded by the caller together with the polled data (both in flight at
 // once), so the check adds no step to an iteration.
-__device__ __forceinline__ bool lamport_keep_waiting(const DeviceWorkspace& ws, uint64_t abort, uint64_t start,
+__device__ __forceinline__ bool dataflag_keep_waiting(const DeviceWorkspace& ws, uint64_t abort, uint64_t start,
                                                      int src, uint64_t call, uint32_t wait) {
   if (abort == 0 && globaltimer_ns() - start <= ws.timeout_ns) return true;
-  lamport_give_up(ws, src, call, abort, wait);
+  dataflag_give_up(ws, src, call, abort, wait);
   return false;
 }
 
 __device__ __forceinline__ const uint64_t* own_abort_word(const DeviceWorkspace& ws) {
-  return &ws.lamport_control()->abort;
+  return &ws.dataflag_control()->abort;
 }
 
 // The bounded poll every wait uses: `load()` until `landed(v)`, with this
@@ -217,7 +217,7 @@ __device__ __forceinline__ auto poll_until(const DeviceWorkspace& ws, Load load,
   for (;;) {
     const uint64_t a = ld_volatile_u64(own_abort_word(ws));
     v = load();
-    if (landed(v) || !lamport_keep_waiting(ws, a, start, src, call, wait)) return v;
+    if (landed(v) || !dataflag_keep_waiting(ws, a, start, src, call, wait)) return v;
   }
 }
 
@@ -243,7 +243,7 @@ __device__ __forceinline__ uint32_t poll_tagged(const DeviceWorkspace& ws, const
       call, wait));
 }
 
-// ---- Call headers (lamport.h) ---------------------------------------------
+// ---- Call headers (dataflag.h) ---------------------------------------------
 //
 // Each producer stores its CallHeader into every consumer's header entry
 // (one per peer and buffer) before its payload; the consumer compares the
@@ -254,9 +254,9 @@ __device__ __forceinline__ uint4 header_vector(const CallHeader& h) { return mak
 
 // A peer's header that differs from this rank's: a call mismatch (`wait`:
 // the call's header, or the query view's).
-static __device__ __noinline__ void lamport_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
+static __device__ __noinline__ void dataflag_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
                                                      uint32_t mine, uint32_t theirs, uint32_t wait = kWaitHeader) {
-  LamportError e{};
+  DataFlagError e{};
   e.state = kReasonMismatch;
   e.block = blockIdx.x;
   e.peer = src;
@@ -266,7 +266,7 @@ static __device__ __noinline__ void lamport_mismatch(const DeviceWorkspace& ws, 
   e.mine = mine;
   e.theirs = theirs;
   e.aborter = -1;
-  lamport_record(ws, e, true);
+  dataflag_record(ws, e, true);
 }
 
 // True when the peer's header `v` (landed) matches `mine`; else records the
@@ -276,7 +276,7 @@ __device__ __forceinline__ bool header_matches(const DeviceWorkspace& ws, uint4 
   const CallHeader theirs{{v.x, v.y, v.z, v.w}};
   const uint32_t f = call_header_mismatch(mine, theirs);
   if (f == kHeaderFields) return true;
-  lamport_mismatch(ws, src, call, f, mine.w[f], theirs.w[f]);
+  dataflag_mismatch(ws, src, call, f, mine.w[f], theirs.w[f]);
   return false;
 }
 
@@ -346,21 +346,21 @@ __device__ __forceinline__ bool check_call_header_tagged(const DeviceWorkspace& 
 }
 
 // Blocks for `items` of `items_per_block`, at most `per_sm` per SM and
-// kLamportBlocks (every block of a data-as-flag kernel only waits for the
+// kDataFlagBlocks (every block of a data-as-flag kernel only waits for the
 // same block of its peers, so the grid need not be co-resident; the cap keeps
 // the launch small).
-inline int lamport_grid(int64_t items, int64_t items_per_block, int device, int per_sm = 2) {
+inline int dataflag_grid(int64_t items, int64_t items_per_block, int device, int per_sm = 2) {
   static int sms[64] = {0};
   int& n = sms[device & 63];
   if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
   const int64_t want = (items + items_per_block - 1) / items_per_block;
-  const int64_t cap = std::min<int64_t>(static_cast<int64_t>(per_sm) * n, kLamportBlocks);
+  const int64_t cap = std::min<int64_t>(static_cast<int64_t>(per_sm) * n, kDataFlagBlocks);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap)));
 }
 
 // Whether data-as-flag kernels use programmatic dependent launch on `device`
 // (compute capability 9.0 or later, unless SDCP_PDL=0).
-inline bool lamport_pdl(int device) {
+inline bool dataflag_pdl(int device) {
   static int cached[64] = {0};  // 0 unknown, 1 no, 2 yes
   int& c = cached[device & 63];
   if (c == 0) {
@@ -377,7 +377,7 @@ inline bool lamport_pdl(int device) {
 // block_call_index: it waits for the previous kernel where the launch is
 // programmatic).
 template <typename... KernelArgs, typename... Args>
-void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, size_t shared_bytes, cudaStream_t stream,
+void launch_dataflag(void (*kernel)(KernelArgs...), int grid, int threads, size_t shared_bytes, cudaStream_t stream,
                     int device, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
@@ -388,15 +388,15 @@ void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, size_t
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
-  config.numAttrs = lamport_pdl(device) ? 1 : 0;
+  config.numAttrs = dataflag_pdl(device) ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // Without dynamic shared memory.
 template <typename... KernelArgs, typename... Args>
-void launch_lamport(void (*kernel)(KernelArgs...), int grid, int threads, cudaStream_t stream, int device,
+void launch_dataflag(void (*kernel)(KernelArgs...), int grid, int threads, cudaStream_t stream, int device,
                     Args&&... args) {
-  launch_lamport(kernel, grid, threads, size_t{0}, stream, device, std::forward<Args>(args)...);
+  launch_dataflag(kernel, grid, threads, size_t{0}, stream, device, std::forward<Args>(args)...);
 }
 
 }  // namespace sdcp

@@ -24,9 +24,9 @@
 namespace sdcp {
 
 #if defined(__CUDACC__)
-#define SDCP_LAMPORT_HD __host__ __device__ __forceinline__
+#define SDCP_DATAFLAG_HD __host__ __device__ __forceinline__
 #else
-#define SDCP_LAMPORT_HD inline
+#define SDCP_DATAFLAG_HD inline
 #endif
 
 // Every payload word equal to this is rewritten by its producer.
@@ -41,11 +41,11 @@ constexpr uint32_t kCanonicalNaNQuad = 0x7F7F7F7Fu;
 // Payload bytes of one tagged 64-bit word of the exchange.
 constexpr int64_t kTaggedPayload = 4;
 // Buffers that alternate by call index.
-constexpr int64_t kLamportBuffers = 2;
+constexpr int64_t kDataFlagBuffers = 2;
 
 // Why a rank aborted a workspace (the high half of an abort word), and what
-// an error record reports (LamportError::state).
-enum LamportReason : uint32_t {
+// an error record reports (DataFlagError::state).
+enum DataFlagReason : uint32_t {
   kReasonNone = 0,
   kReasonTimeout = 1,    // a wait on a peer ran out of time
   kReasonMismatch = 2,   // a peer's call header differs from this rank's
@@ -55,8 +55,8 @@ enum LamportReason : uint32_t {
                          // mine = the position saturated to int32, theirs = the cache rows)
 };
 
-// What a wait was for (LamportError::wait).
-enum LamportWait : uint32_t {
+// What a wait was for (DataFlagError::wait).
+enum DataFlagWait : uint32_t {
   kWaitData = 0,    // a payload, LSE or tagged word
   kWaitHeader = 1,  // the call header (the peer has not entered the call)
   // The query's zero-copy view (one fixed buffer, its own view call index):
@@ -65,20 +65,20 @@ enum LamportWait : uint32_t {
   kWaitViewRelease = 4,  // a peer's release of the previous view call (its reader finished)
 };
 
-SDCP_LAMPORT_HD bool lamport_wait_is_view(uint32_t wait) { return wait >= kWaitViewData && wait <= kWaitViewRelease; }
-SDCP_LAMPORT_HD bool lamport_wait_is_header(uint32_t wait) { return wait == kWaitHeader || wait == kWaitViewHeader; }
+SDCP_DATAFLAG_HD bool dataflag_wait_is_view(uint32_t wait) { return wait >= kWaitViewData && wait <= kWaitViewRelease; }
+SDCP_DATAFLAG_HD bool dataflag_wait_is_header(uint32_t wait) { return wait == kWaitHeader || wait == kWaitViewHeader; }
 
-// The most blocks of a data-as-flag grid (lamport_grid caps grids at this).
-constexpr int kLamportBlocks = 384;
+// The most blocks of a data-as-flag grid (dataflag_grid caps grids at this).
+constexpr int kDataFlagBlocks = 384;
 
 // The control region of a data-as-flag workspace (in each rank's region).
-struct LamportControl {
+struct DataFlagControl {
   // Between calls every counter holds the number of calls this rank
   // completed; block b of a grid of g blocks reads counter b and advances
   // counters b, b + g, b + 2g, ..., so no two blocks share a counter and no
   // atomic or end-of-grid arrival is needed. The host backend uses counter 0.
-  uint64_t call_index[kLamportBlocks];
-  // Non-zero once any rank aborted the workspace (lamport_abort_word): the
+  uint64_t call_index[kDataFlagBlocks];
+  // Non-zero once any rank aborted the workspace (dataflag_abort_word): the
   // failing rank stores it into every rank's control region, its own
   // included; every poll reads its own in its slow path and gives up. Never
   // cleared: a workspace is re-created after a failure.
@@ -87,33 +87,33 @@ struct LamportControl {
   uint32_t error_claim;
   uint32_t pad2;
 };
-static_assert(sizeof(LamportControl) <= 4096, "LamportControl must fit its 4 KiB control region");
+static_assert(sizeof(DataFlagControl) <= 4096, "DataFlagControl must fit its 4 KiB control region");
 
 // What went wrong, as the rank that saw it records it: in host-mapped pinned
 // memory on CUDA (written by the kernel, read by the host without a
 // synchronisation), in host memory on the host backend. `state` is written
 // last (after a system fence); 0 means healthy.
-struct LamportError {
-  uint32_t state;   // LamportReason
+struct DataFlagError {
+  uint32_t state;   // DataFlagReason
   int32_t block;    // CUDA block that recorded it (-1 on the host)
   int32_t peer;     // the peer waited for or disagreed with
-  uint32_t wait;    // LamportWait
+  uint32_t wait;    // DataFlagWait
   uint64_t call;    // this rank's call index
   uint32_t field;   // mismatch: the CallHeader field that differs
   uint32_t mine;    // mismatch: this rank's word of that field
   uint32_t theirs;  // mismatch: the peer's word
   int32_t aborter;  // peer abort: the rank that aborted (-1 if none)
-  uint32_t abort_reason;  // peer abort: its LamportReason
+  uint32_t abort_reason;  // peer abort: its DataFlagReason
   uint32_t pad[3];
 };
-static_assert(sizeof(LamportError) == 56, "LamportError layout");
+static_assert(sizeof(DataFlagError) == 56, "DataFlagError layout");
 
 // An abort word: the aborting rank and its reason, never 0.
-SDCP_LAMPORT_HD uint64_t lamport_abort_word(int64_t rank, uint32_t reason) {
+SDCP_DATAFLAG_HD uint64_t dataflag_abort_word(int64_t rank, uint32_t reason) {
   return (static_cast<uint64_t>(reason) << 32) | static_cast<uint32_t>(rank + 1);
 }
-SDCP_LAMPORT_HD int32_t abort_word_rank(uint64_t w) { return static_cast<int32_t>(static_cast<uint32_t>(w)) - 1; }
-SDCP_LAMPORT_HD uint32_t abort_word_reason(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
+SDCP_DATAFLAG_HD int32_t abort_word_rank(uint64_t w) { return static_cast<int32_t>(static_cast<uint32_t>(w)) - 1; }
+SDCP_DATAFLAG_HD uint32_t abort_word_reason(uint64_t w) { return static_cast<uint32_t>(w >> 32); }
 
 // The call header: what a call is, stored by the producer into every
 // consumer's header entry (one per peer and buffer) with its data, and
@@ -133,28 +133,28 @@ struct CallHeader {
 };
 
 
-SDCP_LAMPORT_HD uint32_t canonical_payload_word(uint32_t w) { return w == kSentinel ? kCanonicalNaNPair : w; }
+SDCP_DATAFLAG_HD uint32_t canonical_payload_word(uint32_t w) { return w == kSentinel ? kCanonicalNaNPair : w; }
 
 // A payload word with a per-call rewrite (kCanonicalNaNPair or kCanonicalNaNQuad).
-SDCP_LAMPORT_HD uint32_t canonical_word(uint32_t w, uint32_t canonical) { return w == kSentinel ? canonical : w; }
+SDCP_DATAFLAG_HD uint32_t canonical_word(uint32_t w, uint32_t canonical) { return w == kSentinel ? canonical : w; }
 
-SDCP_LAMPORT_HD uint32_t canonical_lse_word(uint32_t w) {
+SDCP_DATAFLAG_HD uint32_t canonical_lse_word(uint32_t w) {
   // exponent all ones and a non-zero mantissa: NaN
   return ((w & 0x7F800000u) == 0x7F800000u && (w & 0x007FFFFFu) != 0) ? kCanonicalNaN : w;
 }
 
 // The tag of call e (never 0, the value of fresh memory).
-SDCP_LAMPORT_HD uint32_t call_tag(uint64_t e) {
+SDCP_DATAFLAG_HD uint32_t call_tag(uint64_t e) {
   const uint32_t t = static_cast<uint32_t>(e + 1);
   return t == 0 ? 1u : t;
 }
 
 // A header word is never the sentinel (a value that would be moves one down).
-SDCP_LAMPORT_HD uint32_t canonical_header_word(uint32_t w) { return w == kSentinel ? kSentinel - 1 : w; }
+SDCP_DATAFLAG_HD uint32_t canonical_header_word(uint32_t w) { return w == kSentinel ? kSentinel - 1 : w; }
 
 // The header of a call: rows (or bytes), payload dtype, family flags and the
 // workspace's geometry hash, each canonical.
-SDCP_LAMPORT_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32_t flags, uint32_t geometry) {
+SDCP_DATAFLAG_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32_t flags, uint32_t geometry) {
   CallHeader h;
   h.w[kHeaderRows] = canonical_header_word(static_cast<uint32_t>(rows));
   h.w[kHeaderDtype] = canonical_header_word(static_cast<uint32_t>(dtype));
@@ -164,7 +164,7 @@ SDCP_LAMPORT_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32_
 }
 
 // The first field in which two headers differ, or kHeaderFields.
-SDCP_LAMPORT_HD uint32_t call_header_mismatch(const CallHeader& mine, const CallHeader& theirs) {
+SDCP_DATAFLAG_HD uint32_t call_header_mismatch(const CallHeader& mine, const CallHeader& theirs) {
   for (uint32_t f = 0; f < kHeaderFields; ++f)
     if (mine.w[f] != theirs.w[f]) return f;
   return kHeaderFields;

@@ -1,0 +1,108 @@
+// The query's producer, shared by query_rope_quant and the peer kernels: one
+// warp produces one (row, local head) item, RoPE on q_pe (interleaved or NeoX
+// pairing), concatenated with ql_nope, then bf16 or saturating
+// float8_e4m3fn (semantics.h).
+#pragma once
+
+#include "semantics.h"
+
+#include <c10/util/BFloat16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace sdcp {
+// Internal linkage, as when the producer lived in query_cuda.cu: each
+// including translation unit compiles its own copy.
+namespace {
+
+struct ProducerArgs {
+  const c10::BFloat16* nope;
+  const c10::BFloat16* pe;
+  const void* positions;
+  const void* cache;
+  const float* scale;  // nullptr: 1.0
+  int64_t nope_s0, nope_s1, pe_s0, pe_s1, pos_s0;
+  int64_t max_pos;
+  int rows, heads, nope_dim, rope_dim;  // 32-bit: checked on the host (producer_args)
+  bool pos64, cache_f32, neox;
+  bool vec_nope;  // nope rows are 16-byte aligned and a multiple of 8 elements
+};
+
+template <typename out_t>
+__device__ __forceinline__ out_t convert_out(float v, float scale) {
+  if constexpr (std::is_same<out_t, c10::Float8_e4m3fn>::value) return quantize_e4m3(v, scale);
+  else return static_cast<out_t>(v);
+}
+
+// Eight converted elements as one shared-memory store (8 or 16 bytes).
+template <typename out_t>
+__device__ __forceinline__ void store8(out_t* dst, const out_t (&v)[8]) {
+  if constexpr (sizeof(out_t) == 1) {
+    uint2 w;
+    memcpy(&w, v, 8);
+    *reinterpret_cast<uint2*>(dst) = w;
+  } else {
+    uint4 w;
+    memcpy(&w, v, 16);
+    *reinterpret_cast<uint4*>(dst) = w;
+  }
+}
+
+// Produces item (t, h) into `dst` (its first element). Called by a whole warp
+// (convergent). The position and this lane's first nope vector are loaded
+// first, then `loaded()` runs (the call index: its load overlaps theirs); the
+// cache row, which depends on the position, is loaded after. A position
+// outside the cache goes to `bad_position(pos)` (warp-uniform) and the item is
+// produced unrotated (no row of the cache is read).
+template <typename out_t, typename Loaded, typename BadPosition>
+__device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h, out_t* dst, Loaded&& loaded,
+                                             BadPosition&& bad_position) {
+  const int lane = threadIdx.x & 31;
+  const int64_t pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
+                              : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
+  const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
+  const int d0 = lane * 8;
+  uint4 first = make_uint4(0, 0, 0, 0);
+  if (a.vec_nope && d0 < a.nope_dim) first = *reinterpret_cast<const uint4*>(n + d0);
+  const float scale = a.scale ? *a.scale : 1.0f;
+  loaded();
+  if (a.vec_nope) {  // 8 elements per lane step: one 16-byte load, one 8- or 16-byte shared store
+    for (int d = d0; d < a.nope_dim; d += 32 * 8) {
+      const uint4 raw = d == d0 ? first : *reinterpret_cast<const uint4*>(n + d);
+      const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(&raw);
+      out_t v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = convert_out<out_t>(static_cast<float>(x[e]), scale);
+      store8(dst + d, v);
+    }
+  } else {
+    for (int d = lane; d < a.nope_dim; d += 32) dst[d] = convert_out<out_t>(static_cast<float>(n[d]), scale);
+  }
+  const bool good = pos >= 0 && pos < a.max_pos;
+  if (!good) bad_position(pos);
+  const int half = a.rope_dim / 2;
+  const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
+  for (int j = lane; j < half; j += 32) {
+    float co = 1.0f, si = 0.0f;
+    if (good) {
+      if (a.cache_f32) {
+        const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
+        co = c[j];
+        si = c[half + j];
+      } else {
+        const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
+        co = static_cast<float>(c[j]);
+        si = static_cast<float>(c[half + j]);
+      }
+    }
+    const int i0 = a.neox ? j : 2 * j, i1 = a.neox ? j + half : 2 * j + 1;
+    const float x0 = static_cast<float>(q[i0]), x1 = static_cast<float>(q[i1]);
+    dst[a.nope_dim + i0] = convert_out<out_t>(rope_first(x0, x1, co, si), scale);
+    dst[a.nope_dim + i1] = convert_out<out_t>(rope_second(x0, x1, co, si), scale);
+  }
+}
+
+}  // namespace
+}  // namespace sdcp
