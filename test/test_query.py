@@ -382,7 +382,7 @@ def test_view_cuda_graph_replay():
 # ---------------------------------------------------------------------------
 
 GATHER_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16, torch.float32]
-SENTINEL, CANONICAL_FP8, CANONICAL_PAIR = -1, 0x7F7F7F7F, 0x7FC07FC0  # 32-bit words (lamport.h)
+SENTINEL, CANONICAL_FP8, CANONICAL_PAIR = -1, 0x7F7F7F7F, 0x7FC07FC0  # 32-bit words (csrc/dataflag.h)
 
 
 def _poisoned_queries(world, t, h, w, dtype, seed):

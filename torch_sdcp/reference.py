@@ -188,7 +188,7 @@ def query_gathered_layout(per_rank_outputs: Sequence[Tensor]) -> Tensor:
     return torch.cat(list(per_rank_outputs), dim=1)
 
 
-#: The data-as-flag sentinel word and its rewrites (csrc/lamport.h): an aligned
+#: The data-as-flag sentinel word and its rewrites (csrc/dataflag.h): an aligned
 #: 32-bit word of all-ones bytes (a NaN in every dtype the query buffers move)
 #: arrives as four float8 0x7F NaNs or as two bf16/fp16 (one fp32) quiet NaNs.
 SENTINEL_WORD = 0xFFFFFFFF
