@@ -36,6 +36,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from torch_sdcp.inputs import SCORE_DISTRIBUTIONS, rope_cache, score_distribution
+
 PRESETS = {
     "glm-5": dict(heads=64, head_dim=512, rope_dim=64, k=2048),
     "deepseek-v3.2": dict(heads=128, head_dim=512, rope_dim=64, k=2048),
@@ -261,28 +263,6 @@ def bench_topk(ctx, rows_list, out: list) -> None:
         ctx.progress(f"topk rows={t}")
     out.append({"workspace_bytes_per_rank": ws.physical_bytes})
     ws.close()
-
-
-SCORE_DISTRIBUTIONS = ("uniform", "normal", "tied80", "equal")
-
-
-def score_distribution(kind: str, t: int, c: int, g: torch.Generator) -> torch.Tensor:
-    """Scores [t, c] for --topk-distributions: uniform in [0, 1), standard
-    normal, 80 distinct values, or all equal (ranked by id alone)."""
-    if kind == "uniform":
-        return torch.rand(t, c, generator=g)
-    if kind == "normal":
-        return torch.randn(t, c, generator=g)
-    if kind == "tied80":
-        return torch.randint(0, 80, (t, c), generator=g).float() * 0.25 - 10.0
-    return torch.full((t, c), 0.5)
-
-
-def rope_cache(max_pos: int, rope: int) -> torch.Tensor:
-    """A cos/sin cache [max_pos, rope] in the vLLM layout: cat(cos, sin)."""
-    inv = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
 def bench_query(ctx, rows_list, out: list) -> None:
