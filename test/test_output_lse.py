@@ -9,7 +9,8 @@ import torch
 import torch_sdcp
 from torch_sdcp import ops, reference
 
-from conftest import devices
+from _dist import run_workers
+from _helpers import GPU_WORLD, devices, requires_gpus
 
 
 def make_partials(n, t, h, d, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -85,8 +86,6 @@ def test_local_combine_compiles_fullgraph():
 # Peer path: every rank combines its own heads; compared with the fp64
 # reference over the global inputs (identically seeded on every rank).
 # ---------------------------------------------------------------------------
-
-from _dist import run_workers  # noqa: E402
 
 
 def _global_partials(world, t, h, d, seed, nasty):
@@ -205,7 +204,6 @@ def test_peer_combine_fallback_and_errors():
 # CUDA: 2 GPUs, the full shape matrix, CUDA graphs and torch.compile.
 # ---------------------------------------------------------------------------
 
-from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 GPU_CASES = [(t, h, d, b, n) for t in (1, 8, 17, 32, 64, 96, 128) for h in (32, 64, 128) for d in (128, 256, 512)
              for b, n in ((t % 2 == 0, t % 3 == 0),)]

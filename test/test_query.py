@@ -9,7 +9,8 @@ import torch
 
 from torch_sdcp import ops, reference
 
-from conftest import devices, rank_workspace_args
+from _dist import run_workers
+from _helpers import GPU_WORLD, devices, rank_workspace_args, requires_gpus
 
 
 def make_query(t, h, *, nope=512, rope=64, max_pos=4096, seed=0, cache_dtype=torch.float32, device="cpu"):
@@ -87,9 +88,6 @@ def test_local_producer_compiles_fullgraph():
 # Peer gather: the inbox equals, byte for byte, producing on every rank and
 # all_gathering on heads. Head-order sentinels: each rank's heads are marked.
 # ---------------------------------------------------------------------------
-
-from _dist import run_workers  # noqa: E402
-from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 
 def _global_query(world, t, h, seed):
@@ -719,7 +717,7 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
 
 
 def _rel_setup(rank, device):
-    """Workspace arguments and tensor device of a test rank (conftest.rank_workspace_args)."""
+    """Workspace arguments and tensor device of a test rank (_helpers.rank_workspace_args)."""
     dev = rank_workspace_args(rank, device)
     return dev, dev.get("device", torch.device("cpu"))
 

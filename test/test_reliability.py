@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from _dist import run_workers
-from conftest import rank_workspace_args
+from _helpers import rank_workspace_args, requires_gpus
 
 HOST = dict(backend="host")
 
@@ -832,8 +832,6 @@ def test_topk_geometry_mismatch_is_refused_at_creation():
 # The same on 2 GPUs, and with both ranks on one GPU: failures are reported,
 # not trapped (the context lives)
 # ---------------------------------------------------------------------------
-
-from conftest import requires_gpus  # noqa: E402
 
 
 @requires_gpus(2)

@@ -13,7 +13,8 @@ import torch
 
 from torch_sdcp import ops, reference
 
-from conftest import devices
+from _dist import run_workers
+from _helpers import GPU_WORLD, devices, requires_gpus
 
 
 def make_candidates(t, c, *, seed=0, id_base=0, stride=1, nasty=False):
@@ -158,9 +159,6 @@ def test_local_select_compiles_fullgraph():
 # Peer merge: each owner publishes its shard in place; every consumer selects
 # over all shards. The set (and order) must be identical on every rank.
 # ---------------------------------------------------------------------------
-
-from _dist import run_workers  # noqa: E402
-from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 
 def _global_candidates(world, t, c, seed, nasty, kind=None):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch_sdcp import collective, reference
 
 from _dist import run_workers
-from conftest import requires_gpus
+from _helpers import requires_gpus
 
 VLLM_MODULES = (
     "vllm", "vllm.logger", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops", "vllm.v1.attention.ops.dcp",
