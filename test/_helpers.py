@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-import torch_sdcp  # noqa: F401  (loads the extension: cuda_kernels_built asks its dispatcher)
+from torch_sdcp.inputs import rope_cache  # importing torch_sdcp loads the extension that cuda_kernels_built asks
 
 
 def cuda_kernels_built() -> bool:
@@ -28,6 +28,10 @@ def requires_gpus(n: int):
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pytest.mark.skipif(count < n or not cuda_kernels_built(),
                               reason=f"needs {n} GPU(s) and the CUDA kernels (found {count} GPU(s))")
+
+
+# Workspace arguments of the host backend.
+HOST = {"backend": "host"}
 
 
 def rank_workspace_args(rank: int, mode: str) -> dict:
@@ -66,3 +70,36 @@ def devices() -> list[str]:
     if torch.cuda.is_available() and cuda_kernels_built():
         out.append("cuda")
     return out
+
+
+def make_query(t, h, *, nope=512, rope=64, max_pos=4096, seed=0, cache_dtype=torch.float32, device="cpu"):
+    """One rank's query inputs: ql_nope [t, h, nope] and q_pe [t, h, rope] bf16,
+    positions [t] below max_pos, and the cos/sin cache [max_pos, rope]."""
+    g = torch.Generator().manual_seed(seed)
+    ql_nope = (torch.randn(t, h, nope, generator=g) * 3).to(torch.bfloat16)
+    q_pe = (torch.randn(t, h, rope, generator=g) * 3).to(torch.bfloat16)
+    positions = torch.randint(0, max_pos, (t,), generator=g)
+    cache = rope_cache(max_pos, rope).to(cache_dtype)
+    return [x.to(device) for x in (ql_nope, q_pe, positions, cache)]
+
+
+# The failure tests of several files: one rank's inputs, and the check that a
+# workspace refuses calls after a failed one.
+
+
+def rank_partials(rows, seed, dtype=torch.bfloat16, heads=8, dim=64):
+    """One rank's Output/LSE partials: out [rows, heads, dim] in dtype, lse [rows, heads] fp32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, heads, dim, generator=g).to(dtype), torch.randn(rows, heads, generator=g)
+
+
+def rank_candidates(rows, c, seed):
+    """One rank's top-K candidates: scores [rows, c] fp32 and distinct int32 ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, c, generator=g), torch.randperm(rows * c, generator=g).view(rows, c).to(torch.int32)
+
+
+def expect_poisoned(ws, call):
+    """call() raises because an earlier call of ws failed and poisoned it."""
+    with pytest.raises(RuntimeError, match=f"on rank {ws.rank} is poisoned: .*re-create the workspace"):
+        call()

@@ -10,18 +10,7 @@ import torch
 from torch_sdcp import ops, reference
 
 from _dist import run_workers
-from _helpers import GPU_WORLD, devices, rank_workspace_args, requires_gpus
-
-
-def make_query(t, h, *, nope=512, rope=64, max_pos=4096, seed=0, cache_dtype=torch.float32, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    ql_nope = (torch.randn(t, h, nope, generator=g) * 3).to(torch.bfloat16)
-    q_pe = (torch.randn(t, h, rope, generator=g) * 3).to(torch.bfloat16)
-    positions = torch.randint(0, max_pos, (t,), generator=g)
-    inv = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(cache_dtype)
-    return [x.to(device) for x in (ql_nope, q_pe, positions, cache)]
+from _helpers import GPU_WORLD, devices, make_query, rank_workspace_args, requires_gpus
 
 
 def as_bytes(x):
