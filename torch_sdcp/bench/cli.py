@@ -129,8 +129,10 @@ def parse_args(argv=None):
                                                 "1,8,32 on the host backend)")
     p.add_argument("--boundaries", default=",".join(BOUNDARIES))
     p.add_argument("--query-dtype", choices=("fp8", "bf16"), default="fp8")
-    p.add_argument("--requests", type=int, default=None, help="decode demo: concurrent requests (default 32; 4 on host)")
-    p.add_argument("--context", type=int, default=None, help="decode demo: tokens per request (default 3072; 256 on host)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="decode demo: concurrent requests (default 32; 4 on host)")
+    p.add_argument("--context", type=int, default=None,
+                   help="decode demo: tokens per request (default 3072; 256 on host)")
     p.add_argument("--layers", type=int, default=None, help="decode demo: layers per step (default 8; 2 on host)")
     p.add_argument("--sparse", action="store_true", help="decode demo: add the top-K boundary")
     p.add_argument("--eager-collective", action="store_true",
