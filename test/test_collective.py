@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from conftest import poisoned_partials
+from _helpers import poisoned_partials
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

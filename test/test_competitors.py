@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import poisoned_partials
+from _helpers import poisoned_partials
 
 import torch_sdcp  # noqa: F401
 from torch_sdcp import competitors, reference

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _dist import run_workers
-from conftest import GPU_WORLD, requires_gpus
+from _helpers import GPU_WORLD, requires_gpus
 
 
 def _epochs_worker(rank, world, epochs, backend, allow_shared):

@@ -16,7 +16,7 @@ from torch_sdcp import integrations as sdcp
 from torch_sdcp import collective, reference
 
 from _dist import run_workers
-from conftest import requires_gpus
+from _helpers import requires_gpus
 
 
 class _Collect(logging.Handler):

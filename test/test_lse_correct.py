@@ -19,7 +19,7 @@ import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
 from torch_sdcp import collective, ops, reference
 
 from _dist import run_workers
-from conftest import devices, poisoned_partials
+from _helpers import devices, poisoned_partials
 
 INF, NAN = math.inf, math.nan
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

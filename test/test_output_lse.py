@@ -1,15 +1,19 @@
 """Output/LSE boundary: the local combine, the peer combine (host backend at
-world sizes 1-4, CUDA on 2 GPUs and two ranks sharing one GPU), opcheck, torch.compile, CUDA graphs."""
+world sizes 1-4, CUDA on 2 GPUs and two ranks sharing one GPU), opcheck, torch.compile, CUDA graphs,
+and the failures of a call: timeouts, aborts, poisoning, a killed peer, ranks on different paths."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
-import torch_sdcp
 from torch_sdcp import ops, reference
 
-from conftest import devices
+from _dist import run_workers
+from _helpers import (GPU_WORLD, HOST, devices, expect_poisoned, rank_partials, rank_workspace_args,
+                      requires_gpus)
 
 
 def make_partials(n, t, h, d, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -85,8 +89,6 @@ def test_local_combine_compiles_fullgraph():
 # Peer path: every rank combines its own heads; compared with the fp64
 # reference over the global inputs (identically seeded on every rank).
 # ---------------------------------------------------------------------------
-
-from _dist import run_workers  # noqa: E402
 
 
 def _global_partials(world, t, h, d, seed, nasty):
@@ -205,7 +207,6 @@ def test_peer_combine_fallback_and_errors():
 # CUDA: 2 GPUs, the full shape matrix, CUDA graphs and torch.compile.
 # ---------------------------------------------------------------------------
 
-from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 GPU_CASES = [(t, h, d, b, n) for t in (1, 8, 17, 32, 64, 96, 128) for h in (32, 64, 128) for d in (128, 256, 512)
              for b, n in ((t % 2 == 0, t % 3 == 0),)]
@@ -293,3 +294,176 @@ def test_peer_combine_opcheck_and_compile_world1(world1):
             got = f(out[0], lse[0])
             ref = reference.lse_combine_ref64(out.cpu(), lse.cpu())
             check_close(got[0].cpu(), got[1].cpu(), *ref)
+
+
+# ---------------------------------------------------------------------------
+# Failures of a call, host backend: a skipped call times out, bad input on one
+# rank aborts the waiting peer, a killed peer poisons the survivor, ranks that
+# take different paths are told; then on CUDA, 2 GPUs and both ranks on one
+# GPU. (Mismatched calls: test_reliability.py, beside the exchange's.)
+# ---------------------------------------------------------------------------
+
+
+def _skip_worker(rank, world, device):
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    dev = rank_workspace_args(rank, device)
+    control = dist.new_group([0, 1])
+    po, pl = rank_partials(2, seed=rank)
+    po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
+    dist.barrier(group=control)
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=1.5, **dev)
+    ws.combine(po, pl)
+    ws.check()
+    if rank == 0:  # rank 1 skips this call
+        t0 = time.monotonic()
+        match = r"timeout: rank 0 .*waited 1.5 s for peer 1's (call header|data) .*buffer 1, call 1"
+        if device != "host":
+            ws.combine(po, pl)
+            torch.cuda.synchronize()  # the kernel returns after the timeout: the context survives
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.combine(po, pl)
+        assert time.monotonic() - t0 < 10
+        dist.barrier(group=control)
+    else:
+        dist.barrier(group=control)  # rank 0 timed out and aborted the workspace everywhere
+        match = r"peer 0 aborted: it timed out waiting for a peer"
+        if device != "host":
+            t0 = time.monotonic()
+            ws.combine(po, pl)  # the kernel finds rank 0's abort word in its first slow poll
+            torch.cuda.synchronize()
+            assert time.monotonic() - t0 < 1.4
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.combine(po, pl)
+    assert ws.poisoned
+    expect_poisoned(ws, lambda: ws.combine(po, pl))
+    expect_poisoned(ws, ws.check)
+    with pytest.raises(ValueError, match="'max_rows'"):
+        ws.resize(0)
+    ws.resize(4)  # re-creation (collective) clears the poison
+    assert not ws.poisoned
+    ws.combine(po, pl)
+    ws.close()
+    with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=30, **dev) as fresh:
+        fresh.combine(po, pl)
+        fresh.check()
+    if device != "host":
+        assert torch.ones(4, device="cuda").sum().item() == 4.0
+    return True
+
+
+def test_skipped_call_times_out_poisons_and_aborts_the_peer():
+    assert run_workers(_skip_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _bad_input_worker(rank, world, device):
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    dev = rank_workspace_args(rank, device)
+    po, pl = rank_partials(2, seed=rank)
+    po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=120, **dev)
+    ws.combine(po, pl)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 is waiting in its call by now
+        with pytest.raises(ValueError, match="argument 'partial_out': expected dtype torch.bfloat16"):
+            ws.combine(po.half(), pl)
+        expect_poisoned(ws, lambda: ws.combine(po, pl))
+    else:
+        t0 = time.monotonic()
+        match = "peer 0 aborted: a call raised an error on that rank"
+        if device != "host":
+            ws.combine(po, pl)
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.combine(po, pl)
+        assert time.monotonic() - t0 < 20  # at once, not after the 120 s timeout
+    expect_poisoned(ws, ws.check)
+    ws.close()
+    return True
+
+
+def test_bad_input_on_one_rank_aborts_the_waiting_peer_at_once():
+    assert run_workers(_bad_input_worker, 2, args=("host",), timeout=120) == [True, True]
+
+
+def _killed_peer_worker(rank, world):
+    import os
+
+    import torch_sdcp
+
+    po, pl = rank_partials(2, seed=rank)
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=1.5, **HOST)
+    ws.combine(po, pl)
+    if rank == 1:
+        os._exit(17)  # killed between calls
+    with pytest.raises(RuntimeError, match="timeout: rank 0 waited 1.5 s for peer 1's call header"):
+        ws.combine(po, pl)
+    expect_poisoned(ws, lambda: ws.combine(po, pl))
+    expect_poisoned(ws, ws.check)
+    t0 = time.monotonic()
+    ws.close()  # local: no barrier with a dead peer
+    assert time.monotonic() - t0 < 1.0
+    return "survived"
+
+
+def test_killed_rank_poisons_the_survivor():
+    assert run_workers(_killed_peer_worker, 2, timeout=120, may_die=(1,)) == ["survived", None]
+
+
+def _rows_fallback_disagreement_worker(rank, world):
+    import torch_sdcp
+    from torch_sdcp import collective
+
+    ws = torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, timeout_s=1.5, **HOST)
+    po, pl = rank_partials(2, seed=rank)
+    ws.combine(po, pl)
+    if rank == 0:  # 3 rows > max_rows: the collective path, while rank 1 takes the peer path
+        big, big_lse = rank_partials(3, seed=rank)
+        ws.combine(big, big_lse)  # returns once rank 1 joins the collective below
+    else:
+        with pytest.raises(RuntimeError, match="peer 0's call header .*did not enter this call: .*took the "
+                                               r"collective path \(rows > max_rows\)"):
+            ws.combine(po, pl)
+        big, big_lse = rank_partials(3, seed=rank)
+        collective.lse_all_gather_correct_reduce_scatter(big, big_lse, return_lse=True)  # release rank 0
+    # rank 1 aborted the workspace: rank 0's next call raises too
+    expect_poisoned(ws, lambda: ws.combine(po, pl))
+    ws.close()
+    return True
+
+
+def test_rows_fallback_disagreement_is_reported():
+    assert run_workers(_rows_fallback_disagreement_worker, 2, timeout=120) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_timeout_is_reported_not_trapped():
+    assert run_workers(_skip_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_bad_input_aborts_the_waiting_peer():
+    assert run_workers(_bad_input_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+# Both ranks on one GPU (time-sliced): the CUDA failure paths where one GPU is
+# all there is.
+@requires_gpus(1)
+@pytest.mark.parametrize("worker", [_skip_worker, _bad_input_worker], ids=lambda w: w.__name__.strip("_"))
+def test_cuda_two_ranks_on_one_gpu(worker):
+    assert run_workers(worker, 2, args=("cuda_shared",), timeout=300) == [True, True]

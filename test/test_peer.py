@@ -23,7 +23,7 @@ from torch_sdcp import peer as peer_mod
 from torch_sdcp.peer import PeerArena, fd_exchange
 
 from _dist import run_workers
-from conftest import requires_gpus
+from _helpers import requires_gpus
 
 
 LEAK_CYCLES = 1000

@@ -10,18 +10,8 @@ import torch
 from torch_sdcp import ops, reference
 from torch_sdcp.workspaces import WorkspaceKind
 
-from conftest import devices, rank_workspace_args
-
-
-def make_query(t, h, *, nope=512, rope=64, max_pos=4096, seed=0, cache_dtype=torch.float32, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    ql_nope = (torch.randn(t, h, nope, generator=g) * 3).to(torch.bfloat16)
-    q_pe = (torch.randn(t, h, rope, generator=g) * 3).to(torch.bfloat16)
-    positions = torch.randint(0, max_pos, (t,), generator=g)
-    inv = 1.0 / (10000 ** (torch.arange(0, rope, 2).float() / rope))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(cache_dtype)
-    return [x.to(device) for x in (ql_nope, q_pe, positions, cache)]
+from _dist import run_workers
+from _helpers import GPU_WORLD, devices, make_query, rank_workspace_args, requires_gpus
 
 
 def as_bytes(x):
@@ -88,9 +78,6 @@ def test_local_producer_compiles_fullgraph():
 # Peer gather: the inbox equals, byte for byte, producing on every rank and
 # all_gathering on heads. Head-order sentinels: each rank's heads are marked.
 # ---------------------------------------------------------------------------
-
-from _dist import run_workers  # noqa: E402
-from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 
 def _global_query(world, t, h, seed):
@@ -720,7 +707,7 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
 
 
 def _rel_setup(rank, device):
-    """Workspace arguments and tensor device of a test rank (conftest.rank_workspace_args)."""
+    """Workspace arguments and tensor device of a test rank (_helpers.rank_workspace_args)."""
     dev = rank_workspace_args(rank, device)
     return dev, dev.get("device", torch.device("cpu"))
 

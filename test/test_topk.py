@@ -1,11 +1,13 @@
 """Top-K boundary: the local stable selection, the peer merge (host backend at
 world sizes 1-4, CUDA on 2 GPUs or SDCP_GPU_WORLD, and two ranks sharing one
 GPU), opcheck, torch.compile,
-CUDA graphs, and many calls with random per-rank delays."""
+CUDA graphs, many calls with random per-rank delays, and the failures of a
+call: call headers that disagree, poisoning and aborts."""
 
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import pytest
@@ -14,7 +16,9 @@ import torch
 from torch_sdcp import ops, reference
 from torch_sdcp.workspaces import WorkspaceKind
 
-from conftest import devices
+from _dist import run_workers
+from _helpers import (GPU_WORLD, HOST, devices, expect_poisoned, rank_candidates, rank_workspace_args,
+                      requires_gpus)
 
 
 def make_candidates(t, c, *, seed=0, id_base=0, stride=1, nasty=False):
@@ -159,9 +163,6 @@ def test_local_select_compiles_fullgraph():
 # Peer merge: each owner publishes its shard in place; every consumer selects
 # over all shards. The set (and order) must be identical on every rank.
 # ---------------------------------------------------------------------------
-
-from _dist import run_workers  # noqa: E402
-from conftest import GPU_WORLD, requires_gpus  # noqa: E402
 
 
 def _global_candidates(world, t, c, seed, nasty, kind=None):
@@ -335,6 +336,158 @@ def test_peer_merge_host_many_calls_random_delays(world, calls):
 @requires_gpus(GPU_WORLD)
 def test_peer_merge_cuda_many_calls_random_delays():
     assert run_workers(_many_calls_worker, GPU_WORLD, args=(10000, "cuda"), timeout=600) == [10000] * GPU_WORLD
+
+
+# ---------------------------------------------------------------------------
+# Call headers, poisoning and aborts (host backend; then CUDA, 2 GPUs and both
+# ranks on one GPU)
+# ---------------------------------------------------------------------------
+
+
+TOPK_K, TOPK_C = 16, 32
+
+
+def _topk_every(rows, seed, world):
+    return [rank_candidates(rows, TOPK_C, seed=seed * 97 + r) for r in range(world)]
+
+
+def _topk_mismatch_worker(rank, world, device):
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    dev = rank_workspace_args(rank, device)
+    cases = [  # (what differs, rank 0's rows, rank 1's rows, expected text)
+        ("rows", 4, 8, "rank 0 called with 4 rows, rank 1 with 8 rows"),
+        ("rows0", 0, 3, "rank 0 called with 0 rows, rank 1 with 3 rows"),
+        ("rows0-last", 5, 0, "rank 0 called with 5 rows, rank 1 with 0 rows"),
+    ]
+    for name, *rows, text in cases:
+        with torch_sdcp.TopKWorkspace(None, 8, TOPK_K, candidates_per_rank=TOPK_C, timeout_s=60, **dev) as ws:
+            every = _topk_every(2, 1, world)
+            got = ws.merge(*(x.to(ws.device) for x in every[rank])).cpu()  # a good call first: the workspace works
+            assert torch.equal(got, reference.topk_merge_ref(every, TOPK_K))
+            s, i = (x.to(ws.device) for x in rank_candidates(rows[rank], TOPK_C, seed=rank))
+            t0 = time.monotonic()
+            match = f"call mismatch \\(topk workspace .*\\): {re.escape(text)}"
+            if device != "host":
+                ws.merge(s, i)
+                torch.cuda.synchronize()  # the kernels end at once: neither rank waits for rows that never come
+                with pytest.raises(RuntimeError, match=match):
+                    ws.check()
+            else:
+                with pytest.raises(RuntimeError, match=match):
+                    ws.merge(s, i)
+            assert time.monotonic() - t0 < 30, name
+            assert ws.poisoned
+            expect_poisoned(ws, lambda: ws.merge(s, i))
+            expect_poisoned(ws, ws.check)
+    # A re-created workspace works, calls without rows included (they carry headers too).
+    with torch_sdcp.TopKWorkspace(None, 8, TOPK_K, candidates_per_rank=TOPK_C, timeout_s=60, **dev) as ws:
+        for e, rows in enumerate((3, 0, 2, 0, 0, 8, 1)):
+            every = _topk_every(rows, 10 + e, world)
+            got = ws.merge(*(x.to(ws.device) for x in every[rank])).cpu()
+            assert torch.equal(got, reference.topk_merge_ref(every, TOPK_K)), (e, rows)
+        if device != "host":
+            torch.cuda.synchronize()
+        ws.check()
+    if device != "host":
+        assert torch.ones(4, device="cuda").sum().item() == 4.0  # the context is alive
+    return True
+
+
+def test_topk_mismatched_rows_raise_on_every_rank_naming_both_sides():
+    assert run_workers(_topk_mismatch_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _topk_carry_on_worker(rank, world, device):
+    import torch.distributed as dist
+
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    dev = rank_workspace_args(rank, device)
+    control = dist.new_group([0, 1])  # orders the two ranks' steps, apart from the workspace
+    every = _topk_every(2, 3, world)
+    s, i = (x.to(dev.get("device", "cpu")) for x in every[rank])
+    big_s, big_i = (x.to(dev.get("device", "cpu")) for x in rank_candidates(6, TOPK_C, seed=rank))
+    ws = torch_sdcp.TopKWorkspace(None, 4, TOPK_K, candidates_per_rank=TOPK_C, timeout_s=120, **dev)
+    assert torch.equal(ws.merge(s, i).cpu(), reference.topk_merge_ref(every, TOPK_K))
+    dist.barrier(group=control)
+    if rank == 0:
+        time.sleep(1.0)  # rank 1 is waiting in its call by now
+        try:
+            ws.merge(s, i.long())  # raises inside the call
+        except ValueError as e:
+            assert "argument 'ids': expected dtype Int" in str(e), e
+        # ... and carries on: every later call raises, the collective path included
+        expect_poisoned(ws, lambda: ws.merge(s, i))
+        expect_poisoned(ws, lambda: ws.merge(big_s, big_i))
+    else:
+        t0 = time.monotonic()
+        match = "peer 0 aborted: a call raised an error on that rank"
+        if device != "host":
+            ws.merge(s, i)  # the kernel finds rank 0's abort word in its first slow poll
+            torch.cuda.synchronize()
+            with pytest.raises(RuntimeError, match=match):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match=match):
+                ws.merge(s, i)
+        assert time.monotonic() - t0 < 20  # at once, not after the 120 s timeout
+        expect_poisoned(ws, lambda: ws.merge(s, i))
+    expect_poisoned(ws, ws.check)
+    dist.barrier(group=control)
+    ws.resize(4)  # re-creation (collective) clears the poison
+    assert not ws.poisoned
+    assert torch.equal(ws.merge(s, i).cpu(), reference.topk_merge_ref(every, TOPK_K))
+    if device != "host":
+        torch.cuda.synchronize()
+    ws.check()
+    ws.close()
+    return True
+
+
+def test_topk_error_inside_a_call_poisons_and_aborts_the_peer():
+    assert run_workers(_topk_carry_on_worker, 2, args=("host",), timeout=180) == [True, True]
+
+
+def _topk_geometry_worker(rank, world):
+    import torch_sdcp
+    from torch_sdcp.peer.plan import RankMismatchError
+
+    # k and C swapped: min(C, k) and so the region size agree, the calls would not.
+    k, c = (16, 32) if rank == 0 else (32, 16)
+    with pytest.raises(RankMismatchError, match=r"expected the same value on every rank.*'candidates_per_rank' "
+                                                r"\(rank 0: 32, rank 1: 16\); argument 'k' \(rank 0: 16, rank 1: 32\)"):
+        torch_sdcp.TopKWorkspace(None, 8, k, candidates_per_rank=c, **HOST)
+    with pytest.raises(RankMismatchError, match=r"'max_rows' \(rank 0: 8, rank 1: 4\)"):
+        torch_sdcp.TopKWorkspace(None, 8 - 4 * rank, 16, candidates_per_rank=32, **HOST)
+    with torch_sdcp.TopKWorkspace(None, 8, 16, candidates_per_rank=32, **HOST) as ws:  # the ranks are still in step
+        ws.merge(*rank_candidates(2, 32, seed=rank))
+        ws.check()
+    return True
+
+
+def test_topk_geometry_mismatch_is_refused_at_creation():
+    assert run_workers(_topk_geometry_worker, 2, timeout=120) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_topk_mismatched_rows_raise_on_every_rank():
+    assert run_workers(_topk_mismatch_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+@requires_gpus(2)
+def test_cuda_topk_error_inside_a_call_aborts_the_waiting_peer():
+    assert run_workers(_topk_carry_on_worker, 2, args=("cuda",), timeout=300) == [True, True]
+
+
+# Both ranks on one GPU (time-sliced): the CUDA failure paths where one GPU is
+# all there is.
+@requires_gpus(1)
+@pytest.mark.parametrize("worker", [_topk_mismatch_worker, _topk_carry_on_worker], ids=lambda w: w.__name__.strip("_"))
+def test_cuda_two_ranks_on_one_gpu(worker):
+    assert run_workers(worker, 2, args=("cuda_shared",), timeout=300) == [True, True]
 
 
 def test_workspace_fits_the_target_at_128_rows():

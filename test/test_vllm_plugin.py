@@ -34,7 +34,7 @@ from torch_sdcp.integrations import vllm_calls
 from torch_sdcp.integrations._core import query_direct
 
 from _dist import run_workers
-from conftest import requires_gpus
+from _helpers import requires_gpus
 
 VLLM_MODULES = (
     "vllm", "vllm.logger", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops", "vllm.v1.attention.ops.dcp",

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 def _rank_main(rank: int, world: int, rows: int, store_path: str, queue) -> None:
     import torch_sdcp
     from torch_sdcp import ops, reference
-    from torch_sdcp.bench import rope_cache
+    from torch_sdcp.inputs import rope_cache
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     lines = []

@@ -10,7 +10,7 @@ import torch
 
 import torch_sdcp  # noqa: F401
 from torch_sdcp import ops
-from torch_sdcp.bench import score_distribution, SCORE_DISTRIBUTIONS
+from torch_sdcp.inputs import score_distribution, SCORE_DISTRIBUTIONS
 
 
 def time_k8(fn, replays=100, trials=7):

@@ -1,0 +1,151 @@
+"""One function per boundary: each times the collective path, the competitors
+(Output/LSE) and torch_sdcp for every row count and appends one row per count."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torch_sdcp.bench.decode import DecodeStep
+from torch_sdcp.bench.timing import guarded
+from torch_sdcp.inputs import SCORE_DISTRIBUTIONS, rope_cache, score_distribution
+
+
+def bench_signal(ctx, rows_list, out: list) -> None:
+    """The fixed cost of one peer round: an exchange of 8 bytes (publish + wait
+    on every peer) against the collective all_gather of the same bytes."""
+    import torch_sdcp
+
+    ws = torch_sdcp.ExchangeWorkspace(None, 64, backend=ctx.backend, device=ctx.device)
+    x = torch.full((2,), float(ctx.rank), device=ctx.device)
+    gathered = [torch.empty_like(x) for _ in range(ctx.world)]
+    row = {"rows": 1, "collective": guarded(ctx.timer, lambda: lambda: dist.all_gather(gathered, x)),
+           "sdcp": guarded(ctx.timer, lambda: lambda: ws.all_gather(x))}
+    out.append(row)
+    ctx.progress("signal")
+    ws.close()
+
+
+def bench_output_lse(ctx, rows_list, out: list) -> None:
+    import torch_sdcp
+    from torch_sdcp import collective
+
+    h, d, dev = ctx.heads, ctx.head_dim, ctx.device
+    ws = torch_sdcp.OutputLSEWorkspace(None, max(rows_list), h, d, backend=ctx.backend, device=dev)
+
+    def competitor(name):
+        if dev.type != "cuda":
+            raise RuntimeError("needs CUDA symmetric memory")
+        from torch_sdcp.competitors import SymmMemOutputLSE, VllmA2AOutputLSE
+        cls = {"symm_mem": SymmMemOutputLSE, "vllm_a2a": VllmA2AOutputLSE}[name]
+        return cls(None, max(rows_list), h, d, torch.bfloat16, dev)
+
+    comps: dict = {}
+    for t in rows_list:
+        g = torch.Generator().manual_seed(t)
+        po = torch.randn(t, h, d, generator=g).to(torch.bfloat16).to(dev)
+        pl = (torch.randn(t, h, generator=g) * 3).to(dev)
+        row = {"rows": t}
+        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.lse_all_gather_correct_reduce_scatter(
+            po, pl, return_lse=True))
+        if ctx.eager_collective:
+            row["collective_eager"] = guarded(ctx.timer, lambda: lambda: collective.lse_all_gather_reduce_scatter(
+                po, pl, return_lse=True))
+
+        def comp_fn(name):
+            def make():
+                if name not in comps:
+                    comps[name] = competitor(name)
+                return lambda: comps[name].combine(po, pl)
+            return make
+
+        for name in ("symm_mem", "vllm_a2a"):
+            row[name] = guarded(ctx.timer, comp_fn(name))
+        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.combine(po, pl, return_lse=True))
+        out.append(row)
+        ctx.progress(f"output_lse rows={t}")
+    sizes = {"workspace_bytes_per_rank": ws.physical_bytes}
+    sizes.update({f"{name}_bytes_per_rank": c.physical_bytes for name, c in comps.items()})
+    out.append(sizes)
+    ws.close()
+
+
+def bench_topk(ctx, rows_list, out: list) -> None:
+    import torch_sdcp
+    from torch_sdcp import collective, ops
+
+    k, dev, n, r = ctx.k, ctx.device, ctx.world, ctx.rank
+    ws = torch_sdcp.TopKWorkspace(None, max(rows_list), k, candidates_per_rank=k, backend=ctx.backend, device=dev)
+    for t in rows_list:
+        g = torch.Generator().manual_seed(t * 31 + r)
+        scores = torch.randn(t, k, generator=g).to(dev)
+        ids = (torch.randperm(t * k, generator=g).view(t, k) * n + r).to(torch.int32).to(dev)
+        row = {"rows": t}
+        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.topk_all_gather_merge(scores, ids, k))
+        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.merge(scores, ids))
+        # The selection kernel alone: over the gathered N*C candidates (the
+        # collective path's share), and over C (an owner's sort).
+        gathered_s, gathered_i = scores.repeat(1, n), ids.repeat(1, n)
+        row["kernels"] = {
+            "select_gathered": guarded(ctx.timer, lambda: lambda: ops.topk_select(gathered_s, gathered_i, k), ks=(8,)),
+            "select_own": guarded(ctx.timer, lambda: lambda: ops.topk_select(scores, ids, k), ks=(8,))}
+        if ctx.topk_distributions:  # the owner's ordering step alone, per score distribution
+            for kind in SCORE_DISTRIBUTIONS:
+                ds = score_distribution(kind, t, k, g).to(dev)
+                row["kernels"][f"sort_{kind}"] = guarded(
+                    ctx.timer, lambda ds=ds: lambda: ops.topk_select(ds, ids, k), ks=(8,))
+        out.append(row)
+        ctx.progress(f"topk rows={t}")
+    out.append({"workspace_bytes_per_rank": ws.physical_bytes})
+    ws.close()
+
+
+def bench_query(ctx, rows_list, out: list) -> None:
+    import torch_sdcp
+    from torch_sdcp import collective
+
+    hl, dev, dtype = ctx.heads // ctx.world, ctx.device, ctx.query_dtype
+    ws = torch_sdcp.QueryWorkspace(None, max(rows_list), hl, nope_dim=ctx.head_dim, rope_dim=ctx.rope_dim,
+                                   dtype=dtype, backend=ctx.backend, device=dev)
+    cache = rope_cache(4096, ctx.rope_dim).to(dev)
+    scale = torch.tensor([0.05], device=dev) if dtype == torch.float8_e4m3fn else None
+    for t in rows_list:
+        g = torch.Generator().manual_seed(t)
+        nope = torch.randn(t, hl, ctx.head_dim, generator=g).to(torch.bfloat16).to(dev)
+        pe = torch.randn(t, hl, ctx.rope_dim, generator=g).to(torch.bfloat16).to(dev)
+        pos = torch.randint(0, 4096, (t,), generator=g).to(dev)
+        row = {"rows": t}
+        row["collective"] = guarded(ctx.timer, lambda: lambda: collective.query_all_gather(
+            nope, pe, pos, cache, scale, out_dtype=dtype))
+        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.gather(nope, pe, pos, cache, scale))
+
+        def view_and_release():  # zero-copy: the reader would sit between the two
+            ws.gather_view(nope, pe, pos, cache, scale)
+            ws.release()
+
+        row["sdcp_view"] = guarded(ctx.timer, lambda: view_and_release)
+        out.append(row)
+        ctx.progress(f"query rows={t}")
+    out.append({"workspace_bytes_per_rank": ws.physical_bytes, "dtype": str(dtype).replace("torch.", "")})
+    ws.close()
+
+
+def bench_decode(ctx, out: list) -> None:
+    demo = DecodeStep(ctx, ctx.requests, ctx.context, ctx.layers, ctx.sparse)
+    try:
+        want = demo.step("collective")
+        got = demo.step("sdcp")
+        err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+                  for a, b in zip(got, want))
+        errs: list = [None] * ctx.world
+        dist.all_gather_object(errs, err)
+        row = {"requests": ctx.requests, "context": ctx.context, "layers": ctx.layers, "sparse": ctx.sparse,
+               "max_rel_error": max(errs), "agree": max(errs) < 2e-2, "attention": demo.attention_name,
+               "attention_us": demo.attention_us}
+        for mode in ("collective", "sdcp"):
+            row[mode] = guarded(ctx.timer, lambda: lambda: demo.step(mode), ks=(1,))
+        row["compute_only"] = guarded(ctx.timer, lambda: lambda: demo.step("sdcp", compute_only=True), ks=(1,))
+        out.append(row)
+        ctx.progress("decode step")
+    finally:
+        demo.close()

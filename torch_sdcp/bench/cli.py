@@ -1,0 +1,195 @@
+"""Side by side: what each DCP boundary costs through the collective path, the
+symmetric-memory competitors (Output/LSE, CUDA only) and torch_sdcp, plus a
+synthetic MLA decode step. Every table is printed with a legend that names
+each path's kernels and communication (LEGEND below).
+
+    python -m torch_sdcp.bench [--world-size N] [--preset glm-5] [--rows 1,8,32]
+                               [--boundaries query,topk,output_lse,decode] [--out DIR]
+                               [--topk-distributions]
+
+Launches its own local ranks (or runs under torchrun), picks the CUDA backend
+when there is one GPU per rank and the CUDA kernels are built, the host
+(shared-memory) backend otherwise. Prints one table per boundary, writes the
+raw numbers (bench.json) and a plot (latency.png) into the output folder.
+
+Method (docs/DESIGN.md section 6). CUDA: K calls captured back to back in one CUDA
+graph (k8: K = 8; k1: one call per graph), `--replays` replays per trial,
+`--trials` trials. Host: the same K calls timed on the wall clock. Per-call
+time = max over ranks of a trial, median over trials. Ratios are against the
+strongest (fastest) baseline of each row. Host numbers check the protocol on
+shared memory: they are not performance, and no ratio is printed for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from torch_sdcp.bench.boundaries import bench_decode, bench_output_lse, bench_query, bench_signal, bench_topk
+from torch_sdcp.bench.report import plot, tables
+from torch_sdcp.bench.timing import Timer
+
+PRESETS = {
+    "glm-5": dict(heads=64, head_dim=512, rope_dim=64, k=2048),
+    "deepseek-v3.2": dict(heads=128, head_dim=512, rope_dim=64, k=2048),
+}
+BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
+
+
+class Context:
+    def __init__(self, args, rank: int, world: int, backend: str, device: torch.device):
+        self.rank, self.world, self.backend, self.device = rank, world, backend, device
+        preset = PRESETS[args.preset]
+        self.heads = args.heads or preset["heads"]
+        self.head_dim, self.rope_dim, self.k = preset["head_dim"], preset["rope_dim"], args.k or preset["k"]
+        self.query_dtype = torch.float8_e4m3fn if args.query_dtype == "fp8" else torch.bfloat16
+        self.requests, self.context, self.layers, self.sparse = args.requests, args.context, args.layers, args.sparse
+        self.eager_collective = args.eager_collective
+        self.topk_distributions = args.topk_distributions
+        self.timer = Timer(device, args.replays, args.trials)
+        self.started = time.monotonic()
+
+    def progress(self, what: str) -> None:
+        if self.rank == 0:
+            print(f"[{time.monotonic() - self.started:6.1f} s] {what} done", file=sys.stderr, flush=True)
+
+
+def choose_backend(requested: str, world: int) -> str:
+    if requested != "auto":
+        return requested
+    cuda_built = torch._C._dispatch_has_kernel_for_dispatch_key("sdcp::output_lse_combine", "CUDA")
+    return "cuda" if cuda_built and torch.cuda.is_available() and torch.cuda.device_count() >= world else "host"
+
+
+def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
+    import torch_sdcp  # noqa: F401
+
+    # NVLink multicast stays off (docs/DESIGN.md section 6), for NCCL and for
+    # torch symmetric memory alike.
+    for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                       ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ[key] = value
+
+    backend = choose_backend(args.backend, world)
+    if backend == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if not dist.is_initialized():
+        kw = dict(device_id=device) if backend == "cuda" else {}
+        dist.init_process_group("nccl" if backend == "cuda" else "gloo",
+                                store=dist.FileStore(store_path, world) if store_path else None,
+                                rank=rank if store_path else -1, world_size=world if store_path else -1, **kw)
+    ctx = Context(args, rank, world, backend, device)
+    results: dict = {}
+    for name in args.boundaries:
+        results[name] = []
+        try:
+            if name == "decode":
+                bench_decode(ctx, results[name])
+            else:
+                {"signal": bench_signal, "query": bench_query, "topk": bench_topk,
+                 "output_lse": bench_output_lse}[name](
+                    ctx, args.rows, results[name])
+        except Exception as e:  # noqa: BLE001  (reported in the table)
+            results[name].append({"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
+            if rank == 0:
+                traceback.print_exc()
+    if rank == 0:
+        meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "world_size": world, "backend": backend,
+                "device": torch.cuda.get_device_name(device) if backend == "cuda" else "cpu (host backend)",
+                "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
+        with open(os.path.join(args.out, "bench.json"), "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torch_sdcp.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    p.add_argument("--world-size", type=int, default=torch.cuda.device_count() if cuda else 2)
+    p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="glm-5", help="model geometry (default glm-5)")
+    p.add_argument("--heads", type=int, default=0, help="total heads (overrides the preset)")
+    p.add_argument("--k", type=int, default=0, help="index_topk (overrides the preset)")
+    p.add_argument("--rows", default=None, help="decode rows, comma separated (default 1,8,16,32,64,128 on CUDA, "
+                                                "1,8,32 on the host backend)")
+    p.add_argument("--boundaries", default=",".join(BOUNDARIES))
+    p.add_argument("--query-dtype", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--requests", type=int, default=None,
+                   help="decode demo: concurrent requests (default 32; 4 on host)")
+    p.add_argument("--context", type=int, default=None,
+                   help="decode demo: tokens per request (default 3072; 256 on host)")
+    p.add_argument("--layers", type=int, default=None, help="decode demo: layers per step (default 8; 2 on host)")
+    p.add_argument("--sparse", action="store_true", help="decode demo: add the top-K boundary")
+    p.add_argument("--eager-collective", action="store_true",
+                   help="Output/LSE: also time the collective path with the correction as eager torch ops")
+    p.add_argument("--topk-distributions", action="store_true",
+                   help="top-K: also time the owner's ordering step alone (sdcp::topk_select over one rank's C "
+                        "candidates) for uniform, normal, 80-distinct-value and all-equal scores (the sort_* "
+                        "entries of the kernel-alone line)")
+    p.add_argument("--replays", type=int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
+    p.add_argument("--trials", type=int, default=None, help="default 7 on CUDA, 3 on host")
+    p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")
+    args = p.parse_args(argv)
+    host = choose_backend(args.backend, args.world_size) == "host"
+    args.rows = [int(x) for x in (args.rows or ("1,8,32" if host else "1,8,16,32,64,128")).split(",") if x]
+    args.boundaries = [b for b in args.boundaries.split(",") if b]
+    for b in args.boundaries:
+        if b not in BOUNDARIES:
+            p.error(f"argument --boundaries: expected names from {BOUNDARIES}, got {b!r}")
+    if args.world_size < 1 or any(r < 1 for r in args.rows):
+        p.error("argument --world-size and --rows: expected positive values")
+    args.requests = args.requests or (4 if host else 32)
+    args.context = args.context or (256 if host else 3072)
+    args.layers = args.layers or (2 if host else 8)
+    args.replays = args.replays or (3 if host else 100)
+    args.trials = args.trials or (3 if host else 7)
+    if host and not args.k:
+        args.k = 256  # the host backend sorts on the CPU: keep the default run short
+    if host and not args.heads:
+        args.heads = 8 * args.world_size
+    args.out = args.out or time.strftime("sdcp-bench-%Y%m%d-%H%M%S")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    args.out = os.path.abspath(args.out)
+    backend = choose_backend(args.backend, args.world_size)
+    print(f"torch_sdcp bench: world size {args.world_size}, {backend} backend, rows {args.rows}, "
+          f"boundaries {args.boundaries}; writing {args.out}", flush=True)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, None)
+        if int(os.environ["RANK"]) != 0:
+            return 0
+    else:
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory(prefix="sdcp-bench-") as d:
+            mp.spawn(run_rank, args=(args.world_size, args, os.path.join(d, "store")), nprocs=args.world_size,
+                     join=True)
+    with open(os.path.join(args.out, "bench.json")) as f:
+        data = json.load(f)
+    text = tables(data)
+    print(text)
+    with open(os.path.join(args.out, "tables.txt"), "w") as f:
+        f.write(text + "\n")
+    note = plot(data, os.path.join(args.out, "latency.png"))
+    print(f"\n{note}" if note else f"\nplot: {os.path.join(args.out, 'latency.png')}")
+    print(f"raw numbers: {os.path.join(args.out, 'bench.json')}")
+    return 0

@@ -1,0 +1,240 @@
+"""What the benchmark prints and draws: the paths and their legend, the
+tables, the plot."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Optional
+
+from torch_sdcp.bench.decode import DecodeStep
+
+PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_view")
+OURS = ("sdcp", "sdcp_view")
+PATH_NAMES = {"collective": "collective", "collective_eager": "collective (eager ops)", "symm_mem": "symm-mem",
+              "vllm_a2a": "vLLM a2a", "sdcp": "torch_sdcp", "sdcp_view": "torch_sdcp view"}
+PATH_KEYS = {name: path for path, name in PATH_NAMES.items()}
+
+# The host backend runs every path on the CPU: the collective path over gloo,
+# torch_sdcp's ops as CPU code spinning on shared memory. Its figures check the
+# protocol; the names, the notes and the plot say so, so that no one reads
+# them as speed.
+HOST_PATH_NAMES = {**PATH_NAMES, "collective": "collective (gloo)", "collective_eager": "collective (gloo, eager ops)"}
+HOST_PATHS_NOTE = ("host backend paths: collective = torch.distributed over gloo; torch_sdcp = the sdcp:: ops' "
+                   "CPU implementations on shared memory (memfd), each waiting rank spinning on a CPU core")
+HOST_DECODE_NOTE = ("  not a speed comparison: CPU wall clock of {world} processes sharing this machine's cores; "
+                    "the CPU attention dominates the step, torch_sdcp's waits spin on the cores the peers compute "
+                    "on while gloo's block in the kernel, and no GPU kernel runs (this line checks that the outputs "
+                    "agree)")
+HOST_PLOT_NOTE = ("HOST BACKEND: protocol checks on shared memory, NOT performance.\n"
+                  "CPU wall clock of {world} local processes: collective = gloo, torch_sdcp = CPU ops spinning on "
+                  "shared memory. No GPU ran; no speed comparison can be read from these lines.")
+
+# What each path runs: kernels and communication (printed with the tables;
+# README.md says the same). The collective query and top-K paths already use
+# this library's fastest local kernels (query_rope_quant, topk_select).
+LEGEND = {
+    "signal": [
+        ("collective", "all_gather of 8 bytes per rank (NCCL; gloo on the host backend)"),
+        ("torch_sdcp", "ExchangeWorkspace.all_gather: sdcp::peer_all_gather, one kernel storing tagged words "
+                       "into every peer's buffer and polling its own buffer (data-as-flag, no flag or fence)"),
+    ],
+    "query": [
+        ("collective", "sdcp::query_rope_quant (this library's fused RoPE + concat + FP8/bf16 producer kernel), "
+                       "all_gather of the [T, H/N, 576] bytes (NCCL), one permute copy to [T, H, 576]"),
+        ("torch_sdcp", "sdcp::query_gather: the same producer math in one kernel, data-as-flag: stores its "
+                       "head shard into every peer's buffer (peer memory) and its own heads into the result, "
+                       "polls its own buffer as the peers' shards land; returns a fresh tensor"),
+        ("torch_sdcp view", "sdcp::query_publish + query_release: the producer stores into every rank's fixed "
+                            "view (final layout) after the previous view's release; the reader uses it in "
+                            "place; release re-fills it and acknowledges (two kernels per call)"),
+    ],
+    "topk": [
+        ("collective", "pack (score, id) pairs, all_gather (NCCL), permute copies, sdcp::topk_select (this "
+                       "library's stable top-K kernel) over the N x C gathered candidates"),
+        ("torch_sdcp", "sdcp::topk_merge: one kernel, data-as-flag: each owner bucket-ranks its candidates, stores "
+                       "its best min(C, k) keys into every peer's buffer (peer memory), and merges the peers' "
+                       "sorted lists (merge path) as they land in its own buffer"),
+    ],
+    "output_lse": [
+        ("collective", "all_gather of the LSE [T, H] fp32 (NCCL) -> sdcp::lse_correct (one fused kernel: global "
+                       "LSE and w_rank * O written head-major [H, T, D]) -> reduce_scatter_tensor (sum, NCCL) on "
+                       "heads; the structure of vLLM's cp_lse_ag_out_rs"),
+        ("collective (eager ops)", "(--eager-collective) the same two collectives with the correction as ~20 "
+                                   "eager torch ops and transpose copies (collective.lse_all_gather_reduce_scatter)"),
+        ("symm-mem", "torch symmetric memory: barrier, 2N copy kernels into the peers' inboxes, barrier, "
+                     "sdcp::lse_combine (fp32)"),
+        ("vLLM a2a", "vLLM's direct all-to-all (PR #50484) on torch symmetric memory: device epoch, one Triton "
+                     "dispatch kernel into every peer's slot epoch % 2, one barrier (signal round), one Triton "
+                     "combine kernel (fp32)"),
+        ("torch_sdcp", "sdcp::output_lse_combine: one kernel, data-as-flag: stores every peer's head shard and "
+                       "LSE into that peer's buffer (peer memory), polls its own buffer as the peers' shards land, "
+                       "reads its own shard in place, combines in fp32"),
+    ],
+    "decode": [
+        ("collective", "query: collective path above; attention; Output/LSE: the fused collective path "
+                       "(all_gather, sdcp::lse_correct, reduce_scatter); with --sparse, top-K: collective path"),
+        ("torch_sdcp", "query_publish/release (zero copy), attention, output_lse_combine; with --sparse, "
+                       "topk_merge"),
+    ],
+}
+
+
+def fmt_us(cell: dict, k: str) -> str:
+    if "error" in cell:
+        return "n/a"
+    v = cell.get(k)
+    return f"{v:.1f}" if isinstance(v, (int, float)) else "n/a"
+
+
+def strongest_baseline(row: dict) -> Optional[tuple]:
+    """(name, k8 us) of the fastest baseline path of a row, or None."""
+    timed = [(row[p]["k8"], p) for p in PATHS
+             if p in row and p not in OURS and isinstance(row[p].get("k8"), (int, float))]
+    if not timed:
+        return None
+    us, p = min(timed)
+    return PATH_NAMES[p], us
+
+
+def legend(names, host: bool = False) -> list:
+    """LEGEND's lines for the boundaries `names`; with `host`, as they ran on
+    the host backend (gloo in place of NCCL, the ops' CPU implementations)."""
+    if not host:
+        lines = ["\nlegend (what each path runs)"]
+    else:
+        lines = [("\nlegend (what each path runs; on the host backend every sdcp:: op runs its CPU implementation "
+                  "and the collectives run over gloo)")]
+    for name in names:
+        for path, what in LEGEND.get(name, []):
+            if host:
+                what = what.replace("NCCL; gloo on the host backend", "gloo").replace("NCCL", "gloo")
+                path = HOST_PATH_NAMES.get(PATH_KEYS.get(path), path)
+            lines.append(f"  {name} / {path}: {what}")
+    return lines
+
+
+def unavailable_paths(rows: list) -> dict:
+    """{path: error} of the paths that failed in every row of a boundary."""
+    timed = [r for r in rows if "rows" in r]
+    paths = [p for p in PATHS if timed and all("error" in r.get(p, {}) for r in timed)]
+    return {p: timed[0][p]["error"] for p in paths}
+
+
+def tables(data: dict) -> str:
+    meta, lines = data["meta"], []
+    cuda = meta["backend"] == "cuda"
+    k8 = "8 calls per CUDA graph" if cuda else "8 calls back to back"
+    lines.append(f"torch_sdcp bench, {meta['date']}: world size {meta['world_size']}, {meta['device']}, "
+                 f"torch {meta['torch']}; us per call, k8 / k1 (k8: {k8}; k1: one call)")
+    names = PATH_NAMES if cuda else HOST_PATH_NAMES
+    if cuda:
+        lines.append("ratios: the strongest (fastest) baseline of the row over torch_sdcp, k8")
+    else:
+        lines.append("host backend: these figures check the protocol on shared memory; they are not "
+                     "performance, and no speed-up ratio is printed")
+        lines.append(HOST_PATHS_NOTE)
+    for name, rows in data["results"].items():
+        lines.append(f"\n{name}")
+        unavailable = {} if cuda else unavailable_paths(rows)  # said once, above the rows
+        for error in dict.fromkeys(unavailable.values()):
+            which = ", ".join(names[p] for p, e in unavailable.items() if e == error)
+            lines.append(f"  unavailable on the host backend: {which} ({error})")
+        for row in rows:
+            if "error" in row and len(row) == 1:
+                lines.append(f"  could not run: {row['error']}")
+            elif "rows" in row:
+                paths = [p for p in PATHS if p in row and p not in unavailable]
+                cells = [f"{names[p]} {fmt_us(row[p], 'k8')} / {fmt_us(row[p], 'k1')}" for p in paths]
+                best = strongest_baseline(row) if cuda else None
+                for p in paths:
+                    ours = row[p].get("k8") if p in OURS and "error" not in row[p] else None
+                    if best and ours:
+                        cells.append(f"{best[0]}/{PATH_NAMES[p]} {best[1] / ours:.2f}x")
+                lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells))
+                if "kernels" in row:
+                    lines.append("             kernel alone (k8): " + ", ".join(
+                        f"{name} {fmt_us(cell, 'k8')}" for name, cell in row["kernels"].items()))
+                for p in paths:
+                    if "error" in row[p]:
+                        lines.append(f"           {names[p]}: {row[p]['error']}")
+            elif "requests" in row:
+                c, s, comp = (row[m].get("k1") for m in ("collective", "sdcp", "compute_only"))
+                lines.append(f"  {row['layers']} layers, {row['requests']} requests x {row['context']} tokens"
+                             f"{', sparse' if row['sparse'] else ''}: outputs agree: {row['agree']} "
+                             f"(max rel. error {row['max_rel_error']:.1e})")
+                att = row.get("attention")
+                if att:
+                    timed = ", ".join(f"{k} {'n/a' if v is None else f'{v:.1f} us'}"
+                                      for k, v in (row.get("attention_us") or {}).items())
+                    lines.append(f"  attention: {att}: {DecodeStep.ATTENTION.get(att, att)}"
+                                 + (f" (one layer, timed: {timed})" if timed else ""))
+                if c and s:
+                    share = lambda t: max(0.0, (t - comp) / t) if comp else float("nan")  # noqa: E731
+                    step = (f"  step: {names['collective']} {c:.1f} us ({share(c):.0%} crossing the group), "
+                            f"torch_sdcp {s:.1f} us ({share(s):.0%})")
+                    lines.append(step + (f", {1 - s / c:.0%} lower" if cuda else ""))
+                    if not cuda:
+                        lines.append(HOST_DECODE_NOTE.format(world=meta["world_size"]))
+            else:
+                lines.append(f"  {json.dumps(row)}")
+    lines += legend(data["results"].keys(), host=not cuda)
+    return "\n".join(lines)
+
+
+def host_plot_header(meta: dict, width: float) -> tuple:
+    """The host figure's title and note lines, wrapped to a figure `width`
+    inches wide, and the height they take above the panels, in inches."""
+    title = textwrap.wrap(f"torch_sdcp on the host backend: protocol check, world size {meta['world_size']} "
+                          f"({meta['date'][:10]})", width=int(width * 10))
+    note = [line for para in HOST_PLOT_NOTE.format(world=meta["world_size"]).split("\n")
+            for line in textwrap.wrap(para, width=int(width * 12))]
+    return title, note, 0.25 * len(title) + 0.19 * len(note) + 0.1
+
+
+def plot(data: dict, path: str) -> Optional[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    boundaries = [b for b, rows in data["results"].items()
+                  if b != "signal" and any("rows" in r for r in rows)]
+    if not boundaries:
+        return None
+    meta = data["meta"]
+    cuda = meta["backend"] == "cuda"
+    names = PATH_NAMES if cuda else HOST_PATH_NAMES
+    width = 5 * len(boundaries)
+    if not cuda:
+        title, note, header_in = host_plot_header(meta, width)
+    fig, axes = plt.subplots(1, len(boundaries), figsize=(width, 4 if cuda else 4 + header_in), squeeze=False)
+    for ax, name in zip(axes[0], boundaries):
+        rows = [r for r in data["results"][name] if "rows" in r]
+        for p in PATHS:
+            pts = [(r["rows"], r[p]["k8"]) for r in rows if p in r and "k8" in r[p]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=names[p])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows (decode tokens)")
+        ax.set_ylabel("us per call (k8)" if cuda else "CPU wall clock us per call (k8)")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        if not cuda:  # on every panel, so that no panel cropped out of the figure reads as speed
+            ax.text(0.5, 0.5, "protocol check\nnot performance", transform=ax.transAxes, ha="center",
+                    va="center", fontsize=22, color="0.6", alpha=0.35, rotation=20, zorder=0)
+    if cuda:
+        fig.suptitle(f"torch_sdcp, world size {meta['world_size']}, {meta['device']} ({meta['date'][:10]})")
+        fig.tight_layout()
+    else:
+        height = 4 + header_in
+        fig.suptitle("\n".join(title), y=1 - 0.1 / height, va="top")
+        fig.text(0.5, 1 - (0.25 + 0.25 * len(title)) / height, "\n".join(note), ha="center", va="top",
+                 fontsize=10, color="darkred",
+                 bbox={"boxstyle": "round", "facecolor": "mistyrose", "edgecolor": "darkred"})
+        fig.tight_layout(rect=(0, 0, 1, 1 - header_in / height))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
