@@ -118,7 +118,7 @@ def _graph_worker(rank, world, replays):
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            out = ws.all_gather(x)
+            ws.all_gather(x)  # warm-up outside the graph
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

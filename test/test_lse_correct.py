@@ -156,7 +156,8 @@ def _path_worker(rank, world):
         (7, 32, torch.float32, False, True),
         (128, 32, torch.float16, True, False),
     ]:
-        po, pl = poisoned_partials(world, rows, heads, dim, dtype, seed=int(torch.randint(1 << 30, (1,), generator=gen)))
+        seed = int(torch.randint(1 << 30, (1,), generator=gen))
+        po, pl = poisoned_partials(world, rows, heads, dim, dtype, seed=seed)
         got, got_lse = collective._lse_all_gather_correct_reduce_scatter(po[rank], pl[rank], base2, True, None,
                                                                         use_all_reduce=use_all_reduce)
         assert got.shape == (rows, hl, dim) and got.dtype == dtype

@@ -325,7 +325,8 @@ TOPK_KINDS = ["random", "all_equal", "specials", "all_nan", "all_invalid", "sign
 def test_topk_ref_vs_brute_force(kind):
     gen = torch.Generator().manual_seed(TOPK_KINDS.index(kind))
     for rows, m, k in [(1, 1, 1), (3, 16, 4), (4, 33, 33), (2, 40, 64), (5, 64, 17), (1, 0, 3), (2, 128, 128)]:
-        scores, ids = topk_case(kind, rows, m, gen) if m else (torch.empty(rows, 0), torch.empty(rows, 0, dtype=torch.int32))
+        empty = (torch.empty(rows, 0), torch.empty(rows, 0, dtype=torch.int32))
+        scores, ids = topk_case(kind, rows, m, gen) if m else empty
         want = brute_force_topk(scores, ids, k)
         got = ref.topk_select_ref(scores, ids, k)
         assert torch.equal(got, want), (rows, m, k, scores, ids, got, want)

@@ -57,7 +57,8 @@ def _local_checks_worker(rank, world):
         args = {"max_rows": 8, "total_heads": 8, "head_dim": 64, **kwargs}
         with pytest.raises(ValueError, match=f"argument '{arg}'"):
             torch_sdcp.OutputLSEWorkspace(None, **args, **HOST)
-    for kwargs, arg in [(dict(k=2**63), "k"), (dict(k=True), "k"), (dict(candidates_per_rank=2**62), "candidates_per_rank")]:
+    for kwargs, arg in [(dict(k=2**63), "k"), (dict(k=True), "k"),
+                        (dict(candidates_per_rank=2**62), "candidates_per_rank")]:
         with pytest.raises(ValueError, match=f"argument '{arg}'"):
             torch_sdcp.TopKWorkspace(None, 8, **{"k": 16, **kwargs}, **HOST)
     for kwargs, arg in [(dict(local_heads=2**63), "local_heads"), (dict(nope_dim=1.5), "nope_dim"),
@@ -383,9 +384,9 @@ def _threads_worker(rank, world):
             deadline = time.monotonic() + 30
             while ws._caller is None and time.monotonic() < deadline:
                 time.sleep(0.005)
-            with pytest.raises(RuntimeError, match=rf"TopKWorkspace on rank 0: merge\(\) from thread 'MainThread' "
-                                                   rf"\(id \d+\) while thread 'decode-worker' \(id \d+\) is inside "
-                                                   rf"merge\(\) on this workspace"):
+            with pytest.raises(RuntimeError, match=r"TopKWorkspace on rank 0: merge\(\) from thread 'MainThread' "
+                                                   r"\(id \d+\) while thread 'decode-worker' \(id \d+\) is inside "
+                                                   r"merge\(\) on this workspace"):
                 ws.merge(scores, ids)
             with pytest.raises(RuntimeError, match="thread 'decode-worker'.*is inside merge"):
                 ws.resize(8)
@@ -470,7 +471,8 @@ def _mismatch_worker(rank, world, device):
         with pytest.raises(RuntimeError, match=match):
             ws.check()
     # The exchange: bytes and dtype
-    for x, text in (((torch.ones(4) if rank == 0 else torch.ones(8)), "rank 0 called with 16 bytes, rank 1 with 32 bytes"),
+    for x, text in (((torch.ones(4) if rank == 0 else torch.ones(8)),
+                     "rank 0 called with 16 bytes, rank 1 with 32 bytes"),
                     ((torch.ones(4) if rank == 0 else torch.ones(4, dtype=torch.int32)),
                      "rank 0 called with dtype Float, rank 1 with dtype Int")):
         with torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **dev) as ws:
@@ -504,7 +506,8 @@ def _creation_agreement_worker(rank, world):
     from torch_sdcp.peer.plan import RankMismatchError
 
     cases = [
-        (lambda: torch_sdcp.OutputLSEWorkspace(None, 4 + 4 * rank, 8, 64, **HOST), r"'max_rows' \(rank 0: 4, rank 1: 8\)"),
+        (lambda: torch_sdcp.OutputLSEWorkspace(None, 4 + 4 * rank, 8, 64, **HOST),
+         r"'max_rows' \(rank 0: 4, rank 1: 8\)"),
         (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=(torch.bfloat16, torch.float16)[rank], **HOST),
          r"'dtype' \(rank 0: 'torch.bfloat16', rank 1: 'torch.float16'\)"),
         (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, rows_fallback=rank == 0, **HOST),

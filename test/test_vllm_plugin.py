@@ -377,7 +377,6 @@ def _topk_inputs(world, rows, seed):
 def _step(ns, managers, rank, world, rows, seed, qdtype):
     """One decode step of every manager (layer) on this thread's micro-batch;
     returns how many calls took vLLM's own path."""
-    dcp = ns.mods["vllm.v1.attention.ops.dcp"]
     indexer = ns.mods["vllm.model_executor.layers.sparse_attn_indexer"]
     ub = getattr(ns.ubatch, "id", 0)
     before = sum(1 for _, u in ns.calls if u == ub)

@@ -77,7 +77,8 @@ def _rank_main(rank: int, world: int, rows: int, store_path: str, queue) -> None
 
         # Local kernels against their references.
         t0 = time.perf_counter()
-        ok = torch.equal(ops.topk_select(scores[rank], gids[rank], k), reference.topk_select_ref(scores[rank], gids[rank], k))
+        ok = torch.equal(ops.topk_select(scores[rank], gids[rank], k),
+                         reference.topk_select_ref(scores[rank], gids[rank], k))
         report("topk_select", ok, "local stable selection", time.perf_counter() - t0)
         t0 = time.perf_counter()
         o, lo = ops.lse_combine(part, lse)
@@ -85,8 +86,8 @@ def _rank_main(rank: int, world: int, rows: int, store_path: str, queue) -> None
         report("lse_combine", err < 1e-2, f"local combine, rel. error {err:.1e}", time.perf_counter() - t0)
         t0 = time.perf_counter()
         q = ops.query_rope_quant(nope[rank], pe[rank], pos, cache, rope_style="neox")
-        report("query_rope_quant", torch.equal(q, reference.query_rope_quant_ref(nope[rank], pe[rank], pos, cache, neox=True)),
-               "local producer, bf16, NeoX", time.perf_counter() - t0)
+        ok = torch.equal(q, reference.query_rope_quant_ref(nope[rank], pe[rank], pos, cache, neox=True))
+        report("query_rope_quant", ok, "local producer, bf16, NeoX", time.perf_counter() - t0)
         queue.put((rank, lines, None))
     except Exception as e:  # report, never hang the parent
         queue.put((rank, lines, f"{type(e).__name__}: {e}"))
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
                  for r in range(args.world_size)]
         for proc in procs:
             proc.start()
-        results = {}
+        results: dict = {}
         deadline = time.monotonic() + 300
         while len(results) < args.world_size and time.monotonic() < deadline:
             try:

@@ -92,8 +92,10 @@ def bench_topk(ctx, rows_list, out: list) -> None:
         if ctx.topk_distributions:  # the owner's ordering step alone, per score distribution
             for kind in SCORE_DISTRIBUTIONS:
                 ds = score_distribution(kind, t, k, g).to(dev)
-                row["kernels"][f"sort_{kind}"] = guarded(
-                    ctx.timer, lambda ds=ds: lambda: ops.topk_select(ds, ids, k), ks=(8,))
+                def select(ds: torch.Tensor = ds):
+                    return lambda: ops.topk_select(ds, ids, k)
+
+                row["kernels"][f"sort_{kind}"] = guarded(ctx.timer, select, ks=(8,))
         out.append(row)
         ctx.progress(f"topk rows={t}")
     out.append({"workspace_bytes_per_rank": ws.physical_bytes})

@@ -87,7 +87,7 @@ def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if not dist.is_initialized():
-        kw = dict(device_id=device) if backend == "cuda" else {}
+        kw: dict = {"device_id": device} if backend == "cuda" else {}
         dist.init_process_group("nccl" if backend == "cuda" else "gloo",
                                 store=dist.FileStore(store_path, world) if store_path else None,
                                 rank=rank if store_path else -1, world_size=world if store_path else -1, **kw)
