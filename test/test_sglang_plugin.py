@@ -1,0 +1,527 @@
+"""The SGLang plugin (torch_sdcp_plugins.sglang -> torch_sdcp.integrations.sglang)
+without SGLang: a thin stand-in for the parts of SGLang 0.5.23 it touches, whose
+DCP functions are SGLang's own (comm.py and its Triton kernels) written in plain
+torch, step by step. Spawned gloo ranks on the host backend then run the
+plugin's life: the entry point with SDCP_SGLANG=1, SGLang's hook registry
+(its real module when SGLang's sources are on the path, else a stand-in),
+workspaces at the pre-capture point, decode steps through the call site's
+by-name imports (both combine backends, LSE base 2 and e, empty shards, the
+two-view query gather), SGLang's own function above the bound, teardown at
+shutdown. In-process: the entry imports nothing of torch_sdcp while off and
+never raises, the version refusal, what stays SGLang's, the per-step check.
+
+The stand-in follows docs/SGLANG.md; test_sglang_conformance.py checks the
+seams against SGLang's sources.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_workers
+
+H_LOC, D, R = 2, 32, 16  # local heads, kv_lora_rank, qk_rope_head_dim
+MAX_BS, TOKENS_PER_REQ = 4, 4
+BOUND = MAX_BS * TOKENS_PER_REQ  # SGLang's widest decode batch in rows
+
+COMM = "sglang.srt.layers.dcp.comm"
+FORWARD_MLA = "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla"
+RUNNER = "sglang.srt.model_executor.runner.base_runner"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+RUNTIME = "sglang.srt.runtime_context"
+REGISTRY = "sglang.srt.plugins.hook_registry"
+MODULES = ("sglang", "sglang.version", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.dcp", COMM,
+           RUNTIME, "sglang.srt.plugins", REGISTRY, "sglang.srt.model_executor", "sglang.srt.model_executor.runner",
+           RUNNER, MODEL_RUNNER, "sglang.srt.distributed", PARALLEL_STATE, "sglang.srt.models",
+           "sglang.srt.models.deepseek_common", "sglang.srt.models.deepseek_common.attention_forward_methods",
+           FORWARD_MLA)
+
+
+# ---------------------------------------------------------------------------
+# SGLang's DCP functions in plain torch (sglang/srt/layers/dcp/comm.py and
+# sglang/kernels/ops/attention/dcp_kernels.py of 0.5.23)
+# ---------------------------------------------------------------------------
+
+
+class Coordinator:
+    """The part of SGLang's GroupCoordinator the DCP functions use."""
+
+    def __init__(self, pg):
+        self.cpu_group = self.device_group = pg
+        self.world_size = dist.get_world_size(pg)
+        self.rank_in_group = dist.get_rank(pg)
+        self.unique_name = "dcp:0"
+
+    def all_gather(self, x, dim=-1):
+        raw = x.contiguous().view(torch.uint8)
+        parts = [torch.empty_like(raw) for _ in range(self.world_size)]
+        dist.all_gather(parts, raw, group=self.device_group)
+        return torch.cat([p.view(x.dtype) for p in parts], dim=dim)
+
+    def reduce_scatter_along_dim(self, x, dim=0):
+        total = x.clone()
+        dist.all_reduce(total, group=self.device_group)
+        return total.chunk(self.world_size, dim=dim)[self.rank_in_group].contiguous()
+
+    def all_to_all_single(self, output, input_):
+        dist.all_to_all_single(output, input_, group=self.device_group)
+
+
+def _empty_to_neg_inf(x):
+    return torch.where(torch.isnan(x) | (x == math.inf), -math.inf, x)
+
+
+def ref_cp_lse_ag_out_rs_mla(cp_attn_out, cp_attn_lse, cp_group, ctx=None, is_lse_base_on_e=False):
+    if cp_group.world_size == 1:
+        return cp_attn_out
+    cp_attn_lse = cp_attn_lse.to(torch.float32)
+    n = cp_group.world_size
+    lses = cp_group.all_gather(cp_attn_lse, dim=0).view((n,) + cp_attn_lse.shape)  # _ag_lse
+    # _correct_attn_cp_out_kernel, every (b, h) at once
+    exp, log = (torch.exp, torch.log) if is_lse_base_on_e else (torch.exp2, torch.log2)
+    lse = _empty_to_neg_inf(lses)
+    lse_max = lse.max(dim=0).values
+    lse_max = torch.where(lse_max == -math.inf, 0.0, lse_max)
+    final_lse = log(exp(lse - lse_max).sum(dim=0)) + lse_max
+    factor = exp(_empty_to_neg_inf(lses[cp_group.rank_in_group] - final_lse))
+    new_output = (cp_attn_out.float() * factor.unsqueeze(-1)).transpose(0, 1).contiguous()  # [H, B, D] fp32
+    out = cp_group.reduce_scatter_along_dim(new_output, dim=0)
+    return out.to(cp_attn_out.dtype)
+
+
+def ref_dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e=True, cuda_graph_buffers=None,
+                           comm_backend="a2a"):
+    if cp_group.world_size == 1:
+        return cp_attn_out
+    assert comm_backend == "a2a", "the stand-in has no FlashInfer"
+    n = cp_group.world_size
+    b, h, d = cp_attn_out.shape
+    hp = h // n
+    lpd = torch.finfo(torch.float32).bits // torch.finfo(cp_attn_out.dtype).bits  # _lse_pack_dim
+    send = torch.empty(n, b, hp, d + lpd, dtype=cp_attn_out.dtype)
+    recv = torch.empty_like(send)
+    # dcp_pack_a2a_send: head h goes to peer h // hp, LSE as fp32 words after the output
+    send[:, :, :, :d] = cp_attn_out.view(b, n, hp, d).transpose(0, 1)
+    send.view(torch.float32)[:, :, :, d // lpd] = cp_attn_lse.view(b, n, hp).transpose(0, 1)
+    cp_group.all_to_all_single(recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8))
+    recv_output = recv[:, :b, :, :d]
+    recv_lse = recv.view(torch.float32)[:, :b, :, d // lpd]
+    # _dcp_lse_combine_kernel
+    exp = torch.exp if is_lse_base_on_e else torch.exp2
+    lse = _empty_to_neg_inf(recv_lse.float())
+    lse_max = lse.max(dim=0).values
+    lse_max = torch.where(lse_max == -math.inf, 0.0, lse_max)
+    w = exp(lse - lse_max)
+    acc = (recv_output.float() * w.unsqueeze(-1)).sum(dim=0) / torch.clamp(w.sum(dim=0), min=1.0).unsqueeze(-1)
+    return acc.to(cp_attn_out.dtype)
+
+
+def ref_all_gather_q_for_mla_decode(q_nope_out, q_pe, group):
+    combined = torch.cat([q_pe.transpose(0, 1), q_nope_out.transpose(0, 1)], dim=-1)
+    gathered = group.all_gather(combined, dim=0)
+    q_pe, q_nope_out = gathered.split([q_pe.size(-1), q_nope_out.size(-1)], dim=-1)
+    return q_nope_out.transpose(0, 1), q_pe.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------
+# The stand-in
+# ---------------------------------------------------------------------------
+
+
+def _stand_in_registry(mod):
+    """SGLang's HookRegistry as far as the plugin uses it: REPLACE, BEFORE and
+    AFTER hooks on dotted targets, applied with the by-name imports rewritten."""
+    import enum
+    import functools
+    import pkgutil
+
+    class HookType(enum.Enum):
+        BEFORE, AFTER, REPLACE = "before", "after", "replace"
+
+    class HookRegistry:
+        hooks: list = []
+
+        @classmethod
+        def register(cls, target, hook, hook_type=HookType.AFTER):
+            cls.hooks.append((target, hook, hook_type))
+
+        @classmethod
+        def apply_hooks(cls):
+            for target, hook, kind in cls.hooks:
+                path, name = target.rsplit(".", 1)
+                owner = pkgutil.resolve_name(path)
+                original = getattr(owner, name)
+
+                def wrapper(*a, _o=original, _h=hook, _k=kind, **k):
+                    if _k is HookType.REPLACE:
+                        return _h(*a, **k)
+                    if _k is HookType.BEFORE:
+                        _h(*a, **k)
+                        return _o(*a, **k)
+                    result = _o(*a, **k)
+                    _h(result, *a, **k)
+                    return result
+
+                wrapped = functools.wraps(original)(wrapper)
+                setattr(owner, name, wrapped)
+                for m in list(sys.modules.values()):
+                    for attr, value in list(vars(m).items()) if isinstance(m, types.ModuleType) else ():
+                        if value is original and m is not owner:
+                            setattr(m, attr, wrapped)
+            cls.hooks = []
+
+    mod.HookType, mod.HookRegistry = HookType, HookRegistry
+
+
+def _real_registry():
+    """SGLang's own hook_registry.py (standard library only) when its sources
+    are importable, else None."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except ValueError:  # a stand-in without a spec is in sys.modules
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "srt", "plugins", "hook_registry.py")
+    return path if os.path.exists(path) else None
+
+
+def build_fake_sglang(version="0.5.23"):
+    mods = {name: types.ModuleType(name) for name in MODULES}
+    for mod in mods.values():
+        mod.__path__ = []
+    ns = types.SimpleNamespace(mods=mods, calls=[], events=[])
+    mods["sglang.version"].__version__ = version
+    parallel = types.SimpleNamespace(dcp_enabled=True, dcp_group=None, dcp_comm_backend="ag_rs",
+                                     dcp_replicate_q_proj=False)
+    ns.parallel = parallel
+    mods[RUNTIME].get_parallel = lambda: parallel
+
+    comm = mods[COMM]
+
+    def cp_lse_ag_out_rs_mla(cp_attn_out, cp_attn_lse, cp_group, ctx=None, is_lse_base_on_e=False):
+        ns.calls.append("cp_lse_ag_out_rs_mla")
+        return ref_cp_lse_ag_out_rs_mla(cp_attn_out, cp_attn_lse, cp_group, ctx, is_lse_base_on_e)
+
+    def dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e=True, cuda_graph_buffers=None,
+                           comm_backend="a2a"):
+        ns.calls.append("dcp_a2a_lse_reduce")
+        return ref_dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e, cuda_graph_buffers,
+                                      comm_backend)
+
+    def all_gather_q_for_mla_decode(q_nope_out, q_pe):
+        ns.calls.append("all_gather_q_for_mla_decode")
+        return ref_all_gather_q_for_mla_decode(q_nope_out, q_pe, parallel.dcp_group)
+
+    comm.cp_lse_ag_out_rs_mla = cp_lse_ag_out_rs_mla
+    comm.dcp_a2a_lse_reduce = dcp_a2a_lse_reduce
+    comm.all_gather_q_for_mla_decode = all_gather_q_for_mla_decode
+    fm = mods[FORWARD_MLA]  # the call site imported the three by name
+    fm.cp_lse_ag_out_rs_mla, fm.dcp_a2a_lse_reduce = cp_lse_ag_out_rs_mla, dcp_a2a_lse_reduce
+    fm.all_gather_q_for_mla_decode = all_gather_q_for_mla_decode
+
+    class BaseRunner:
+        def __init__(self, model_runner):
+            self.model_runner = model_runner
+
+        def _pre_initialize_fi_a2a_workspace(self):
+            ns.events.append("fi_a2a")
+
+        def _widest_decode_rows(self):
+            return MAX_BS * self.model_runner.decode_num_tokens_per_req()
+
+    class ModelRunner:
+        def __init__(self, model):
+            self.model, self.device = model, "cpu"
+            self.model_config = types.SimpleNamespace(dtype=torch.bfloat16)
+            self.max_running_requests = 64
+
+        def decode_num_tokens_per_req(self, *, num_draft_tokens=None):
+            return TOKENS_PER_REQ
+
+        def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None,
+                    reinit_attn_backend=False, split_forward_count=1):
+            return forward_batch()
+
+    mods[RUNNER].BaseRunner, mods[MODEL_RUNNER].ModelRunner = BaseRunner, ModelRunner
+    mods[PARALLEL_STATE].abort_distributed_environment = lambda: ns.events.append("abort")
+
+    path = _real_registry()
+    if path is not None:
+        spec = importlib.util.spec_from_file_location(REGISTRY, path)
+        mods[REGISTRY] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[REGISTRY])
+    else:
+        _stand_in_registry(mods[REGISTRY])
+    ns.real_registry = path is not None
+    return ns
+
+
+class MLA(torch.nn.Module):
+    """The attributes of DeepseekV2AttentionMLA the plugin reads."""
+
+    def __init__(self, dcp_size):
+        super().__init__()
+        self.dcp_size, self.num_local_heads, self.kv_lora_rank, self.qk_rope_head_dim = dcp_size, H_LOC, D, R
+
+
+def decode_step(ns, q_nope_out, q_pe, attn_output, lse, is_lse_base_on_e):
+    """forward_mla.py's decode phase around the three seams, through the
+    module's by-name bindings."""
+    fm, parallel = ns.mods[FORWARD_MLA], ns.parallel
+    q_nope_out, q_pe = fm.all_gather_q_for_mla_decode(q_nope_out=q_nope_out, q_pe=q_pe)
+    n = parallel.dcp_group.world_size
+    attn_output = attn_output.view(-1, H_LOC * n, D)
+    if parallel.dcp_comm_backend in ("a2a", "fi_a2a"):
+        attn_output = fm.dcp_a2a_lse_reduce(attn_output.contiguous(), lse.contiguous(), parallel.dcp_group,
+                                            is_lse_base_on_e=is_lse_base_on_e, comm_backend=parallel.dcp_comm_backend)
+    else:
+        attn_output = fm.cp_lse_ag_out_rs_mla(attn_output, lse, parallel.dcp_group, is_lse_base_on_e=is_lse_base_on_e)
+        attn_output = attn_output.transpose(0, 1)
+    return q_nope_out, q_pe, attn_output.view(-1, H_LOC, D)
+
+
+def _inputs(world, rows, seed, dtype):
+    """Every rank's step inputs: the query halves (q_nope_out head-major, as
+    SGLang's bmm makes it), partial outputs with finite payloads and LSEs with
+    empty shards (-inf, NaN, +inf) and an all-empty (row, head)."""
+    g = torch.Generator().manual_seed(seed)
+    per_rank = []
+    heads = world * H_LOC
+    for _ in range(world):
+        q_nope = (torch.randn(H_LOC, rows, D, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)
+        q_pe = (torch.randn(rows, H_LOC, R, generator=g) * 3).to(torch.bfloat16)
+        out = torch.randn(rows, heads, D, generator=g).to(dtype)
+        lse = torch.randn(rows, heads, generator=g) * 3
+        u = torch.rand(rows, heads, generator=g)
+        lse = torch.where(u < 0.1, -math.inf, torch.where(u < 0.15, math.nan, torch.where(u < 0.2, math.inf, lse)))
+        per_rank.append([q_nope, q_pe, out, lse])
+    for p in per_rank:
+        p[3][0, 0] = -math.inf  # every shard of (row 0, head 0) is empty
+    return per_rank
+
+
+def _protocol_worker(rank, world, rows_list):
+    torch.set_num_threads(1)
+    ns = build_fake_sglang()
+    sys.modules.update(ns.mods)
+    coord = Coordinator(dist.group.WORLD)
+    ns.parallel.dcp_group = coord
+
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+
+    entry.register()
+    assert face.is_installed()
+    ns.mods[REGISTRY].HookRegistry.apply_hooks()
+    fm, comm = ns.mods[FORWARD_MLA], ns.mods[COMM]
+    assert fm.cp_lse_ag_out_rs_mla is comm.cp_lse_ag_out_rs_mla and fm.cp_lse_ag_out_rs_mla.__wrapped__ is not None
+    assert fm.all_gather_q_for_mla_decode is comm.all_gather_q_for_mla_decode, "a by-name import was not rewritten"
+
+    model = torch.nn.Sequential(MLA(world), MLA(world), MLA(1))
+    runner = ns.mods[RUNNER].BaseRunner(ns.mods[MODEL_RUNNER].ModelRunner(model))
+    runner._pre_initialize_fi_a2a_workspace()
+    assert ns.events == ["fi_a2a"]
+    wss = face.workspaces()
+    assert len(wss) == 2 and all(w.peer and w.max_rows == BOUND for w in wss), wss
+    # An fp32 model's combine, prepared directly (what the hook does for a model of that dtype).
+    assert face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.float32,
+                        device="cpu", query=False) == {"output_lse": True, "query": False}
+
+    fell_back = {}
+    for backend in ("ag_rs", "a2a"):
+        ns.parallel.dcp_comm_backend = backend
+        for base_e in (False, True):
+            for i, rows in enumerate(rows_list):
+                for dtype in (torch.bfloat16, torch.float32):
+                    per_rank = _inputs(world, rows, 1000 * i + 10 * base_e + (dtype == torch.float32), dtype)
+                    q_nope, q_pe, out, lse = per_rank[rank]
+                    before = len(ns.calls)
+                    got = runner.model_runner.forward(lambda: decode_step(ns, q_nope, q_pe, out, lse, base_e))
+                    fell_back[(backend, base_e, rows, dtype)] = ns.calls[before:]
+                    want_nope, want_pe = ref_all_gather_q_for_mla_decode(q_nope, q_pe, coord)
+                    if backend == "a2a":
+                        want = ref_dcp_a2a_lse_reduce(out, lse, coord, base_e)
+                    else:
+                        want = ref_cp_lse_ag_out_rs_mla(out, lse, coord, None, base_e).transpose(0, 1)
+                    g_nope, g_pe, g_out = got
+                    for a, b in ((g_nope, want_nope), (g_pe, want_pe)):
+                        assert a.shape == b.shape and a.dtype == b.dtype and a.stride(-1) == 1
+                        assert torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+                    assert g_nope.data_ptr() == g_pe.data_ptr() + R * 2, "not two views of one cat([q_pe, q_nope])"
+                    assert g_out.shape == (rows, H_LOC, D) and g_out.dtype == dtype
+                    assert g_out.is_contiguous() or rows > BOUND  # SGLang's own ag_rs leaves a transposed view
+                    assert not torch.isnan(g_out).any()
+                    if rank == 0:
+                        assert (g_out[0, 0] == 0).all(), "an all-empty (row, head) must combine to 0"
+                    if dtype == torch.float32:
+                        torch.testing.assert_close(g_out, want, rtol=1e-5, atol=1e-5)
+                    else:
+                        torch.testing.assert_close(g_out, want, rtol=1.6e-2, atol=1e-2)
+    ns.mods[PARALLEL_STATE].abort_distributed_environment()
+    assert ns.events[-1] == "abort" and face.workspaces() == [], "not torn down before the groups go"
+    return {f"{k[0]},{k[1]},{k[2]},{k[3]}": v for k, v in fell_back.items()}, ns.real_registry
+
+
+def test_sglang_protocol_two_ranks():
+    results = run_workers(_protocol_worker, 2, args=([1, 7, BOUND, BOUND + 1],), timeout=180,
+                          env={"SDCP_SGLANG": "1"})
+    for fell_back, real_registry in results:
+        assert real_registry == (_real_registry() is not None)
+        for key, calls in fell_back.items():
+            rows = int(key.split(",")[2])
+            if rows <= BOUND:
+                assert calls == [], (key, calls)  # every seam on peer memory
+            else:  # above the bound: SGLang's own combine and gather
+                combine = "dcp_a2a_lse_reduce" if key.startswith("a2a") else "cp_lse_ag_out_rs_mla"
+                assert calls == ["all_gather_q_for_mla_decode", combine], (key, calls)
+
+
+# ---------------------------------------------------------------------------
+# In process: the entry point, versions, what stays SGLang's, the step check
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [None, "0", "off", "maybe"])
+def test_entry_imports_nothing_while_off(value):
+    code = ("import sys, torch_sdcp_plugins.sglang as e; e.register(); "
+            "bad = [m for m in sys.modules if m == 'torch_sdcp' or m.startswith('torch_sdcp.')]; "
+            "assert not bad, bad; assert 'torch' not in sys.modules, 'torch imported'")
+    env = {k: v for k, v in os.environ.items() if k != "SDCP_SGLANG"}
+    if value is not None:
+        env["SDCP_SGLANG"] = value
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, timeout=120, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert ("SDCP_SGLANG" in done.stderr) == (value == "maybe"), done.stderr  # a bad value is logged
+
+
+def test_entry_never_raises(monkeypatch, caplog):
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    monkeypatch.setattr(entry, "_logged", set())
+
+    def boom():
+        raise RuntimeError("no seam")
+
+    monkeypatch.setattr(face, "install", boom)
+    with caplog.at_level(logging.ERROR):
+        entry.register()
+        entry.register()
+    assert [r.getMessage() for r in caplog.records].count("torch_sdcp: the SGLang plugin stays off: "
+                                                          "RuntimeError: no seam") == 1
+
+
+@pytest.fixture
+def fake():
+    from torch_sdcp.integrations import sglang as face
+
+    ns = build_fake_sglang()
+    saved = {name: sys.modules.get(name) for name in MODULES}
+    sys.modules.update(ns.mods)
+    yield ns
+    face._hooks.installed = False
+    face._hooks.originals.clear()
+    face._hooks.dcp_group = None
+    face._face.forget()
+    for name, mod in saved.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+
+
+def test_unknown_version_refused(fake, caplog):
+    from torch_sdcp.integrations import sglang as face
+
+    fake.mods["sglang.version"].__version__ = "0.5.24"
+    with caplog.at_level(logging.ERROR):
+        assert not face.install()
+    assert not face.is_installed() and any("0.5.24" in r.getMessage() for r in caplog.records)
+
+
+def test_install_registers_every_hook_once(fake):
+    from torch_sdcp.integrations import sglang as face
+
+    registry = fake.mods[REGISTRY].HookRegistry
+    registered = []
+    real = registry.register
+    registry.register = classmethod(lambda cls, target, hook, kind, **k: registered.append((target, kind.name)))
+    try:
+        assert face.install() and face.install()
+    finally:
+        registry.register = real
+    assert registered == [(t, k) for t, k, _ in face.HOOKS]
+    assert set(face._hooks.originals) == {"cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"}
+
+
+def test_what_stays_sglangs(fake):
+    """fi_a2a, fp8 outputs, non-fp32 a2a LSEs and a world of one run SGLang's
+    own function, with every argument as given."""
+    from torch_sdcp.integrations import sglang as face
+
+    seen = []
+    face.configure(originals={"dcp_a2a_lse_reduce": lambda *a: seen.append(a) or "own",
+                              "cp_lse_ag_out_rs_mla": lambda *a: seen.append(a) or "own"})
+    one = types.SimpleNamespace(cpu_group=object(), world_size=1, rank_in_group=0, unique_name="x")
+    out, lse = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4)
+    assert face.dcp_a2a_lse_reduce(out, lse, one, True, None, "fi_a2a") == "own"
+    assert face.dcp_a2a_lse_reduce(out, lse.double(), one) == "own"
+    assert face.cp_lse_ag_out_rs_mla(out, lse, one) == "own"
+    two = types.SimpleNamespace(cpu_group=object(), world_size=2, rank_in_group=0, unique_name="y")
+    fp8 = out.to(torch.float8_e4m3fn)
+    assert face.cp_lse_ag_out_rs_mla(fp8, lse, two, None, True) == "own"
+    assert seen[-1] == (fp8, lse, two, None, True) and len(seen) == 4
+
+
+def test_step_check_fails_the_step(fake, monkeypatch):
+    from torch_sdcp.integrations import sglang as face
+
+    class Poisoned:
+        closed = False
+
+        def check(self):
+            raise RuntimeError("torch_sdcp: OutputLSEWorkspace on rank 0 is poisoned")
+
+    assert face.install()
+    fake.mods[REGISTRY].HookRegistry.apply_hooks()
+    runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
+    assert runner.forward(lambda: "ok") == "ok"
+    monkeypatch.setattr(face._face, "workspaces", lambda: [Poisoned()])
+    with pytest.raises(RuntimeError, match="poisoned"):
+        runner.forward(lambda: "ok")
+
+
+def test_bound_from_sglang_and_cap(fake, monkeypatch):
+    from torch_sdcp.integrations import sglang as face
+
+    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential()))
+    assert face._row_bound(runner) == BOUND
+    runner._widest_decode_rows = lambda: None  # no CUDA graphs: max_running_requests x tokens per request
+    assert face._row_bound(runner) == 64 * TOKENS_PER_REQ
+    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "100")
+    assert face._row_bound(runner) == 100
+    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "lots")
+    with pytest.raises(ValueError, match="SDCP_SGLANG_MAX_ROWS"):
+        face._row_bound(runner)
+
+
+def test_geometries_from_the_model():
+    from torch_sdcp.integrations import sglang as face
+
+    model = torch.nn.Sequential(MLA(2), MLA(2), MLA(1), torch.nn.Linear(2, 2))
+    assert face._mla_geometries(model) == [(H_LOC, D, R)]
