@@ -264,5 +264,20 @@ def test_two_batch_overlap_is_one_thread_one_stream(version):
             assert word not in text, (module, word)
 
 
+def test_hooked_methods_are_not_overridden(version):
+    """A hook on a base-class method reaches every runner only while no
+    subclass defines its own."""
+    root = os.path.join(_sglang_dir(), "srt")
+    for name in ("_pre_initialize_fi_a2a_workspace", "_widest_decode_rows", "abort_distributed_environment"):
+        found = []
+        for folder, _, files in os.walk(root):
+            for f in files:
+                if f.endswith(".py"):
+                    with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                        if f"def {name}(" in fh.read():
+                            found.append(os.path.relpath(os.path.join(folder, f), root))
+        assert len(found) == 1, (name, found)
+
+
 def test_sglang_was_not_imported(version):
     assert "sglang" not in sys.modules, "the checks read SGLang's sources, they do not import them"

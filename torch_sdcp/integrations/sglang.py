@@ -2,27 +2,21 @@
 integration core (:mod:`torch_sdcp.integrations._core`).
 
 Loaded by the ``sglang.srt.plugins`` entry point ``torch_sdcp``
-(:mod:`torch_sdcp_plugins.sglang`) when ``SDCP_SGLANG=1``; :func:`install`
-registers, through SGLang's own hook registry (which also rewrites the
-modules that imported a function by name):
+(:mod:`torch_sdcp_plugins.sglang`) when ``SDCP_SGLANG=1``. :func:`install`
+registers :data:`HOOKS` with SGLang's own hook registry (which also rewrites
+the modules that imported a function by name): both Output/LSE combines
+(``ag_rs``: ``cp_lse_ag_out_rs_mla``, head-major ``[H/N, B, D]``; ``a2a``:
+``dcp_a2a_lse_reduce``, ``[B, H/N, D]``) on ``OutputLSEWorkspace``, the query
+gather ``all_gather_q_for_mla_decode`` on ``QueryWorkspace.all_gather_heads``,
+the workspaces after ``BaseRunner._pre_initialize_fi_a2a_workspace`` (warm-up,
+before CUDA-graph capture; sized by SGLang's widest decode batch),
+:func:`check` before every ``ModelRunner.forward`` and :func:`teardown` before
+``abort_distributed_environment`` (graceful shutdown).
 
-- ``sglang.srt.layers.dcp.comm.cp_lse_ag_out_rs_mla`` (``--dcp-comm-backend
-  ag_rs``) and ``dcp_a2a_lse_reduce`` (``a2a``): the Output/LSE combine on
-  ``OutputLSEWorkspace``, with SGLang's signatures and return layouts
-  (head-major ``[H/N, B, D]`` and ``[B, H/N, D]``), LSE base 2 or e;
-- ``sglang.srt.layers.dcp.comm.all_gather_q_for_mla_decode``: the query gather
-  on heads on ``QueryWorkspace.all_gather_heads`` (data-as-flag, 1x bytes);
-- after ``BaseRunner._pre_initialize_fi_a2a_workspace`` (model warm-up, before
-  CUDA-graph capture): the workspaces, sized by SGLang's widest decode batch
-  (``BaseRunner._widest_decode_rows``: the largest captured batch x tokens per
-  request, draft tokens included);
-- before ``ModelRunner.forward`` (every step): :func:`check`;
-- before ``abort_distributed_environment`` (graceful shutdown): :func:`teardown`.
-
-A call this face does not cover (``fi_a2a``, a world of one, an fp8 output,
-a geometry or dtype without a workspace, more rows than the bound, a group
-without peer memory) runs SGLang's own function, logged once per reason.
-See docs/SGLANG.md. Nothing here imports SGLang at import time.
+A call this face does not cover (``fi_a2a``, a world of one, an fp8 output, a
+geometry without a workspace, more rows than the bound, no peer memory) runs
+SGLang's own function, logged once per reason. See docs/SGLANG.md. Nothing
+here imports SGLang at import time.
 """
 
 from __future__ import annotations
