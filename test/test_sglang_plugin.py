@@ -268,3 +268,36 @@ def test_geometries_from_the_model():
 
     model = torch.nn.Sequential(MLA(2), MLA(2), MLA(1), torch.nn.Linear(2, 2))
     assert face._mla_geometries(model) == [(H_LOC, D, R)]
+
+
+def test_pre_capture_follows_sglangs_settings(fake, monkeypatch, caplog):
+    """fi_a2a keeps SGLang's combine, query replication makes no query
+    workspace, DCP off makes nothing, and a failure never reaches SGLang."""
+    from torch_sdcp.integrations import sglang as face
+
+    made = []
+    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
+    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential(MLA(2), MLA(2))))
+    for backend, replicate, want in (("ag_rs", False, (True, True)), ("a2a", True, (True, False)),
+                                     ("fi_a2a", False, (False, True)), ("fi_a2a", True, None)):
+        fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = backend, replicate
+        made.clear()
+        face._after_pre_initialize(None, runner)
+        if want is None:
+            assert made == []
+        else:
+            assert [(m["combine"], m["query"]) for m in made] == [want], (backend, replicate, made)
+            assert made[0]["max_rows"] == BOUND and made[0]["local_heads"] == H_LOC
+    fake.parallel.dcp_comm_backend, fake.parallel.dcp_enabled = "ag_rs", False
+    made.clear()
+    face._after_pre_initialize(None, runner)
+    assert made == []
+    fake.parallel.dcp_enabled = True
+
+    def boom(group, **k):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(face, "prepare", boom)
+    with caplog.at_level(logging.ERROR):
+        face._after_pre_initialize(None, runner)
+    assert any("no memory" in r.getMessage() for r in caplog.records)
