@@ -9,8 +9,9 @@ engines use today, over workspaces cached per group and geometry.
     sdcp.teardown()                                                   # shutdown, every rank
 
 See docs/INTEGRATION.md and :mod:`torch_sdcp.integrations.dcp`. Every engine
-face (these adapters, the vLLM plugin :mod:`torch_sdcp.integrations.vllm`)
-runs over one core, :mod:`torch_sdcp.integrations._core`.
+face (these adapters, the vLLM plugin :mod:`torch_sdcp.integrations.vllm`,
+the SGLang plugin :mod:`torch_sdcp.integrations.sglang`) runs over one core,
+:mod:`torch_sdcp.integrations._core`.
 """
 
 from torch_sdcp.integrations.dcp import (

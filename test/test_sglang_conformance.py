@@ -1,0 +1,283 @@
+"""The SGLang plugin against SGLang's sources, read with ``ast`` WITHOUT
+importing SGLang (importing it needs its CUDA stack): the version, every
+function the plugin replaces, hooks or calls (parameter lists, defaults
+included), the return layouts of the replaced functions, the call sites and
+their by-name imports, the pre-capture point, the shutdown call, the plugin
+group and its error handling, and that two-batch overlap runs its micro-batches
+on one thread and stream. Skipped when SGLang's sources are not importable; CI
+does not depend on SGLang.
+
+    pip install --no-deps --target /tmp/sglang0523 sglang==0.5.23
+    PYTHONPATH=/tmp/sglang0523 python -m pytest -q test/test_sglang_conformance.py
+
+``SDCP_SGLANG_CHECK_ANY_VERSION=1`` runs the checks on another version.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from torch_sdcp.integrations import sglang as face
+
+COMM = "sglang.srt.layers.dcp.comm"
+CALL_SITES = ("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla",
+              "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla_rocm")
+REPLACED = ("cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode")
+
+
+def _sglang_dir():
+    if "sglang" in sys.modules and getattr(sys.modules["sglang"], "__file__", None) is None:
+        pytest.skip("a stand-in for sglang is in sys.modules")
+    try:
+        spec = importlib.util.find_spec("sglang")  # finds the package, does not import it
+    except ValueError:
+        pytest.skip("a stand-in for sglang is in sys.modules")
+    if spec is None or spec.origin is None:
+        pytest.skip("SGLang's sources are not importable")
+    return os.path.dirname(spec.origin)
+
+
+_TREES: dict = {}
+
+
+def _tree(module: str) -> ast.Module:
+    if module not in _TREES:
+        rel = module.split(".")[1:]
+        path = os.path.join(_sglang_dir(), *rel) + ".py"
+        if not os.path.exists(path):
+            path = os.path.join(_sglang_dir(), *rel, "__init__.py")
+        if not os.path.exists(path):
+            pytest.fail(f"SGLang has no module {module} (looked for {path})")
+        with open(path, encoding="utf-8") as f:
+            _TREES[module] = ast.parse(f.read(), filename=path)
+    return _TREES[module]
+
+
+@pytest.fixture(scope="module")
+def version():
+    tree = _tree("sglang._version")
+    found = [n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+             and any(isinstance(t, ast.Name) and t.id == "__version__" for t in n.targets)]
+    if not found:
+        pytest.fail("no __version__ in sglang/_version.py")
+    v = found[0]
+    if v.split("+")[0] not in face.SUPPORTED_SGLANG_VERSIONS and os.environ.get("SDCP_SGLANG_CHECK_ANY_VERSION") != "1":
+        pytest.skip(f"SGLang {v} is importable; the plugin supports {face.SUPPORTED_SGLANG_VERSIONS}")
+    return v
+
+
+def _find(module: str, path: str):
+    body = _tree(module).body
+    node = None
+    for part in path.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            pytest.fail(f"{module} defines no {path} (missing: {part})")
+        body = node.body
+    return node
+
+
+def _params(fn: ast.FunctionDef) -> str:
+    a = fn.args
+    out = []
+    positional = a.posonlyargs + a.args
+    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
+    for arg, default in zip(positional, defaults):
+        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
+    if a.vararg:
+        out.append("*" + a.vararg.arg)
+    elif a.kwonlyargs:
+        out.append("*")
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
+    if a.kwarg:
+        out.append("**" + a.kwarg.arg)
+    return "(" + ", ".join(out) + ")"
+
+
+def _text(fn) -> str:
+    return ast.unparse(fn)
+
+
+@pytest.mark.parametrize("target", sorted(face.SGLANG_SIGNATURES), ids=lambda t: f"{t[0]}:{t[1]}")
+def test_signature(version, target):
+    module, path = target
+    fn = _find(module, path)
+    assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)), f"{module}.{path} is not a function"
+    assert _params(fn) == face.SGLANG_SIGNATURES[target], f"SGLang {version}: {module}.{path} changed"
+
+
+def test_replacements_take_sglangs_parameters(version):
+    import inspect
+
+    for name in REPLACED:
+        ours = inspect.signature(getattr(face, name))
+        text = "(" + ", ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+                               for p in ours.parameters.values()) + ")"
+        assert text == face.SGLANG_SIGNATURES[(COMM, name)], name
+
+
+def test_every_hook_target_is_checked(version):
+    for target, _, _ in face.HOOKS:
+        module, name = target.rsplit(".", 1)
+        if module.endswith(("BaseRunner", "ModelRunner")):
+            module, cls = module.rsplit(".", 1)
+            name = f"{cls}.{name}"
+        assert (module, name) in face.SGLANG_SIGNATURES, target
+
+
+def test_return_layouts(version):
+    """ag_rs: the head-major [H, B, D] fp32 correction, reduce-scattered on
+    dim 0 ([H/N, B, D]), cast once; a2a: the local Triton combine's
+    [B, H/N, D]; the query: cat([q_pe, q_nope]) head-major, gathered on dim 0,
+    split and transposed into (q_nope_out, q_pe)."""
+    ag = _text(_find(COMM, "cp_lse_ag_out_rs_mla"))
+    for piece in ("cp_attn_out.new_empty(cp_attn_out.transpose(0, 1).shape, dtype=torch.float32)",
+                  "cp_group.reduce_scatter_along_dim(out, dim=0)", "return out.to(cp_attn_out.dtype)",
+                  "if cp_group.world_size == 1:\n        return cp_attn_out"):
+        assert piece in ag, piece
+    a2a = _text(_find(COMM, "dcp_a2a_lse_reduce"))
+    for piece in ("if comm_backend == 'fi_a2a':", "dcp_lse_combine_triton(recv_output, recv_lse, "
+                  "is_lse_base_on_e=is_lse_base_on_e)", "return combined"):
+        assert piece in a2a, piece
+    q = _text(_find(COMM, "all_gather_q_for_mla_decode"))
+    for piece in ("torch.cat([q_pe.transpose(0, 1), q_nope_out.transpose(0, 1)], dim=-1)",
+                  "group.all_gather(combined, dim=0)",
+                  "gathered.split([d_pe, d_nope], dim=-1)", "return (q_nope_out, q_pe)",
+                  "group = get_parallel().dcp_group"):
+        assert piece in q, piece
+
+
+def test_empty_shards_as_the_plugin_reads_them(version):
+    """SGLang's kernels treat NaN and +inf LSEs as empty shards (weight 0), as
+    the workspace does."""
+    from_kernels = ast.unparse(_tree("sglang.kernels.ops.attention.dcp_kernels"))
+    assert from_kernels.count("(lse != lse) | (lse == float('inf'))") >= 1
+    assert "acc = acc / tl.maximum(weight_sum, 1.0)" in from_kernels
+
+
+def _imports_by_name(module: str) -> set:
+    # From comm.py or from the package that re-exports it (sglang/srt/layers/dcp/__init__.py).
+    return {a.asname or a.name for n in ast.walk(_tree(module)) if isinstance(n, ast.ImportFrom)
+            and n.module in (COMM, COMM.rsplit(".", 1)[0]) for a in n.names}
+
+
+@pytest.mark.parametrize("module", CALL_SITES)
+def test_call_sites(version, module):
+    """The call sites import the three by name (SGLang's hook registry
+    rewrites such bindings), pass what the replacements take, and transpose
+    the ag_rs result right away."""
+    assert set(REPLACED) <= _imports_by_name(module)
+    assert set(REPLACED) <= _imports_by_name(COMM.rsplit(".", 1)[0]), "the package no longer re-exports comm.py's"
+    tree = _tree(module)
+    calls = {name: [] for name in REPLACED}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in calls:
+            calls[node.func.id].append(node)
+    assert all(calls.values()), {k: len(v) for k, v in calls.items()}
+    for c in calls["cp_lse_ag_out_rs_mla"]:
+        assert len(c.args) == 3 and {k.arg for k in c.keywords} <= {"is_lse_base_on_e"}, ast.unparse(c)
+    for c in calls["dcp_a2a_lse_reduce"]:
+        assert len(c.args) == 3 and {k.arg for k in c.keywords} <= {"is_lse_base_on_e", "comm_backend"}, \
+            ast.unparse(c)
+    for c in calls["all_gather_q_for_mla_decode"]:
+        assert {k.arg for k in c.keywords} | {None} == {"q_nope_out", "q_pe", None} or len(c.args) == 2, \
+            ast.unparse(c)
+    for block in ast.walk(tree):
+        body = getattr(block, "body", None)
+        if not isinstance(body, list):
+            continue
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call) and \
+                    isinstance(stmt.value.func, ast.Name) and stmt.value.func.id == "cp_lse_ag_out_rs_mla":
+                after = ast.unparse(body[i + 1]) if i + 1 < len(body) else ""
+                assert after == "attn_output = attn_output.transpose(0, 1)", f"{module}:{stmt.lineno}: {after}"
+
+
+def test_call_site_reads_the_lse_base_per_backend(version):
+    fn = _find(CALL_SITES[0], "is_mla_dcp_lse_base_on_e")
+    assert "flashmla" in _text(fn), "base e for FlashMLA, base 2 otherwise"
+
+
+def test_pre_capture_point(version):
+    """The warm-up calls _pre_initialize_fi_a2a_workspace before autotune, and
+    the decode graph runner warms up before it captures."""
+    warmup = _text(_find("sglang.srt.model_executor.runner.base_runner", "BaseRunner._warmup"))
+    assert warmup.index("self._pre_initialize_fi_a2a_workspace()") < warmup.index("should_run_flashinfer_autotune")
+    capture = _text(_find("sglang.srt.model_executor.runner.decode_cuda_graph_runner",
+                          "DecodeCudaGraphRunner._capture"))
+    assert "self.warmup()" in capture
+    rows = _text(_find("sglang.srt.model_executor.runner.base_runner", "BaseRunner._widest_decode_rows"))
+    assert "return max(capture_bs) * tokens_per_req" in rows
+
+
+def test_parallel_context_fields(version):
+    """The fields of get_parallel() the plugin reads, read by SGLang's own code."""
+    used = set()
+    for module in ("sglang.srt.model_executor.runner.base_runner", CALL_SITES[0]):
+        for n in ast.walk(_tree(module)):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Call) and ast.unparse(n.value.func) == \
+                    "get_parallel":
+                used.add(n.attr)
+    assert {"dcp_enabled", "dcp_group", "dcp_comm_backend", "dcp_replicate_q_proj"} <= used, used
+
+
+def test_model_attributes(version):
+    init = _text(_find("sglang.srt.models.deepseek_v2", "DeepseekV2AttentionMLA.__init__"))
+    for attr in ("self.dcp_size", "self.num_local_heads", "self.kv_lora_rank", "self.qk_rope_head_dim"):
+        assert f"{attr} = " in init, attr
+
+
+def test_shutdown_calls_abort_while_groups_live(version):
+    fn = _text(_find("sglang.srt.managers.scheduler", "run_scheduler_process"))
+    assert "abort_distributed_environment()" in fn and "load_plugins()" in fn
+
+
+def test_plugin_group_and_errors_caught(version):
+    tree = _tree("sglang.srt.plugins")
+    values = {n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+              and isinstance(n.value.value, str)}
+    assert "sglang.srt.plugins" in values
+    load = _find("sglang.srt.plugins", "load_plugins")
+    tries = [t for t in ast.walk(load) if isinstance(t, ast.Try) and "func()" in ast.unparse(t.body)]
+    assert tries and any(ast.unparse(h.type) == "Exception" for h in tries[0].handlers)
+    registry = _tree("sglang.srt.plugins.hook_registry")
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "_propagate_patch" for n in ast.walk(registry))
+    hook_types = _text(_find("sglang.srt.plugins.hook_registry", "HookType"))
+    for kind in {k for _, k, _ in face.HOOKS}:
+        assert f"{kind} = " in hook_types, kind
+
+
+def test_two_batch_overlap_is_one_thread_one_stream(version):
+    """One workspace set serves both micro-batches because SGLang interleaves
+    their stages on one thread and one CUDA stream, in the same order on every
+    rank."""
+    for module in ("sglang.srt.batch_overlap.operations", "sglang.srt.batch_overlap.two_batch_overlap"):
+        text = ast.unparse(_tree(module))
+        for word in ("torch.cuda.stream(", "torch.cuda.Stream(", "threading", "Thread("):
+            assert word not in text, (module, word)
+
+
+def test_hooked_methods_are_not_overridden(version):
+    """A hook on a base-class method reaches every runner only while no
+    subclass defines its own."""
+    root = os.path.join(_sglang_dir(), "srt")
+    for name in ("_pre_initialize_fi_a2a_workspace", "_widest_decode_rows", "abort_distributed_environment"):
+        found = []
+        for folder, _, files in os.walk(root):
+            for f in files:
+                if f.endswith(".py"):
+                    with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                        if f"def {name}(" in fh.read():
+                            found.append(os.path.relpath(os.path.join(folder, f), root))
+        assert len(found) == 1, (name, found)
+
+
+def test_sglang_was_not_imported(version):
+    assert "sglang" not in sys.modules, "the checks read SGLang's sources, they do not import them"

@@ -1,0 +1,303 @@
+"""The SGLang plugin (torch_sdcp_plugins.sglang -> torch_sdcp.integrations.sglang)
+without SGLang, on the stand-in of test_sglang_stand_in.py (the parts of SGLang
+0.5.23 it touches; SGLang's own DCP functions in plain torch). Spawned gloo ranks on the host backend then run the
+plugin's life: the entry point with SDCP_SGLANG=1, SGLang's hook registry
+(its real module when SGLang's sources are on the path, else a stand-in),
+workspaces at the pre-capture point, decode steps through the call site's
+by-name imports (both combine backends, LSE base 2 and e, empty shards, the
+two-view query gather), SGLang's own function above the bound, teardown at
+shutdown. In-process: the entry imports nothing of torch_sdcp while off and
+never raises, the version refusal, what stays SGLang's, the per-step check.
+
+The stand-in follows docs/SGLANG.md; test_sglang_conformance.py checks the
+seams against SGLang's sources.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_workers
+
+from test_sglang_stand_in import (
+    BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, MODULES, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
+    Coordinator, MLA, _real_registry, build_fake_sglang, decode_step, ref_all_gather_q_for_mla_decode,
+    ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce,
+)
+
+
+def _inputs(world, rows, seed, dtype):
+    """Every rank's step inputs: the query halves (q_nope_out head-major, as
+    SGLang's bmm makes it), partial outputs with finite payloads and LSEs with
+    empty shards (-inf, NaN, +inf) and an all-empty (row, head)."""
+    g = torch.Generator().manual_seed(seed)
+    per_rank = []
+    heads = world * H_LOC
+    for _ in range(world):
+        q_nope = (torch.randn(H_LOC, rows, D, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)
+        q_pe = (torch.randn(rows, H_LOC, R, generator=g) * 3).to(torch.bfloat16)
+        out = torch.randn(rows, heads, D, generator=g).to(dtype)
+        lse = torch.randn(rows, heads, generator=g) * 3
+        u = torch.rand(rows, heads, generator=g)
+        lse = torch.where(u < 0.1, -math.inf, torch.where(u < 0.15, math.nan, torch.where(u < 0.2, math.inf, lse)))
+        per_rank.append([q_nope, q_pe, out, lse])
+    for p in per_rank:
+        p[3][0, 0] = -math.inf  # every shard of (row 0, head 0) is empty
+    return per_rank
+
+
+def _protocol_worker(rank, world, rows_list):
+    torch.set_num_threads(1)
+    ns = build_fake_sglang()
+    sys.modules.update(ns.mods)
+    coord = Coordinator(dist.group.WORLD)
+    ns.parallel.dcp_group = coord
+
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+
+    entry.register()
+    assert face.is_installed()
+    ns.mods[REGISTRY].HookRegistry.apply_hooks()
+    fm, comm = ns.mods[FORWARD_MLA], ns.mods[COMM]
+    assert fm.cp_lse_ag_out_rs_mla is comm.cp_lse_ag_out_rs_mla and fm.cp_lse_ag_out_rs_mla.__wrapped__ is not None
+    assert fm.all_gather_q_for_mla_decode is comm.all_gather_q_for_mla_decode, "a by-name import was not rewritten"
+
+    model = torch.nn.Sequential(MLA(world), MLA(world), MLA(1))
+    runner = ns.mods[RUNNER].BaseRunner(ns.mods[MODEL_RUNNER].ModelRunner(model))
+    runner._pre_initialize_fi_a2a_workspace()
+    assert ns.events == ["fi_a2a"]
+    wss = face.workspaces()
+    assert len(wss) == 2 and all(w.peer and w.max_rows == BOUND for w in wss), wss
+    # An fp32 model's combine, prepared directly (what the hook does for a model of that dtype).
+    assert face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.float32,
+                        device="cpu", query=False) == {"output_lse": True, "query": False}
+
+    fell_back = {}
+    for backend in ("ag_rs", "a2a"):
+        ns.parallel.dcp_comm_backend = backend
+        for base_e in (False, True):
+            for i, rows in enumerate(rows_list):
+                for dtype in (torch.bfloat16, torch.float32):
+                    per_rank = _inputs(world, rows, 1000 * i + 10 * base_e + (dtype == torch.float32), dtype)
+                    q_nope, q_pe, out, lse = per_rank[rank]
+                    before = len(ns.calls)
+                    got = runner.model_runner.forward(lambda: decode_step(ns, q_nope, q_pe, out, lse, base_e))
+                    fell_back[(backend, base_e, rows, dtype)] = ns.calls[before:]
+                    want_nope, want_pe = ref_all_gather_q_for_mla_decode(q_nope, q_pe, coord)
+                    if backend == "a2a":
+                        want = ref_dcp_a2a_lse_reduce(out, lse, coord, base_e)
+                    else:
+                        want = ref_cp_lse_ag_out_rs_mla(out, lse, coord, None, base_e).transpose(0, 1)
+                    g_nope, g_pe, g_out = got
+                    for a, b in ((g_nope, want_nope), (g_pe, want_pe)):
+                        assert a.shape == b.shape and a.dtype == b.dtype and a.stride(-1) == 1
+                        assert torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+                    assert g_nope.data_ptr() == g_pe.data_ptr() + R * 2, "not two views of one cat([q_pe, q_nope])"
+                    assert g_out.shape == (rows, H_LOC, D) and g_out.dtype == dtype
+                    assert g_out.is_contiguous() or rows > BOUND  # SGLang's own ag_rs leaves a transposed view
+                    assert not torch.isnan(g_out).any()
+                    if rank == 0:
+                        assert (g_out[0, 0] == 0).all(), "an all-empty (row, head) must combine to 0"
+                    if dtype == torch.float32:
+                        torch.testing.assert_close(g_out, want, rtol=1e-5, atol=1e-5)
+                    else:
+                        torch.testing.assert_close(g_out, want, rtol=1.6e-2, atol=1e-2)
+    ns.mods[PARALLEL_STATE].abort_distributed_environment()
+    assert ns.events[-1] == "abort" and face.workspaces() == [], "not torn down before the groups go"
+    return {f"{k[0]},{k[1]},{k[2]},{k[3]}": v for k, v in fell_back.items()}, ns.real_registry
+
+
+def test_sglang_protocol_two_ranks():
+    results = run_workers(_protocol_worker, 2, args=([1, 7, BOUND, BOUND + 1],), timeout=180,
+                          env={"SDCP_SGLANG": "1"})
+    for fell_back, real_registry in results:
+        assert real_registry == (_real_registry() is not None)
+        for key, calls in fell_back.items():
+            rows = int(key.split(",")[2])
+            if rows <= BOUND:
+                assert calls == [], (key, calls)  # every seam on peer memory
+            else:  # above the bound: SGLang's own combine and gather
+                combine = "dcp_a2a_lse_reduce" if key.startswith("a2a") else "cp_lse_ag_out_rs_mla"
+                assert calls == ["all_gather_q_for_mla_decode", combine], (key, calls)
+
+
+# ---------------------------------------------------------------------------
+# In process: the entry point, versions, what stays SGLang's, the step check
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [None, "0", "off", "maybe"])
+def test_entry_imports_nothing_while_off(value):
+    code = ("import sys, torch_sdcp_plugins.sglang as e; e.register(); "
+            "bad = [m for m in sys.modules if m == 'torch_sdcp' or m.startswith('torch_sdcp.')]; "
+            "assert not bad, bad; assert 'torch' not in sys.modules, 'torch imported'")
+    env = {k: v for k, v in os.environ.items() if k != "SDCP_SGLANG"}
+    if value is not None:
+        env["SDCP_SGLANG"] = value
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, timeout=120, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert ("SDCP_SGLANG" in done.stderr) == (value == "maybe"), done.stderr  # a bad value is logged
+
+
+def test_entry_never_raises(monkeypatch, caplog):
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    monkeypatch.setattr(entry, "_logged", set())
+
+    def boom():
+        raise RuntimeError("no seam")
+
+    monkeypatch.setattr(face, "install", boom)
+    with caplog.at_level(logging.ERROR):
+        entry.register()
+        entry.register()
+    assert [r.getMessage() for r in caplog.records].count("torch_sdcp: the SGLang plugin stays off: "
+                                                          "RuntimeError: no seam") == 1
+
+
+@pytest.fixture
+def fake():
+    from torch_sdcp.integrations import sglang as face
+
+    ns = build_fake_sglang()
+    saved = {name: sys.modules.get(name) for name in MODULES}
+    sys.modules.update(ns.mods)
+    yield ns
+    face._hooks.installed = False
+    face._hooks.originals.clear()
+    face._hooks.dcp_group = None
+    face._face.forget()
+    for name, mod in saved.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+
+
+def test_unknown_version_refused(fake, caplog):
+    from torch_sdcp.integrations import sglang as face
+
+    fake.mods["sglang.version"].__version__ = "0.5.24"
+    with caplog.at_level(logging.ERROR):
+        assert not face.install()
+    assert not face.is_installed() and any("0.5.24" in r.getMessage() for r in caplog.records)
+
+
+def test_install_registers_every_hook_once(fake):
+    from torch_sdcp.integrations import sglang as face
+
+    registry = fake.mods[REGISTRY].HookRegistry
+    registered = []
+    real = registry.register
+    registry.register = classmethod(lambda cls, target, hook, kind, **k: registered.append((target, kind.name)))
+    try:
+        assert face.install() and face.install()
+    finally:
+        registry.register = real
+    assert registered == [(t, k) for t, k, _ in face.HOOKS]
+    assert set(face._hooks.originals) == {"cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"}
+
+
+def test_what_stays_sglangs(fake):
+    """fi_a2a, fp8 outputs, non-fp32 a2a LSEs and a world of one run SGLang's
+    own function, with every argument as given."""
+    from torch_sdcp.integrations import sglang as face
+
+    seen = []
+    face.configure(originals={"dcp_a2a_lse_reduce": lambda *a: seen.append(a) or "own",
+                              "cp_lse_ag_out_rs_mla": lambda *a: seen.append(a) or "own"})
+    one = types.SimpleNamespace(cpu_group=object(), world_size=1, rank_in_group=0, unique_name="x")
+    out, lse = torch.zeros(2, 4, 8, dtype=torch.bfloat16), torch.zeros(2, 4)
+    assert face.dcp_a2a_lse_reduce(out, lse, one, True, None, "fi_a2a") == "own"
+    assert face.dcp_a2a_lse_reduce(out, lse.double(), one) == "own"
+    assert face.cp_lse_ag_out_rs_mla(out, lse, one) == "own"
+    two = types.SimpleNamespace(cpu_group=object(), world_size=2, rank_in_group=0, unique_name="y")
+    fp8 = out.to(torch.float8_e4m3fn)
+    assert face.cp_lse_ag_out_rs_mla(fp8, lse, two, None, True) == "own"
+    assert seen[-1] == (fp8, lse, two, None, True) and len(seen) == 4
+
+
+def test_step_check_fails_the_step(fake, monkeypatch):
+    from torch_sdcp.integrations import sglang as face
+
+    class Poisoned:
+        closed = False
+
+        def check(self):
+            raise RuntimeError("torch_sdcp: OutputLSEWorkspace on rank 0 is poisoned")
+
+    assert face.install()
+    fake.mods[REGISTRY].HookRegistry.apply_hooks()
+    runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
+    assert runner.forward(lambda: "ok") == "ok"
+    monkeypatch.setattr(face._face, "workspaces", lambda: [Poisoned()])
+    with pytest.raises(RuntimeError, match="poisoned"):
+        runner.forward(lambda: "ok")
+
+
+def test_bound_from_sglang_and_cap(fake, monkeypatch):
+    from torch_sdcp.integrations import sglang as face
+
+    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential()))
+    assert face._row_bound(runner) == BOUND
+    runner._widest_decode_rows = lambda: None  # no CUDA graphs: max_running_requests x tokens per request
+    assert face._row_bound(runner) == 64 * TOKENS_PER_REQ
+    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "100")
+    assert face._row_bound(runner) == 100
+    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "lots")
+    with pytest.raises(ValueError, match="SDCP_SGLANG_MAX_ROWS"):
+        face._row_bound(runner)
+
+
+def test_geometries_from_the_model():
+    from torch_sdcp.integrations import sglang as face
+
+    model = torch.nn.Sequential(MLA(2), MLA(2), MLA(1), torch.nn.Linear(2, 2))
+    assert face._mla_geometries(model) == [(H_LOC, D, R)]
+
+
+def test_pre_capture_follows_sglangs_settings(fake, monkeypatch, caplog):
+    """fi_a2a keeps SGLang's combine, query replication makes no query
+    workspace, DCP off makes nothing, and a failure never reaches SGLang."""
+    from torch_sdcp.integrations import sglang as face
+
+    made = []
+    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
+    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential(MLA(2), MLA(2))))
+    for backend, replicate, want in (("ag_rs", False, (True, True)), ("a2a", True, (True, False)),
+                                     ("fi_a2a", False, (False, True)), ("fi_a2a", True, None)):
+        fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = backend, replicate
+        made.clear()
+        face._after_pre_initialize(None, runner)
+        if want is None:
+            assert made == []
+        else:
+            assert [(m["combine"], m["query"]) for m in made] == [want], (backend, replicate, made)
+            assert made[0]["max_rows"] == BOUND and made[0]["local_heads"] == H_LOC
+    fake.parallel.dcp_comm_backend, fake.parallel.dcp_enabled = "ag_rs", False
+    made.clear()
+    face._after_pre_initialize(None, runner)
+    assert made == []
+    fake.parallel.dcp_enabled = True
+
+    def boom(group, **k):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(face, "prepare", boom)
+    with caplog.at_level(logging.ERROR):
+        face._after_pre_initialize(None, runner)
+    assert any("no memory" in r.getMessage() for r in caplog.records)

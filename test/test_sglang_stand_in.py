@@ -1,0 +1,280 @@
+"""A thin stand-in for the parts of SGLang 0.5.23 the SGLang plugin touches
+(module paths, signatures, the call site's by-name imports, the runner's
+pre-capture point, the step, the shutdown call), whose DCP functions are
+SGLang's own (sglang/srt/layers/dcp/comm.py and the Triton kernels of
+sglang/kernels/ops/attention/dcp_kernels.py) written in plain torch, step by
+step: the reference the plugin's results are compared with. Used by
+test_sglang_plugin.py and test_sglang_graphs.py; holds no tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+H_LOC, D, R = 2, 32, 16  # local heads, kv_lora_rank, qk_rope_head_dim
+MAX_BS, TOKENS_PER_REQ = 4, 4
+BOUND = MAX_BS * TOKENS_PER_REQ  # SGLang's widest decode batch in rows
+
+COMM = "sglang.srt.layers.dcp.comm"
+FORWARD_MLA = "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla"
+RUNNER = "sglang.srt.model_executor.runner.base_runner"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+RUNTIME = "sglang.srt.runtime_context"
+REGISTRY = "sglang.srt.plugins.hook_registry"
+MODULES = ("sglang", "sglang.version", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.dcp", COMM,
+           RUNTIME, "sglang.srt.plugins", REGISTRY, "sglang.srt.model_executor", "sglang.srt.model_executor.runner",
+           RUNNER, MODEL_RUNNER, "sglang.srt.distributed", PARALLEL_STATE, "sglang.srt.models",
+           "sglang.srt.models.deepseek_common", "sglang.srt.models.deepseek_common.attention_forward_methods",
+           FORWARD_MLA)
+
+
+# ---------------------------------------------------------------------------
+# SGLang's DCP functions in plain torch (sglang/srt/layers/dcp/comm.py and
+# sglang/kernels/ops/attention/dcp_kernels.py of 0.5.23)
+# ---------------------------------------------------------------------------
+
+
+class Coordinator:
+    """The part of SGLang's GroupCoordinator the DCP functions use."""
+
+    def __init__(self, pg):
+        self.cpu_group = self.device_group = pg
+        self.world_size = dist.get_world_size(pg)
+        self.rank_in_group = dist.get_rank(pg)
+        self.unique_name = "dcp:0"
+
+    def all_gather(self, x, dim=-1):
+        raw = x.contiguous().view(torch.uint8)
+        parts = [torch.empty_like(raw) for _ in range(self.world_size)]
+        dist.all_gather(parts, raw, group=self.device_group)
+        return torch.cat([p.view(x.dtype) for p in parts], dim=dim)
+
+    def reduce_scatter_along_dim(self, x, dim=0):
+        total = x.clone()
+        dist.all_reduce(total, group=self.device_group)
+        return total.chunk(self.world_size, dim=dim)[self.rank_in_group].contiguous()
+
+    def all_to_all_single(self, output, input_):
+        dist.all_to_all_single(output, input_, group=self.device_group)
+
+
+def _empty_to_neg_inf(x):
+    return torch.where(torch.isnan(x) | (x == math.inf), -math.inf, x)
+
+
+def ref_cp_lse_ag_out_rs_mla(cp_attn_out, cp_attn_lse, cp_group, ctx=None, is_lse_base_on_e=False):
+    if cp_group.world_size == 1:
+        return cp_attn_out
+    cp_attn_lse = cp_attn_lse.to(torch.float32)
+    n = cp_group.world_size
+    lses = cp_group.all_gather(cp_attn_lse, dim=0).view((n,) + cp_attn_lse.shape)  # _ag_lse
+    # _correct_attn_cp_out_kernel, every (b, h) at once
+    exp, log = (torch.exp, torch.log) if is_lse_base_on_e else (torch.exp2, torch.log2)
+    lse = _empty_to_neg_inf(lses)
+    lse_max = lse.max(dim=0).values
+    lse_max = torch.where(lse_max == -math.inf, 0.0, lse_max)
+    final_lse = log(exp(lse - lse_max).sum(dim=0)) + lse_max
+    factor = exp(_empty_to_neg_inf(lses[cp_group.rank_in_group] - final_lse))
+    new_output = (cp_attn_out.float() * factor.unsqueeze(-1)).transpose(0, 1).contiguous()  # [H, B, D] fp32
+    out = cp_group.reduce_scatter_along_dim(new_output, dim=0)
+    return out.to(cp_attn_out.dtype)
+
+
+def ref_dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e=True, cuda_graph_buffers=None,
+                           comm_backend="a2a"):
+    if cp_group.world_size == 1:
+        return cp_attn_out
+    assert comm_backend == "a2a", "the stand-in has no FlashInfer"
+    n = cp_group.world_size
+    b, h, d = cp_attn_out.shape
+    hp = h // n
+    lpd = torch.finfo(torch.float32).bits // torch.finfo(cp_attn_out.dtype).bits  # _lse_pack_dim
+    send = torch.empty(n, b, hp, d + lpd, dtype=cp_attn_out.dtype)
+    recv = torch.empty_like(send)
+    # dcp_pack_a2a_send: head h goes to peer h // hp, LSE as fp32 words after the output
+    send[:, :, :, :d] = cp_attn_out.view(b, n, hp, d).transpose(0, 1)
+    send.view(torch.float32)[:, :, :, d // lpd] = cp_attn_lse.view(b, n, hp).transpose(0, 1)
+    cp_group.all_to_all_single(recv.reshape(-1).view(torch.uint8), send.reshape(-1).view(torch.uint8))
+    recv_output = recv[:, :b, :, :d]
+    recv_lse = recv.view(torch.float32)[:, :b, :, d // lpd]
+    # _dcp_lse_combine_kernel
+    exp = torch.exp if is_lse_base_on_e else torch.exp2
+    lse = _empty_to_neg_inf(recv_lse.float())
+    lse_max = lse.max(dim=0).values
+    lse_max = torch.where(lse_max == -math.inf, 0.0, lse_max)
+    w = exp(lse - lse_max)
+    acc = (recv_output.float() * w.unsqueeze(-1)).sum(dim=0) / torch.clamp(w.sum(dim=0), min=1.0).unsqueeze(-1)
+    return acc.to(cp_attn_out.dtype)
+
+
+def ref_all_gather_q_for_mla_decode(q_nope_out, q_pe, group):
+    combined = torch.cat([q_pe.transpose(0, 1), q_nope_out.transpose(0, 1)], dim=-1)
+    gathered = group.all_gather(combined, dim=0)
+    q_pe, q_nope_out = gathered.split([q_pe.size(-1), q_nope_out.size(-1)], dim=-1)
+    return q_nope_out.transpose(0, 1), q_pe.transpose(0, 1)
+
+
+# ---------------------------------------------------------------------------
+# The stand-in
+# ---------------------------------------------------------------------------
+
+
+def _stand_in_registry(mod):
+    """SGLang's HookRegistry as far as the plugin uses it: REPLACE, BEFORE and
+    AFTER hooks on dotted targets, applied with the by-name imports rewritten."""
+    import enum
+    import functools
+    import pkgutil
+
+    class HookType(enum.Enum):
+        BEFORE, AFTER, REPLACE = "before", "after", "replace"
+
+    class HookRegistry:
+        hooks: list = []
+
+        @classmethod
+        def register(cls, target, hook, hook_type=HookType.AFTER):
+            cls.hooks.append((target, hook, hook_type))
+
+        @classmethod
+        def apply_hooks(cls):
+            for target, hook, kind in cls.hooks:
+                path, name = target.rsplit(".", 1)
+                owner = pkgutil.resolve_name(path)
+                original = getattr(owner, name)
+
+                def wrapper(*a, _o=original, _h=hook, _k=kind, **k):
+                    if _k is HookType.REPLACE:
+                        return _h(*a, **k)
+                    if _k is HookType.BEFORE:
+                        _h(*a, **k)
+                        return _o(*a, **k)
+                    result = _o(*a, **k)
+                    _h(result, *a, **k)
+                    return result
+
+                wrapped = functools.wraps(original)(wrapper)
+                setattr(owner, name, wrapped)
+                for m in list(sys.modules.values()):
+                    for attr, value in list(vars(m).items()) if isinstance(m, types.ModuleType) else ():
+                        if value is original and m is not owner:
+                            setattr(m, attr, wrapped)
+            cls.hooks = []
+
+    mod.HookType, mod.HookRegistry = HookType, HookRegistry
+
+
+def _real_registry():
+    """SGLang's own hook_registry.py (standard library only) when its sources
+    are importable, else None."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except ValueError:  # a stand-in without a spec is in sys.modules
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), "srt", "plugins", "hook_registry.py")
+    return path if os.path.exists(path) else None
+
+
+def build_fake_sglang(version="0.5.23"):
+    mods = {name: types.ModuleType(name) for name in MODULES}
+    for mod in mods.values():
+        mod.__path__ = []
+    ns = types.SimpleNamespace(mods=mods, calls=[], events=[])
+    mods["sglang.version"].__version__ = version
+    parallel = types.SimpleNamespace(dcp_enabled=True, dcp_group=None, dcp_comm_backend="ag_rs",
+                                     dcp_replicate_q_proj=False)
+    ns.parallel = parallel
+    mods[RUNTIME].get_parallel = lambda: parallel
+
+    comm = mods[COMM]
+
+    def cp_lse_ag_out_rs_mla(cp_attn_out, cp_attn_lse, cp_group, ctx=None, is_lse_base_on_e=False):
+        ns.calls.append("cp_lse_ag_out_rs_mla")
+        return ref_cp_lse_ag_out_rs_mla(cp_attn_out, cp_attn_lse, cp_group, ctx, is_lse_base_on_e)
+
+    def dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e=True, cuda_graph_buffers=None,
+                           comm_backend="a2a"):
+        ns.calls.append("dcp_a2a_lse_reduce")
+        return ref_dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e, cuda_graph_buffers,
+                                      comm_backend)
+
+    def all_gather_q_for_mla_decode(q_nope_out, q_pe):
+        ns.calls.append("all_gather_q_for_mla_decode")
+        return ref_all_gather_q_for_mla_decode(q_nope_out, q_pe, parallel.dcp_group)
+
+    comm.cp_lse_ag_out_rs_mla = cp_lse_ag_out_rs_mla
+    comm.dcp_a2a_lse_reduce = dcp_a2a_lse_reduce
+    comm.all_gather_q_for_mla_decode = all_gather_q_for_mla_decode
+    fm = mods[FORWARD_MLA]  # the call site imported the three by name
+    fm.cp_lse_ag_out_rs_mla, fm.dcp_a2a_lse_reduce = cp_lse_ag_out_rs_mla, dcp_a2a_lse_reduce
+    fm.all_gather_q_for_mla_decode = all_gather_q_for_mla_decode
+
+    class BaseRunner:
+        def __init__(self, model_runner):
+            self.model_runner = model_runner
+
+        def _pre_initialize_fi_a2a_workspace(self):
+            ns.events.append("fi_a2a")
+
+        def _widest_decode_rows(self):
+            return MAX_BS * self.model_runner.decode_num_tokens_per_req()
+
+    class ModelRunner:
+        def __init__(self, model):
+            self.model, self.device = model, "cpu"
+            self.model_config = types.SimpleNamespace(dtype=torch.bfloat16)
+            self.max_running_requests = 64
+
+        def decode_num_tokens_per_req(self, *, num_draft_tokens=None):
+            return TOKENS_PER_REQ
+
+        def forward(self, forward_batch, skip_attn_backend_init=None, pp_proxy_tensors=None,
+                    reinit_attn_backend=False, split_forward_count=1):
+            return forward_batch()
+
+    mods[RUNNER].BaseRunner, mods[MODEL_RUNNER].ModelRunner = BaseRunner, ModelRunner
+    mods[PARALLEL_STATE].abort_distributed_environment = lambda: ns.events.append("abort")
+
+    path = _real_registry()
+    if path is not None:
+        spec = importlib.util.spec_from_file_location(REGISTRY, path)
+        mods[REGISTRY] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[REGISTRY])
+    else:
+        _stand_in_registry(mods[REGISTRY])
+    ns.real_registry = path is not None
+    return ns
+
+
+class MLA(torch.nn.Module):
+    """The attributes of DeepseekV2AttentionMLA the plugin reads."""
+
+    def __init__(self, dcp_size):
+        super().__init__()
+        self.dcp_size, self.num_local_heads, self.kv_lora_rank, self.qk_rope_head_dim = dcp_size, H_LOC, D, R
+
+
+def decode_step(ns, q_nope_out, q_pe, attn_output, lse, is_lse_base_on_e):
+    """forward_mla.py's decode phase around the three seams, through the
+    module's by-name bindings."""
+    fm, parallel = ns.mods[FORWARD_MLA], ns.parallel
+    q_nope_out, q_pe = fm.all_gather_q_for_mla_decode(q_nope_out=q_nope_out, q_pe=q_pe)
+    n = parallel.dcp_group.world_size
+    attn_output = attn_output.view(-1, H_LOC * n, D)
+    if parallel.dcp_comm_backend in ("a2a", "fi_a2a"):
+        attn_output = fm.dcp_a2a_lse_reduce(attn_output.contiguous(), lse.contiguous(), parallel.dcp_group,
+                                            is_lse_base_on_e=is_lse_base_on_e, comm_backend=parallel.dcp_comm_backend)
+    else:
+        attn_output = fm.cp_lse_ag_out_rs_mla(attn_output, lse, parallel.dcp_group, is_lse_base_on_e=is_lse_base_on_e)
+        attn_output = attn_output.transpose(0, 1)
+    return q_nope_out, q_pe, attn_output.view(-1, H_LOC, D)

@@ -1,0 +1,48 @@
+"""The ``sglang.srt.plugins`` entry point ``torch_sdcp``: SGLang calls
+:func:`register` in every process it starts (and catches what it raises; this
+one raises nothing). Off unless ``SDCP_SGLANG=1``; while off it imports nothing
+of torch_sdcp. On, it registers :mod:`torch_sdcp.integrations.sglang`'s hooks
+with SGLang (docs/SGLANG.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ENV_ENABLE = "SDCP_SGLANG"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+_logged: set = set()
+
+
+def _log_once(level: int, reason: str, msg: str, *args: object) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logging.getLogger("sglang.torch_sdcp").log(level, msg, *args)
+
+
+def enabled() -> bool:
+    """Whether ``SDCP_SGLANG`` switches the plugin on (off when unset). An
+    unrecognised value is logged once and counts as off."""
+    raw = os.environ.get(ENV_ENABLE, "")
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value not in _FALSE:
+        _log_once(logging.ERROR, "setting", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the SGLang plugin "
+                  "stays off", ENV_ENABLE, raw, "/".join(_TRUE), "/".join(_FALSE[1:]))
+    return False
+
+
+def register() -> None:
+    """The entry point. Never raises: a failure is logged once and the plugin
+    stays off (SGLang runs its own DCP paths)."""
+    try:
+        if not enabled():
+            return
+        from torch_sdcp.integrations import sglang as face
+
+        face.install()
+    except Exception as e:  # noqa: BLE001  (nothing of ours reaches SGLang's start-up)
+        _log_once(logging.ERROR, "register", "torch_sdcp: the SGLang plugin stays off: %s: %s", type(e).__name__, e)
