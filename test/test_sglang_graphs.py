@@ -1,6 +1,6 @@
 """The SGLang plugin's three seams captured in one CUDA graph and replayed with
 changing inputs, equal to SGLang's own functions (the plain-torch reference of
-test_sglang_stand_in.py, run on the host over gloo). Two ranks share one GPU
+_sglang_stand_in.py, run on the host over gloo). Two ranks share one GPU
 (``allow_shared_device``: correct, not fast); on a GPU machine:
 
     python -m pytest -q -ra test/test_sglang_graphs.py
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
-from conftest import requires_gpus
-from test_sglang_stand_in import BOUND, H_LOC, Coordinator, D, R, ref_all_gather_q_for_mla_decode, \
+from _helpers import requires_gpus
+from _sglang_stand_in import BOUND, H_LOC, Coordinator, D, R, ref_all_gather_q_for_mla_decode, \
     ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce
 
 ROWS = 6  # one captured batch size below the bound

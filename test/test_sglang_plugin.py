@@ -1,5 +1,5 @@
 """The SGLang plugin (torch_sdcp_plugins.sglang -> torch_sdcp.integrations.sglang)
-without SGLang, on the stand-in of test_sglang_stand_in.py (the parts of SGLang
+without SGLang, on the stand-in of _sglang_stand_in.py (the parts of SGLang
 0.5.23 it touches; SGLang's own DCP functions in plain torch). Spawned gloo ranks on the host backend then run the
 plugin's life: the entry point with SDCP_SGLANG=1, SGLang's hook registry
 (its real module when SGLang's sources are on the path, else a stand-in),
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from _dist import run_workers
 
-from test_sglang_stand_in import (
+from _sglang_stand_in import (
     BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, MODULES, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
     Coordinator, MLA, _real_registry, build_fake_sglang, decode_step, ref_all_gather_q_for_mla_decode,
     ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce,
