@@ -207,11 +207,12 @@ setup(
     name="torch_sdcp",
     version=read_version(),
     description="Shared-DCP: peer-addressable decode data paths for Decode Context Parallelism",
-    packages=find_packages(include=["torch_sdcp", "torch_sdcp.*"]),
+    packages=find_packages(include=["torch_sdcp", "torch_sdcp.*", "torch_sdcp_plugins"]),
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",
     install_requires=[TORCH_REQUIREMENT, "cuda-bindings>=12.6"],  # and requirements.txt
-    # vLLM loads this in every process; it does nothing unless SDCP_VLLM=1 (docs/VLLM.md).
-    entry_points={"vllm.general_plugins": ["torch_sdcp = torch_sdcp.integrations.vllm:register"]},
+    # vLLM loads this in every process: it imports nothing of torch_sdcp unless SDCP_VLLM=1, and never raises
+    # (docs/VLLM.md).
+    entry_points={"vllm.general_plugins": ["torch_sdcp = torch_sdcp_plugins.vllm:register"]},
 )

@@ -65,7 +65,7 @@ def _installed_version() -> str:
 @pytest.fixture(scope="module")
 def version():
     v = _installed_version()
-    if v.split("+")[0] not in plugin.SUPPORTED_VLLM_VERSIONS and os.environ.get("SDCP_VLLM_CHECK_ANY_VERSION") != "1":
+    if not plugin.supported_version(v) and os.environ.get("SDCP_VLLM_CHECK_ANY_VERSION") != "1":
         pytest.skip(f"vLLM {v} is installed; the plugin supports {plugin.SUPPORTED_VLLM_VERSIONS} "
                     "(SDCP_VLLM_CHECK_ANY_VERSION=1 checks it anyway)")
     return v
