@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
+from conftest import requires_gpus
 from test_vllm_plugin import D, H_LOC, W, Coordinator, FakeVllm, _Collect, _config, build_fake_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -356,3 +357,57 @@ def test_teardown_failure_does_not_stop_shutdown(env, stubs, collect):
         assert ns.coordinator is None and plugin.workspaces() == []
         assert not any(w.peer for w in stubs[1:])
     assert any(lvl == "ERROR" and "injected close failure" in m for lvl, m in collect.records), collect.records
+
+
+def _gpu_health_worker(rank, world):
+    """A combine captured in a CUDA graph, replayed on both ranks (the step
+    check passes), then replayed by rank 0 alone: its kernel times out and
+    aborts; rank 1's next replay meets the abort. The step check then raises
+    on both ranks, reading host memory only."""
+    from torch_sdcp.integrations import vllm as plugin
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
+    plugin.configure(dcp_group=lambda: coord)
+    assert plugin.try_prepare_output_lse(coord, max_rows=16, total_heads=world * H_LOC, head_dim=D,
+                                         dtype=torch.bfloat16, device=device)
+    out = torch.randn(8, world * H_LOC, D, device=device).to(torch.bfloat16)
+    lse = torch.randn(8, world * H_LOC, device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        plugin.cp_lse_ag_out_rs(out, lse, coord)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plugin.cp_lse_ag_out_rs(out, lse, coord)
+    graph.replay()
+    torch.cuda.synchronize()
+    plugin.check_step()
+    dist.barrier()
+    if rank == 0:
+        graph.replay()  # rank 1 skips this step: rank 0 waits out SDCP_VLLM_TIMEOUT_S, records and aborts
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:
+        graph.replay()  # meets rank 0's abort
+        torch.cuda.synchronize()
+    dist.barrier()
+    try:
+        plugin.check_step()
+    except RuntimeError as e:
+        raised = str(e)
+    else:
+        raised = None
+    del graph
+    plugin.teardown()
+    return raised
+
+
+@requires_gpus(2)
+def test_health_check_after_a_failure_in_a_replayed_graph_cuda():
+    results = run_workers(_gpu_health_worker, 2, timeout=180, env={"SDCP_VLLM_TIMEOUT_S": "2"})
+    for rank, raised in enumerate(results):
+        assert raised is not None and "recorded a failure" in raised, (rank, raised)
