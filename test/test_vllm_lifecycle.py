@@ -365,9 +365,12 @@ def _gpu_health_worker(rank, world):
     aborts; rank 1's next replay meets the abort. The step check then raises
     on both ranks, reading host memory only."""
     from torch_sdcp.integrations import vllm as plugin
+    from torch_sdcp.integrations import vllm_calls
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", 0)  # both ranks on one GPU: correct, time-sliced
     torch.cuda.set_device(device)
+    options = vllm_calls._face.options
+    vllm_calls._face.options = lambda: {**options(), "allow_shared_device": True}
     coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     plugin.configure(dcp_group=lambda: coord)
     assert plugin.try_prepare_output_lse(coord, max_rows=16, total_heads=world * H_LOC, head_dim=D,
@@ -406,8 +409,8 @@ def _gpu_health_worker(rank, world):
     return raised
 
 
-@requires_gpus(2)
-def test_health_check_after_a_failure_in_a_replayed_graph_cuda():
+@requires_gpus(1)
+def test_health_check_after_a_failure_in_a_replayed_graph_two_ranks_on_one_gpu():
     results = run_workers(_gpu_health_worker, 2, timeout=180, env={"SDCP_VLLM_TIMEOUT_S": "2"})
     for rank, raised in enumerate(results):
         assert raised is not None and "recorded a failure" in raised, (rank, raised)
