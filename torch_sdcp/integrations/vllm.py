@@ -367,8 +367,13 @@ def _worker_sample_tokens(self, grammar_output):
     get_output = getattr(output, "get_output", None)
     if get_output is None:
         check_step()
-    else:
+        return output
+    try:
         output.get_output = functools.partial(_checked_get_output, get_output)
+    except AttributeError:  # an output type that takes no attribute: check now (what already ran)
+        _log_once("warning", "async-output", "torch_sdcp: %s takes no wrapper; the step check runs before the "
+                  "step's copy finished", type(output).__name__)
+        check_step()
     return output
 
 
@@ -381,6 +386,8 @@ def _destroy_model_parallel(*args, **kwargs):
     except Exception as e:  # noqa: BLE001  (shutdown must go on)
         _log_once("error", ("teardown", str(e)), "torch_sdcp: closing the workspaces at vLLM's shutdown failed "
                   "(%s: %s); vLLM's shutdown goes on", type(e).__name__, e)
+    # A next engine in this process logs its seams again, even under a DCP group name seen before.
+    _face.logged -= {r for r in set(_face.logged) if isinstance(r, tuple) and r[0] == "seams"}
     return _hooks.originals["destroy_model_parallel"](*args, **kwargs)
 
 
