@@ -267,6 +267,15 @@ def test_health_check_in_sample_tokens(env, stubs):
         with pytest.raises(RuntimeError, match="injected"):
             out.get_output()
         assert pending.waited == 1, "checked after the wait, not before"
+
+        class Slotted:  # an output type that takes no new attribute
+            __slots__ = ()
+
+            def get_output(self):
+                return "tokens"
+
+        with pytest.raises(RuntimeError, match="injected"):  # checked at once instead
+            worker_cls(output=Slotted()).sample_tokens(None)
         plugin.uninstall()
         assert worker_cls.sample_tokens is original
 
