@@ -77,20 +77,48 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
-def pip_cuda_include_dirs() -> list:
-    """Include folders of the CUDA packages pip installs beside torch, for the
-    headers torch's CUDA headers include that the toolkit may lack."""
-    toolkit = os.path.join(cpp_extension.CUDA_HOME, "include")
-    missing = [h for h in CUDA_HEADERS_TORCH_NEEDS if not os.path.exists(os.path.join(toolkit, h))]
+def pip_cuda_roots() -> list:
+    """The ``nvidia`` namespace folders of the CUDA packages pip installs beside torch."""
     spec = importlib.util.find_spec("nvidia")
-    if not missing or spec is None:
-        return []
-    dirs = []
-    for root in spec.submodule_search_locations or []:
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
+def headers_toolkit_lacks(toolkit_include: str, pip_roots: list) -> dict:
+    """Every header in pip's ``nvidia/*/include`` folders that the toolkit's
+    include folder lacks: path relative to the include folder -> file (the
+    first package that has it wins)."""
+    found: dict = {}
+    for root in pip_roots:
         for inc in sorted(glob.glob(os.path.join(root, "*", "include"))):
-            if any(os.path.exists(os.path.join(inc, h)) for h in missing):
-                dirs.append(inc)
-    return dirs
+            for dirpath, _, files in os.walk(inc):
+                for name in files:
+                    rel = os.path.relpath(os.path.join(dirpath, name), inc)
+                    if rel not in found and not os.path.exists(os.path.join(toolkit_include, rel)):
+                        found[rel] = os.path.join(dirpath, name)
+    return found
+
+
+def pip_cuda_include_dirs(toolkit_include: str | None = None, pip_roots: list | None = None,
+                          overlay: str | None = None, needed: tuple = CUDA_HEADERS_TORCH_NEEDS) -> list:
+    """Where torch's CUDA headers include a header the toolkit lacks (cuSPARSE,
+    cuBLAS, ... come from pip beside torch): one folder of links to just the
+    headers the toolkit lacks, so that pip's headers never shadow the
+    toolkit's own (a newer pip ``crt/host_runtime.h`` breaks an older nvcc:
+    ``macro "__cudaLaunch" passed 2 arguments``). [] when nothing is missing."""
+    if toolkit_include is None:
+        toolkit_include = os.path.join(cpp_extension.CUDA_HOME, "include")
+    if not any(not os.path.exists(os.path.join(toolkit_include, h)) for h in needed):
+        return []
+    lacking = headers_toolkit_lacks(toolkit_include, pip_cuda_roots() if pip_roots is None else pip_roots)
+    if not lacking:
+        return []
+    overlay = overlay or os.path.join(HERE, "build", "pip-cuda-include")
+    shutil.rmtree(overlay, ignore_errors=True)
+    for rel, path in lacking.items():
+        link = os.path.join(overlay, rel)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(path, link)
+    return [overlay]
 
 
 def sources(pattern: str) -> list:
@@ -203,15 +231,21 @@ def write_build_info(path: str) -> None:
 # The extension works with the torch release it was compiled against only.
 TORCH_REQUIREMENT = f"torch=={torch.__version__.split('+')[0]}"
 
-setup(
-    name="torch_sdcp",
-    version=read_version(),
-    description="Shared-DCP: peer-addressable decode data paths for Decode Context Parallelism",
-    packages=find_packages(include=["torch_sdcp", "torch_sdcp.*"]),
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
-    python_requires=">=3.10",
-    install_requires=[TORCH_REQUIREMENT, "cuda-bindings>=12.6"],  # and requirements.txt
-    # vLLM loads this in every process; it does nothing unless SDCP_VLLM=1 (docs/VLLM.md).
-    entry_points={"vllm.general_plugins": ["torch_sdcp = torch_sdcp.integrations.vllm:register"]},
-)
+# Run as a script (pip and setuptools run it so); imported, it only defines the helpers above (the tests).
+if __name__ == "__main__":
+    setup(
+        name="torch_sdcp",
+        version=read_version(),
+        description="Shared-DCP: peer-addressable decode data paths for Decode Context Parallelism",
+        packages=find_packages(include=["torch_sdcp", "torch_sdcp.*", "torch_sdcp_plugins"]),
+        ext_modules=[extension()],
+        cmdclass={"build_ext": BuildExtension},
+        python_requires=">=3.10",
+        install_requires=[TORCH_REQUIREMENT, "cuda-bindings>=12.6"],  # and requirements.txt
+        # The engines load these in every process: each imports nothing of torch_sdcp unless its setting
+        # (SDCP_VLLM=1, SDCP_SGLANG=1) is on, and never raises (docs/VLLM.md, docs/SGLANG.md).
+        entry_points={
+            "vllm.general_plugins": ["torch_sdcp = torch_sdcp_plugins.vllm:register"],
+            "sglang.srt.plugins": ["torch_sdcp = torch_sdcp_plugins.sglang:register"],
+        },
+    )

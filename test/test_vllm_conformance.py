@@ -65,7 +65,7 @@ def _installed_version() -> str:
 @pytest.fixture(scope="module")
 def version():
     v = _installed_version()
-    if v.split("+")[0] not in plugin.SUPPORTED_VLLM_VERSIONS and os.environ.get("SDCP_VLLM_CHECK_ANY_VERSION") != "1":
+    if not plugin.supported_version(v) and os.environ.get("SDCP_VLLM_CHECK_ANY_VERSION") != "1":
         pytest.skip(f"vLLM {v} is installed; the plugin supports {plugin.SUPPORTED_VLLM_VERSIONS} "
                     "(SDCP_VLLM_CHECK_ANY_VERSION=1 checks it anyway)")
     return v
@@ -214,3 +214,22 @@ def test_default_row_bound_function_exists(version):
 
 def test_vllm_was_not_imported(version):
     assert "vllm" not in sys.modules, "the conformance checks must read vLLM's sources, not import them"
+
+
+def test_step_errors_take_vllms_error_path(version):
+    """The health check raises from an async output's get_output: vLLM's
+    multiprocess executor calls it inside a try that turns the exception into
+    the step's failure response."""
+    fn = _find("vllm.v1.executor.multiproc_executor", "WorkerProc.enqueue_output")
+    tries = [n for n in ast.walk(fn) if isinstance(n, ast.Try)]
+    assert any(any(isinstance(c, ast.Call) and ast.unparse(c.func).endswith("get_output")
+                   for stmt in t.body for c in ast.walk(stmt)) and t.handlers for t in tries), ast.unparse(fn)
+
+
+def test_destroy_model_parallel_imported_by_name(version):
+    """The executors reach destroy_model_parallel by a name the plugin patches
+    (a re-export from vllm.distributed or the module attribute)."""
+    tree = _tree("vllm.v1.executor.multiproc_executor")
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module in
+             ("vllm.distributed", "vllm.distributed.parallel_state") for a in n.names}
+    assert "destroy_model_parallel" in names

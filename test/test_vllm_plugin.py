@@ -38,7 +38,8 @@ from _helpers import requires_gpus
 
 VLLM_MODULES = (
     "vllm", "vllm.logger", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops", "vllm.v1.attention.ops.dcp",
-    "vllm.v1.worker", "vllm.v1.worker.ubatching", "vllm.distributed", "vllm.distributed.parallel_state",
+    "vllm.v1.worker", "vllm.v1.worker.ubatching", "vllm.v1.worker.gpu_worker", "vllm.distributed",
+    "vllm.distributed.parallel_state",
     "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.sparse_attn_indexer",
     "vllm.models", "vllm.models.glm5next", "vllm.models.glm5next.nvidia",
     "vllm.models.glm5next.nvidia.sparse_indexer",
@@ -135,6 +136,26 @@ def build_fake_vllm(version="0.33.0"):
 
     mods["vllm.distributed.parallel_state"].get_dcp_group = get_dcp_group
     mods["vllm.distributed"].get_dcp_group = get_dcp_group
+
+    def destroy_model_parallel():
+        ns.calls.append(("destroy_model_parallel", 0))
+        ns.coordinator = None
+
+    mods["vllm.distributed.parallel_state"].destroy_model_parallel = destroy_model_parallel
+    mods["vllm.distributed"].destroy_model_parallel = destroy_model_parallel  # a re-export, as in vLLM
+
+    class Worker:
+        """vLLM's GPU worker: one step's output, synchronous or async
+        (``get_output`` waits for the copy to the host)."""
+
+        def __init__(self, output=None):
+            self.output = output
+
+        def sample_tokens(self, grammar_output):
+            ns.calls.append(("sample_tokens", 0))
+            return self.output
+
+    mods["vllm.v1.worker.gpu_worker"].Worker = Worker
 
     # --- vllm.v1.attention.ops.dcp ------------------------------------------------------------
     dcp = mods["vllm.v1.attention.ops.dcp"]
@@ -264,7 +285,10 @@ class FakeVllm:
 
 
 def _reset_plugin(plugin):
+    from torch_sdcp_plugins import vllm as entry
+
     plugin.uninstall()
+    entry._logged.clear()
     vllm_calls._face.forget()
     vllm_calls._face.ubatch_id = lambda: 0
     vllm_calls._hooks.originals.clear()
@@ -604,7 +628,8 @@ def test_install_idempotent_and_reversible(plugin):
         assert dcp.MLADCPManager._init_query_gather is plugin._manager_init_query_gather
         assert indexer._merge_dcp_topk_global is plugin.merge_dcp_topk_global
         assert glm._merge_dcp_topk_global is plugin.merge_dcp_topk_global
-        assert len(plugin._state.patches) == len(plugin.PATCHED) + 1  # one re-export
+        # Patched at install: all but the worker's step; plus two re-exports (the merge, destroy_model_parallel).
+        assert len(plugin._state.patches) == len(plugin.PATCHED) - 1 + 2
         plugin.uninstall()
         plugin.uninstall()
         assert (dict(vars(dcp.MLADCPManager)), indexer._merge_dcp_topk_global) == before
@@ -694,8 +719,10 @@ def test_pcp_single_rank_and_query_replication_keep_vllm(plugin, monkeypatch):
         monkeypatch.setattr(wsmod, "OutputLSEWorkspace", _NoPeer)
         pcp = dcp.MLADCPManager(_config(), use_pcp=True, **kw)
         assert pcp.combine.func is dcp.cp_lse_ag_out_rs and pcp.query_gather is None
+        assert made == [], "no query workspace with PCP"
+        # dcp_q_replicate does not decide: the attention class does (GLM-5 on CUDA gathers anyway).
         qrep = dcp.MLADCPManager(_config(q_replicate=True), use_pcp=False, **kw)
-        assert qrep.query_gather == qrep._gather_query and made == [], "no query workspace with replication"
+        assert len(made) == 1 and qrep.query_gather == qrep._gather_query  # no peer memory: vLLM's own
 
 
 def test_bound_from_engine_and_cap(plugin, monkeypatch):

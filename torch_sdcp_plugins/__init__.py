@@ -1,4 +1,5 @@
-"""Engine plugin entry points of torch_sdcp, outside the torch_sdcp package so
-that an engine loading them imports nothing of torch_sdcp (and loads no C++
-extension) while the plugin is off. Each module reads its one setting and only
-then imports its face in torch_sdcp.integrations."""
+"""Engine plugin entry points of torch_sdcp (vllm.py, sglang.py), outside the
+torch_sdcp package: an engine loads them in every process, and each imports
+nothing of torch_sdcp (whose import loads the C++ extension) until its one
+setting switches it on, then its face in torch_sdcp.integrations. None raises
+into the engine's start-up."""

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch_sdcp._checks import arg_error
 
 __all__ = ["BOUNDARIES", "DEFAULT_MAX_ROWS", "OUTPUT_DTYPES", "Boundary", "Entry", "Face", "Group",
-           "normalise_device", "query_direct", "resolve_group"]
+           "check_live_workspaces", "normalise_device", "query_direct", "resolve_group"]
 
 #: Rows bound of a workspace a face creates on first use (the reference decode bound).
 DEFAULT_MAX_ROWS = 128
@@ -413,6 +413,10 @@ class Face:
         """The workspaces this face holds, in creation order."""
         return [entry.workspace for _, entry in self._entries()]
 
+    def check(self) -> None:
+        """:func:`check_live_workspaces` over this face's workspaces."""
+        check_live_workspaces(self.name)
+
     def forget(self) -> None:
         """Drop this face's entries without closing them, its log-once reasons
         and its record of groups without peer memory: a fresh process, as far
@@ -441,3 +445,26 @@ class Face:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+
+def check_live_workspaces(face: str | None = None) -> None:
+    """Raise if a live peer workspace (of ``face``, or of every face) recorded
+    a failure on this rank: a timed-out or mismatched call, or a peer's abort.
+    Reads host memory only (``check()`` never synchronises), so an engine
+    calls it once per step, after the step's own synchronisation, to stop a
+    step whose kernels ran after a failure ("undefined output") from
+    returning its result. Every workspace is checked; the error names how many
+    failed and the first failure."""
+    with _lock:
+        live = [entry.workspace for key, entry in _cache.items() if face is None or key[0] == face]
+    failures = []
+    for workspace in live:
+        if not workspace.peer:  # collective mode, or closed directly: nothing of ours runs on it
+            continue
+        try:
+            workspace.check()
+        except RuntimeError as e:
+            failures.append(e)
+    if failures:
+        raise RuntimeError(f"torch_sdcp: {len(failures)} of {len(live)} live workspace(s) recorded a failure; "
+                           f"the step's output is not returned: {failures[0]}") from failures[0]

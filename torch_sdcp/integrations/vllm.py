@@ -1,43 +1,49 @@
 """torch_sdcp as a vLLM plugin: peer-memory DCP boundaries behind vLLM's own
 call sites.
 
-Registered as the ``vllm.general_plugins`` entry point ``torch_sdcp`` (vLLM
-calls :func:`register` in every process before it builds a model). Nothing
-happens unless ``SDCP_VLLM=1``; then, on a vLLM version this module knows
-(:data:`SUPPORTED_VLLM_VERSIONS`), it patches:
+vLLM loads the entry point :func:`torch_sdcp_plugins.vllm.register` in every
+process; it imports this module only when ``SDCP_VLLM=1`` and the settings
+are valid, then calls :func:`install`, which, on a vLLM release it knows
+(:func:`supported_version`: 0.33.x), patches:
 
-- ``vllm.v1.attention.ops.dcp.MLADCPManager._init_combine``: the Output/LSE
-  combine of both ``--dcp-comm-backend`` values (``ag_rs``:
-  :func:`cp_lse_ag_out_rs`, ``a2a``: :func:`dcp_a2a_lse_reduce`, both with
-  vLLM's exact signatures and masking) runs on ``OutputLSEWorkspace``;
-- ``vllm.v1.attention.ops.dcp.MLADCPManager._init_query_gather``: the query
-  gather on heads runs on ``QueryWorkspace.all_gather_heads`` (data-as-flag,
-  straight into the final layout; ``ExchangeWorkspace`` plus a layout copy for
-  a dtype without an all-ones NaN) (:func:`gather_query`);
-- ``vllm.model_executor.layers.sparse_attn_indexer._merge_dcp_topk_global``
-  (and every module that imported it by name): the sparse indexer's top-K
-  merge runs on ``TopKWorkspace`` (:func:`merge_dcp_topk_global`);
-- ``vllm.v1.attention.ops.dcp.MLADCPManager.__init__`` is wrapped only to read
-  the model's ``index_topk`` and prepare the top-K workspaces.
+- ``MLADCPManager._init_combine`` (``vllm.v1.attention.ops.dcp``): the
+  Output/LSE combine of both ``--dcp-comm-backend`` values (``ag_rs``:
+  :func:`cp_lse_ag_out_rs`, ``a2a``: :func:`dcp_a2a_lse_reduce`, vLLM's
+  signatures and masking) on ``OutputLSEWorkspace``;
+- ``MLADCPManager._init_query_gather``: the query gather on heads on
+  ``QueryWorkspace`` (:func:`gather_query`), prepared for every manager: the
+  attention class vLLM picks decides whether it gathers (GLM-5 on CUDA does,
+  whatever ``dcp_q_replicate`` says);
+- ``_merge_dcp_topk_global`` (``vllm.model_executor.layers.sparse_attn_indexer``
+  and every module that imported it by name): the top-K merge on
+  ``TopKWorkspace`` (:func:`merge_dcp_topk_global`);
+- ``MLADCPManager.__init__``, wrapped to read the model's ``index_topk``,
+  prepare the top-K workspaces and log each seam on or off, with why, once
+  per DCP group;
+- ``Worker.sample_tokens`` (``vllm.v1.worker.gpu_worker``, patched when the
+  first manager is built, in the worker): the per-step health check over
+  every live workspace, after the step's synchronisation (for an async
+  output: after its ``get_output`` waited), so that a recorded failure
+  raises through vLLM's error path instead of returning tokens;
+- ``destroy_model_parallel`` (``vllm.distributed.parallel_state`` and its
+  re-exports): closes every workspace before vLLM destroys its groups.
 
-Workspaces are created when vLLM builds ``MLADCPManager`` (model load, before
-profiling and CUDA-graph capture), bootstrapped over the DCP group's CPU
-(gloo) group, one set per micro-batch (dual-batch overlap), sized by vLLM's
-own DCP row bound (``MLADCPManager.max_num_tokens``, speculative tokens
-included; 512 with default settings), with a start-up-safe wait bound
-(``SDCP_VLLM_TIMEOUT_S``, default 600 s). A call with more rows than the
-bound, or a group without usable peer memory, runs vLLM's own original
-function, logged once per reason. :func:`uninstall` restores every original.
-
-This module is the patching; the replacements themselves (vLLM's call shapes
-over the integration core) are in :mod:`torch_sdcp.integrations.vllm_calls`,
-re-exported here. Neither imports vLLM at import time; see docs/VLLM.md.
+``SDCP_VLLM_SEAMS`` (``combine,query,topk``, default all) selects the seams;
+an explicit ``VLLM_USE_DIRECT_DCP_A2A`` / ``VLLM_USE_DIRECT_DCP_Q_GATHER``
+keeps that seam vLLM's. Workspaces are created at model load (before
+profiling and capture) over the DCP group's gloo group, one per micro-batch,
+sized by vLLM's DCP row bound (``MLADCPManager.max_num_tokens``, capped by
+``SDCP_VLLM_MAX_ROWS``), waiting at most ``SDCP_VLLM_TIMEOUT_S``. More rows
+than the bound, or no peer memory, run vLLM's own function, logged once.
+The replacements are in :mod:`torch_sdcp.integrations.vllm_calls`,
+re-exported here; neither imports vLLM at import time (docs/VLLM.md).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 import threading
 from typing import Any
@@ -61,15 +67,18 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
     try_prepare_topk,
     workspaces,
 )
+from torch_sdcp_plugins import vllm as _entry
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENV_ENABLE",
     "ENV_MAX_ROWS",
+    "ENV_SEAMS",
     "ENV_TIMEOUT_S",
     "PATCHED",
     "SUPPORTED_VLLM_VERSIONS",
     "VLLM_SIGNATURES",
+    "check_step",
     "configure",
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
@@ -81,6 +90,7 @@ __all__ = [
     "mask_empty_shards",
     "merge_dcp_topk_global",
     "register",
+    "supported_version",
     "teardown",
     "try_prepare_output_lse",
     "try_prepare_query_gather",
@@ -89,25 +99,37 @@ __all__ = [
     "workspaces",
 ]
 
-ENV_ENABLE = "SDCP_VLLM"
-ENV_MAX_ROWS = "SDCP_VLLM_MAX_ROWS"
+ENV_ENABLE = _entry.ENV_ENABLE
+ENV_MAX_ROWS = _entry.ENV_MAX_ROWS
+ENV_SEAMS = _entry.ENV_SEAMS
+# vLLM's own switches of its direct (symmetric-memory) paths: set by the user, the seam stays vLLM's.
+ENV_DIRECT = {"combine": "VLLM_USE_DIRECT_DCP_A2A", "query": "VLLM_USE_DIRECT_DCP_Q_GATHER"}
 
 # Releases whose call sites docs/VLLM.md and test/test_vllm_conformance.py were
-# checked against. Any other version is refused: a logged error, no patching.
+# checked against, and the series whose patch releases are accepted (the
+# conformance suite must pass against a patch release before it is used).
 SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
+SUPPORTED_VLLM_SERIES = "0.33"
 
 _DCP = "vllm.v1.attention.ops.dcp"
 _INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 _UBATCHING = "vllm.v1.worker.ubatching"
 _PARALLEL_STATE = "vllm.distributed.parallel_state"
+_GPU_WORKER = "vllm.v1.worker.gpu_worker"
 
-# What install() replaces: (module, attribute path).
+# What install() replaces: (module, attribute path). The worker's step is
+# patched when the first MLADCPManager is built (in a worker process only).
 PATCHED = (
     (_DCP, "MLADCPManager.__init__"),
     (_DCP, "MLADCPManager._init_combine"),
     (_DCP, "MLADCPManager._init_query_gather"),
     (_INDEXER, "_merge_dcp_topk_global"),
+    (_PARALLEL_STATE, "destroy_model_parallel"),
+    (_GPU_WORKER, "Worker.sample_tokens"),
 )
+_AT_INSTALL = PATCHED[:5]
+# Functions other vLLM modules import by name: their copies are patched too.
+_BY_NAME = ("_merge_dcp_topk_global", "destroy_model_parallel")
 
 # Every vLLM function this module replaces, wraps, mirrors or calls, with the
 # parameter list it was written against (annotations left out). The
@@ -127,6 +149,8 @@ VLLM_SIGNATURES = {
                                           "cp_interleave, row_starts=None)",
     (_UBATCHING, "dbo_current_ubatch_id"): "()",
     (_PARALLEL_STATE, "get_dcp_group"): "()",
+    (_PARALLEL_STATE, "destroy_model_parallel"): "()",
+    (_GPU_WORKER, "Worker.sample_tokens"): "(self, grammar_output)",
 }
 
 # Attributes of MLADCPManager the patched methods read (set in its __init__
@@ -135,23 +159,22 @@ MANAGER_ATTRIBUTES = ("group", "device", "num_ubatches", "max_num_tokens", "use_
 
 
 # ---------------------------------------------------------------------------
-# Settings
+# Settings (validated by the entry module before install)
 # ---------------------------------------------------------------------------
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:
     """Whether ``SDCP_VLLM`` switches the plugin on (off when unset). An
     unrecognised value is logged and counts as off."""
-    value = os.environ.get(ENV_ENABLE, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value not in _FALSE:
-        _log_once("error", "bad-setting", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the vLLM plugin "
-                  "stays off", ENV_ENABLE, os.environ.get(ENV_ENABLE), "/".join(_TRUE[:2]), "/".join(_FALSE[1:3]))
-    return False
+    return _entry.enabled()
+
+
+def supported_version(version: str) -> bool:
+    """Whether the plugin patches vLLM ``version``: a checked release, or a
+    patch release of the supported series (local suffixes ignored)."""
+    base = version.split("+")[0]
+    patch_release = re.fullmatch(re.escape(SUPPORTED_VLLM_SERIES) + r"\.\d+", base) is not None
+    return base in SUPPORTED_VLLM_VERSIONS or patch_release
 
 
 def _row_bound(engine_bound: int) -> int:
@@ -174,14 +197,25 @@ def _row_bound(engine_bound: int) -> int:
     return bound
 
 
+def _seam_off(seam: str, use_a2a: bool = True) -> str | None:
+    """Why ``seam`` stays vLLM's by setting, or None. vLLM's direct-path
+    switch of the combine matters with the a2a backend only."""
+    if seam not in _entry.seams():
+        return f"not in {ENV_SEAMS}"
+    direct = ENV_DIRECT.get(seam)
+    if direct is not None and os.environ.get(direct, "").strip() and (seam != "combine" or use_a2a):
+        return f"{direct}={os.environ[direct]} set by the user"
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Process state
 # ---------------------------------------------------------------------------
 
 
 class _State:
-    """What install() did: the patches to undo, and the vllm_config of the
-    MLADCPManager being built (per thread)."""
+    """What install() did: the patches to undo, and the vllm_config and seam
+    decisions of the MLADCPManager being built (per thread)."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
@@ -189,6 +223,7 @@ class _State:
         # (owner object, attribute name, original value, replacement) in patch order.
         self.patches: list[tuple[Any, str, Any, Any]] = []
         self.config = threading.local()
+        self.step_check: str | None = None  # None: not patched yet; "" patched; else why it could not be
 
 
 _state = _State()
@@ -214,73 +249,173 @@ def _topk_geometry(vllm_config: Any) -> int | None:
     return topk // kpool if kpool > 1 else topk
 
 
-def _q_replicated(vllm_config: Any) -> bool:
-    parallel = getattr(vllm_config, "parallel_config", None)
-    return bool(getattr(parallel, "dcp_q_replicate", False))
+def _building() -> dict:
+    """The manager being built on this thread: {"config": ..., "seams": {seam: (on, why)}}."""
+    stack = getattr(_state.config, "stack", None)
+    return stack[-1] if stack else {"config": None, "seams": {}}
+
+
+def _decide(seam: str, on: bool, why: str) -> None:
+    _building()["seams"][seam] = (on, why)
 
 
 def _manager_init(self, *args, **kwargs):
     """Wraps MLADCPManager.__init__: lets the patched _init_* see the
-    vllm_config, then prepares the top-K workspaces of a sparse-indexer
-    model (every layer of a model shares them)."""
+    vllm_config, prepares the top-K workspaces of a sparse-indexer model
+    (every layer shares them) and logs the seams once per DCP group."""
     original = _hooks.originals["MLADCPManager.__init__"]
     vllm_config = kwargs.get("vllm_config", args[0] if args else None)
     stack = getattr(_state.config, "stack", None)
     if stack is None:
         stack = _state.config.stack = []
-    stack.append(vllm_config)
+    building = {"config": vllm_config, "seams": {}}
+    stack.append(building)
     try:
+        _install_step_check()
         original(self, *args, **kwargs)
+        _prepare_topk(self, vllm_config)
     finally:
         stack.pop()
+    seams = building["seams"]
+    seams.setdefault("query", (False, "no query gather (PCP)"))
+    _log_once("info", ("seams", getattr(self.group, "unique_name", id(self.group))), "torch_sdcp: DCP group %s "
+              "(world %d): %s", getattr(self.group, "unique_name", "?"), self.group.world_size,
+              "; ".join(f"{s} {'ON' if on else 'off'} ({why})" for s, (on, why) in seams.items()))
+
+
+def _prepare_topk(self, vllm_config: Any) -> None:
     k = _topk_geometry(vllm_config)
-    if k is not None and self.group.world_size > 1:
-        bound = _row_bound(self.max_num_tokens)
-        if try_prepare_topk(self.group, max_rows=bound, k=k, device=self.device, num_ubatches=self.num_ubatches):
-            _log_once("info", ("installed", "topk"), "torch_sdcp: sparse-indexer top-K merge on peer memory "
-                      "(k=%d, %d rows, %d micro-batch(es))", k, bound, self.num_ubatches)
-
-
-def _current_config() -> Any:
-    stack = getattr(_state.config, "stack", None)
-    return stack[-1] if stack else None
+    off = _seam_off("topk") or _state.step_check or (
+        "no sparse indexer" if k is None else "single rank" if self.group.world_size <= 1 else None)
+    if off is not None or k is None:
+        _decide("topk", False, off or "")
+        return
+    bound = _row_bound(self.max_num_tokens)
+    if try_prepare_topk(self.group, max_rows=bound, k=k, device=self.device, num_ubatches=self.num_ubatches):
+        _decide("topk", True, f"peer memory, k={k}, {bound} rows, {self.num_ubatches} micro-batch(es)")
+    else:
+        _decide("topk", False, "peer memory unavailable")
 
 
 def _manager_init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp):
     """Replaces MLADCPManager._init_combine: the same partial vLLM builds,
-    over this module's functions. PCP, a single rank, an unsupported dtype or
-    no peer memory keep vLLM's own choice."""
+    over this module's functions. PCP, a single rank, an unsupported dtype,
+    a setting or no peer memory keep vLLM's own choice."""
     original = _hooks.originals["MLADCPManager._init_combine"]
     world = self.group.world_size
-    if use_pcp or world <= 1 or dtype not in OUTPUT_DTYPES:
-        return original(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp)
+    off = (_seam_off("combine", self.use_a2a) or _state.step_check or ("PCP" if use_pcp else None)
+           or ("single rank" if world <= 1 else None) or (None if dtype in OUTPUT_DTYPES else f"dtype {dtype}"))
     bound = _row_bound(self.max_num_tokens)
-    if not try_prepare_output_lse(self.group, max_rows=bound, total_heads=num_heads * world, head_dim=head_dim,
-                                  dtype=dtype, device=self.device, num_ubatches=self.num_ubatches):
+    if off is None and not try_prepare_output_lse(self.group, max_rows=bound, total_heads=num_heads * world,
+                                                  head_dim=head_dim, dtype=dtype, device=self.device,
+                                                  num_ubatches=self.num_ubatches):
+        off = "peer memory unavailable"
+    if off is not None:
+        _decide("combine", False, off)
         return original(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp)
+    backend = "a2a" if self.use_a2a else "ag_rs"
+    _decide("combine", True, f"peer memory in place of {backend}, {num_heads * world} heads x {head_dim}, "
+            f"{bound} rows, {self.num_ubatches} micro-batch(es)")
     fn = dcp_a2a_lse_reduce if self.use_a2a else cp_lse_ag_out_rs
-    _log_once("info", ("installed", "output_lse"), "torch_sdcp: MLA DCP Output/LSE combine (%s) on peer memory "
-              "(%d heads x %d, %d rows, %d micro-batch(es))", "a2a" if self.use_a2a else "ag_rs",
-              num_heads * world, head_dim, bound, self.num_ubatches)
     return functools.partial(fn, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e)
 
 
 def _manager_init_query_gather(self, num_heads, head_dim, dtype):
     """Replaces MLADCPManager._init_query_gather: the gather on heads through
-    peer memory, with the manager's own _gather_query as the fallback. With
-    query replication (no gather happens) vLLM's choice is kept."""
+    peer memory, with the manager's own _gather_query as the fallback.
+    Prepared for every manager: whether the model gathers is the attention
+    class's choice (GLM-5's DeepseekV32Attention always does; deepseek_v2
+    models follow VLLM_DCP_Q_REPLICATE over the config), not the config's."""
     original = _hooks.originals["MLADCPManager._init_query_gather"]
-    if self.group.world_size <= 1 or _q_replicated(_current_config()):
-        return original(self, num_heads, head_dim, dtype)
+    off = _seam_off("query") or _state.step_check or ("single rank" if self.group.world_size <= 1 else None)
     bound = _row_bound(self.max_num_tokens)
-    if not try_prepare_query_gather(self.group, max_rows=bound, local_heads=num_heads, width=head_dim,
-                                    dtype=dtype, device=self.device, num_ubatches=self.num_ubatches):
+    if off is None and not try_prepare_query_gather(self.group, max_rows=bound, local_heads=num_heads,
+                                                    width=head_dim, dtype=dtype, device=self.device,
+                                                    num_ubatches=self.num_ubatches):
+        off = "peer memory unavailable"
+    if off is not None:
+        _decide("query", False, off)
         return original(self, num_heads, head_dim, dtype)
-    _log_once("info", ("installed", "query"), "torch_sdcp: MLA DCP query gather on peer memory (%d x %d heads "
-              "x %d of %s, %d rows, %d micro-batch(es))", self.group.world_size, num_heads, head_dim, dtype, bound,
-              self.num_ubatches)
+    _decide("query", True, f"peer memory, {self.group.world_size} x {num_heads} heads x {head_dim} of {dtype}, "
+            f"{bound} rows, {self.num_ubatches} micro-batch(es); used where the attention class gathers")
     return functools.partial(gather_query, cp_group=self.group, padded_num_heads=self.padded_num_heads,
                              fallback=self._gather_query)
+
+
+# ---------------------------------------------------------------------------
+# The step's health check and teardown
+# ---------------------------------------------------------------------------
+
+
+def check_step() -> None:
+    """Raise if any live workspace of the plugin recorded a failure (a
+    timeout, a call mismatch, a peer's abort). Reads host memory only; called
+    after each step's synchronisation, before its output leaves the worker."""
+    _face.check()
+
+
+def _checked_get_output(get_output):
+    output = get_output()  # waits for the step's copy to the host
+    check_step()
+    return output
+
+
+def _worker_sample_tokens(self, grammar_output):
+    """Wraps Worker.sample_tokens: a synchronous output is checked at once;
+    an async one when its get_output has waited for the step."""
+    output = _hooks.originals["Worker.sample_tokens"](self, grammar_output)
+    get_output = getattr(output, "get_output", None)
+    if get_output is None:
+        check_step()
+        return output
+    try:
+        output.get_output = functools.partial(_checked_get_output, get_output)
+    except AttributeError:  # an output type that takes no attribute: check now (what already ran)
+        _log_once("warning", "async-output", "torch_sdcp: %s takes no wrapper; the step check runs before the "
+                  "step's copy finished", type(output).__name__)
+        check_step()
+    return output
+
+
+def _destroy_model_parallel(*args, **kwargs):
+    """Wraps destroy_model_parallel: closes every workspace (collectively,
+    while the groups still exist), then vLLM destroys its groups. A failing
+    close is logged; vLLM's shutdown goes on."""
+    try:
+        teardown()
+    except Exception as e:  # noqa: BLE001  (shutdown must go on)
+        _log_once("error", ("teardown", str(e)), "torch_sdcp: closing the workspaces at vLLM's shutdown failed "
+                  "(%s: %s); vLLM's shutdown goes on", type(e).__name__, e)
+    # A next engine in this process logs its seams again, even under a DCP group name seen before.
+    _face.logged -= {r for r in set(_face.logged) if isinstance(r, tuple) and r[0] == "seams"}
+    return _hooks.originals["destroy_model_parallel"](*args, **kwargs)
+
+
+def _install_step_check() -> None:
+    """Patch the worker's step (once, in the process that builds managers).
+    If it cannot be patched, the seams stay vLLM's: without the check a
+    failure inside a replayed graph could return wrong tokens."""
+    import importlib
+
+    with _state.lock:
+        if _state.step_check is not None or not _state.installed:
+            return
+        try:
+            owner, name, value = _resolve(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens")
+        except (ImportError, AttributeError, KeyError) as e:
+            _state.step_check = f"no step health check: {type(e).__name__}: {e}"
+            _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
+                      "stays vLLM's", _GPU_WORKER, _state.step_check)
+            return
+        _hooks.originals["Worker.sample_tokens"] = value
+        setattr(owner, name, _worker_sample_tokens)
+        _state.patches.append((owner, name, value, _worker_sample_tokens))
+        _state.step_check = ""
+
+
+# ---------------------------------------------------------------------------
+# Install
+# ---------------------------------------------------------------------------
 
 
 def _resolve(module: Any, path: str) -> tuple[Any, str, Any]:
@@ -304,26 +439,35 @@ def is_installed() -> bool:
     return _state.installed
 
 
+_REPLACEMENTS = {
+    "MLADCPManager.__init__": _manager_init,
+    "MLADCPManager._init_combine": _manager_init_combine,
+    "MLADCPManager._init_query_gather": _manager_init_query_gather,
+    "_merge_dcp_topk_global": merge_dcp_topk_global,
+    "destroy_model_parallel": _destroy_model_parallel,
+}
+
+
 def install() -> bool:
     """Patch vLLM (idempotent). Returns True when the patches are in place.
-    On a vLLM version not in :data:`SUPPORTED_VLLM_VERSIONS`, or when a
-    target is missing, logs an error naming the version and patches nothing."""
+    On a vLLM version :func:`supported_version` refuses, or when a target is
+    missing, logs an error naming the version and patches nothing."""
     import importlib
 
     with _state.lock:
         if _state.installed:
             return True
         version = _vllm_version()
-        if version.split("+")[0] not in SUPPORTED_VLLM_VERSIONS:
+        if not supported_version(version):
             _log_once("error", ("version", version), "torch_sdcp: vLLM %s is not a version this plugin knows "
-                      "(supported: %s); nothing is patched and vLLM runs its own DCP paths. Check the call sites "
-                      "with test/test_vllm_conformance.py before adding a version.", version,
-                      ", ".join(SUPPORTED_VLLM_VERSIONS))
+                      "(supported: %s and the %s.x patch releases); nothing is patched and vLLM runs its own DCP "
+                      "paths. Check the call sites with test/test_vllm_conformance.py before adding a version.",
+                      version, ", ".join(SUPPORTED_VLLM_VERSIONS), SUPPORTED_VLLM_SERIES)
             return False
         try:
             modules = {name: importlib.import_module(name) for name in (_DCP, _INDEXER, _UBATCHING,
                                                                           _PARALLEL_STATE)}
-            targets = [(name, path, *_resolve(modules[name], path)) for name, path in PATCHED]
+            targets = [(path, *_resolve(modules[name], path)) for name, path in _AT_INSTALL]
             originals = {
                 "cp_lse_ag_out_rs": modules[_DCP].cp_lse_ag_out_rs,
                 "dcp_a2a_lse_reduce": modules[_DCP].dcp_a2a_lse_reduce,
@@ -334,31 +478,26 @@ def install() -> bool:
             _log_once("error", ("targets", version), "torch_sdcp: vLLM %s lacks a DCP call site this plugin "
                       "patches (%s: %s); nothing is patched", version, type(e).__name__, e)
             return False
-        replacements = {
-            "MLADCPManager.__init__": _manager_init,
-            "MLADCPManager._init_combine": _manager_init_combine,
-            "MLADCPManager._init_query_gather": _manager_init_query_gather,
-            "_merge_dcp_topk_global": merge_dcp_topk_global,
-        }
         patches = []
-        for _, path, owner, name, value in targets:
+        for path, owner, name, value in targets:
             originals[path] = value
-            patches.append((owner, name, value, replacements[path]))
-        # Modules that imported the merge by name before now hold the original.
-        merge = originals["_merge_dcp_topk_global"]
-        indexer = modules[_INDEXER]
+            patches.append((owner, name, value, _REPLACEMENTS[path]))
+        # Modules that imported a function by name before now hold the original.
+        homes = {id(owner) for owner, *_ in patches}
         for mod in list(sys.modules.values()):
-            if mod is None or mod is indexer or not getattr(mod, "__name__", "").startswith("vllm"):
+            if mod is None or id(mod) in homes or not getattr(mod, "__name__", "").startswith("vllm"):
                 continue
-            if getattr(mod, "_merge_dcp_topk_global", None) is merge:
-                patches.append((mod, "_merge_dcp_topk_global", merge, merge_dcp_topk_global))
+            for name in _BY_NAME:
+                if getattr(mod, name, None) is originals[name]:
+                    patches.append((mod, name, originals[name], _REPLACEMENTS[name]))
         for owner, name, _, new in patches:
             setattr(owner, name, new)
         _state.patches = patches
+        _state.step_check = None
         configure(ubatch_id=ubatch_id, dcp_group=dcp_group, originals=originals)
         _state.installed = True
     _log_once("info", ("install", version), "torch_sdcp: installed behind vLLM %s's MLA DCP combine, query gather "
-              "and sparse-indexer top-K merge (%s=1)", version, ENV_ENABLE)
+              "and sparse-indexer top-K merge (%s=1, seams: %s)", version, ENV_ENABLE, ",".join(_entry.seams()))
     return True
 
 
@@ -378,11 +517,10 @@ def uninstall() -> None:
                           "install(); left as it is", getattr(owner, "__name__", owner), name)
         _state.patches = []
         _state.installed = False
+        _state.step_check = None
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: vLLM calls it in every
-    process. Does nothing unless ``SDCP_VLLM=1``."""
-    if not enabled():
-        return
-    install()
+    """The entry point vLLM loads (:func:`torch_sdcp_plugins.vllm.register`):
+    nothing unless ``SDCP_VLLM=1``; never raises."""
+    _entry.register()

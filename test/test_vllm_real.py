@@ -1,0 +1,73 @@
+"""The plugin inside a real vLLM 0.33 (vLLM and its Python dependencies
+installed, e.g. by tools/vllm_env.sh, with torch_sdcp installed so that its
+entry point is registered): loaded by vLLM's own ``load_general_plugins``,
+every patch lands on vLLM's real classes and functions, and a plugin that
+fails leaves vLLM starting. Each case runs in a subprocess (the conformance
+test asserts that this process never imports vLLM). Skipped where vLLM cannot
+be imported."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@functools.cache
+def _vllm_importable() -> str | None:
+    """None when ``import vllm.plugins`` works in a subprocess, else why not."""
+    out = subprocess.run([sys.executable, "-c", "import vllm.plugins, vllm.v1.attention.ops.dcp"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return None if out.returncode == 0 else (out.stderr.strip().splitlines() or ["unknown"])[-1]
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    why = _vllm_importable()
+    if why is not None:
+        pytest.skip(f"vLLM is not importable here ({why}); tools/vllm_env.sh builds an environment where it is")
+    full = {k: v for k, v in os.environ.items() if not k.startswith("SDCP_VLLM")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=full,
+                          timeout=600)
+
+
+PATCHES_LAND = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from torch_sdcp.integrations import vllm as p
+import vllm.distributed, vllm.model_executor.layers.sparse_attn_indexer as idx, vllm.v1.attention.ops.dcp as dcp
+assert p.is_installed(), "not installed"
+assert dcp.MLADCPManager._init_combine is p._manager_init_combine
+assert dcp.MLADCPManager._init_query_gather is p._manager_init_query_gather
+assert dcp.MLADCPManager.__init__ is p._manager_init
+assert idx._merge_dcp_topk_global is p.merge_dcp_topk_global
+assert vllm.distributed.destroy_model_parallel is p._destroy_model_parallel
+print("patched")
+"""
+
+
+def test_loaded_by_vllm_and_patches_land():
+    out = _run(PATCHES_LAND, SDCP_VLLM="1")
+    assert out.returncode == 0 and "patched" in out.stdout, out.stdout + out.stderr
+
+
+def test_off_loads_nothing_of_ours():
+    code = ("import sys; from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "assert not [m for m in sys.modules if m.startswith('torch_sdcp.') or m == 'torch_sdcp'], 'imported'; "
+            "print('off')")
+    out = _run(code)
+    assert out.returncode == 0 and "off" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_failing_plugin_leaves_vllm_starting():
+    code = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
+            "import vllm.v1.attention.ops.dcp as dcp; "
+            "assert dcp.MLADCPManager._init_combine.__module__ == dcp.__name__; print('started')")
+    out = _run(code, SDCP_VLLM="1", SDCP_VLLM_SEAMS="combine,bogus")
+    assert out.returncode == 0 and "started" in out.stdout, out.stdout + out.stderr
+    assert "SDCP_VLLM_SEAMS" in out.stderr + out.stdout, "the refusal must be logged"
