@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
-from conftest import requires_gpus
+from _helpers import requires_gpus
 from test_vllm_plugin import D, H_LOC, W, Coordinator, FakeVllm, _Collect, _config, build_fake_vllm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
