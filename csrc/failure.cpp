@@ -1,6 +1,10 @@
 // Failure handling of data-as-flag workspaces (sdcp.h): the text of an error
 // record, the abort, and the health check every op runs.
 
+#include <Python.h>  // first, as Python requires
+#include <pybind11/pybind11.h>
+
+#include "host_signal.h"
 #include "sdcp.h"
 
 #include <atomic>
@@ -159,6 +163,26 @@ void check_workspace_health(const Workspace& ws) {
   TORCH_CHECK(false, cat("torch_sdcp: ", kind_name(ws.kind), " workspace ", ws.handle, " on rank ", ws.rank,
               " is poisoned: ", describe_dataflag_error(ws, e),
               "; re-create the workspace (close() it and create a new one)"));
+}
+
+void host_check_signals(const Workspace& ws, uint64_t call) {
+  if (!Py_IsInitialized()) return;
+  const PyGILState_STATE gil = PyGILState_Ensure();
+  if (PyErr_CheckSignals() == 0) {
+    PyGILState_Release(gil);
+    return;
+  }
+  // A handler raised (KeyboardInterrupt): the call is abandoned on every rank.
+  DataFlagError e{};
+  e.state = kReasonError;
+  e.block = -1;
+  e.peer = -1;
+  e.aborter = -1;
+  e.call = call;
+  dataflag_abort(ws, e);
+  pybind11::error_already_set raised;  // takes the pending exception; pybind11 restores it for the caller
+  PyGILState_Release(gil);
+  throw raised;
 }
 
 }  // namespace sdcp

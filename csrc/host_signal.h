@@ -20,6 +20,14 @@ inline void host_finish_call(const Workspace& ws, uint64_t call) {
   __atomic_store_n(&ws.control(ws.rank)->call_index[0], call + 1, __ATOMIC_RELAXED);
 }
 
+// Runs the pending Python signal handlers (Ctrl-C) from a host wait, with the
+// GIL (failure.cpp); when one raises, aborts the workspace on every rank and
+// rethrows its exception (KeyboardInterrupt), so that a wait ends at once.
+void host_check_signals(const Workspace& ws, uint64_t call);
+
+// How often a host wait runs the pending signal handlers.
+constexpr auto kHostSignalPeriod = std::chrono::milliseconds(20);
+
 // Records `e` as this rank's error, aborts the workspace on every rank
 // (dataflag_abort) and throws its description.
 [[noreturn]] inline void host_fail(const Workspace& ws, const DataFlagError& e) {
@@ -39,13 +47,22 @@ void host_spin(const Workspace& ws, int64_t src, uint64_t call, Ready ready, uin
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::nanoseconds(ws.timeout_ns);
   const uint64_t* abort = &ws.control(ws.rank)->abort;
+  auto signals_checked = start;
   for (uint64_t spins = 0;; ++spins) {
     // The abort word first: what its writer stored before aborting (its call
     // header, say) is then visible to ready(), and is used, not given up on.
     const uint64_t a = __atomic_load_n(abort, __ATOMIC_ACQUIRE);
     if (ready()) return;
     if (spins > 64) std::this_thread::yield();
-    const bool late = (spins & 255) == 0 && std::chrono::steady_clock::now() - start > limit;
+    bool late = false;
+    if ((spins & 255) == 0) {
+      const auto now = std::chrono::steady_clock::now();
+      late = now - start > limit;
+      if (now - signals_checked > kHostSignalPeriod) {
+        signals_checked = now;
+        host_check_signals(ws, call);
+      }
+    }
     if (a == 0 && !late) continue;
     DataFlagError e{};
     e.block = -1;

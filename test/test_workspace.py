@@ -199,3 +199,161 @@ def _stream_worker(rank, world):
 @requires_gpus(GPU_WORLD)
 def test_one_stream_at_a_time_and_no_resize_after_capture():
     assert run_workers(_stream_worker, GPU_WORLD, timeout=300) == [True] * GPU_WORLD
+
+
+# ---------------------------------------------------------------------------
+# Reliability: one layout on both paths, forks refused, abort(), Ctrl-C, stale sockets
+# ---------------------------------------------------------------------------
+
+
+def _layout_fork_worker(rank, world):
+    import os
+
+    import torch_sdcp
+
+    with torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, dtype=torch.float32, backend="host", timeout_s=30) as ws:
+        for rows in (2, 5):  # the peer path, then the collective path (rows > max_rows)
+            g = torch.Generator().manual_seed(rows * 10 + rank)
+            out = ws.combine(torch.randn(rows, 8, 64, generator=g), torch.randn(rows, 8, generator=g))
+            assert out.is_contiguous(), (rows, out.stride())
+            again, lse = torch.empty_like(out), torch.empty(rows, 8 // world)
+            ws.combine_out(torch.randn(rows, 8, 64, generator=g), torch.randn(rows, 8, generator=g), again, lse)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child must not act as its parent's rank
+            os.close(read)
+            refused = []
+            for what, call in (("combine", lambda: ws.combine(torch.zeros(1, 8, 64), torch.zeros(1, 8))),
+                               ("check", ws.check), ("close", ws.close), ("abort", ws.abort)):
+                try:
+                    call()
+                except RuntimeError as e:
+                    refused.append(f"belongs to process {os.getppid()}: {what}() from process {os.getpid()}" in str(e))
+            os.write(write, bytes(refused))
+            os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        assert status == 0 and os.read(read, 16) == bytes([1, 1, 1, 1])
+        os.close(read)
+        ws.check()  # the parent's workspace is untouched and still pairs with its peers
+        g = torch.Generator().manual_seed(7 + rank)
+        assert ws.combine(torch.randn(2, 8, 64, generator=g), torch.randn(2, 8, generator=g)).shape == (2, 4, 64)
+    return True
+
+
+def test_combine_layout_and_forks_refused():
+    assert run_workers(_layout_fork_worker, 2, timeout=120) == [True, True]
+
+
+def _abort_interrupt_worker(rank, world):
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    for stop in ("abort", "sigint"):
+        ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, backend="host", timeout_s=60)
+        if rank == 0:  # waits for a peer that never calls; a thread aborts, or Ctrl-C arrives
+            act = (lambda: ws.abort("watchdog")) if stop == "abort" else (lambda: os.kill(os.getpid(), signal.SIGINT))
+            threading.Timer(0.3, act).start()
+            start = time.monotonic()
+            with pytest.raises(RuntimeError if stop == "abort" else KeyboardInterrupt):
+                ws.combine(torch.zeros(2, 8, 64), torch.zeros(2, 8))
+            assert time.monotonic() - start < 1.3, (stop, time.monotonic() - start)
+            assert ws.poisoned
+        dist.barrier()
+        if rank == 1:  # the peer is told at once
+            with pytest.raises(RuntimeError, match="peer 0 aborted"):
+                ws.check()
+        else:
+            with pytest.raises(RuntimeError, match="watchdog" if stop == "abort" else "KeyboardInterrupt"):
+                ws.check()
+        ws.close()
+        ws.abort("after close")  # nothing once closed
+    return True
+
+
+def test_abort_from_a_thread_and_ctrl_c_end_a_wait_at_once():
+    assert run_workers(_abort_interrupt_worker, 2, timeout=120) == [True, True]
+
+
+def _stale_socket_worker(rank, world):
+    import os
+    import subprocess
+    import tempfile
+
+    import torch_sdcp
+
+    dead = subprocess.Popen(["true"])  # a pid that no longer runs
+    dead.wait()
+    base = tempfile.gettempdir()
+    stale, live = os.path.join(base, f"sdcp-{dead.pid}-abcdefgh"), os.path.join(base, f"sdcp-{os.getppid()}-abcdefgh")
+    for d in (stale, live):
+        os.mkdir(d, 0o700)
+        open(os.path.join(d, "socket"), "w").close()
+    torch_sdcp.ExchangeWorkspace(None, 64, backend="host").close()
+    return os.path.exists(stale), os.path.exists(live)
+
+
+def test_stale_socket_directories_of_dead_processes_are_removed():
+    assert run_workers(_stale_socket_worker, 2, timeout=120) == [(False, True), (False, True)]
+
+
+def test_connection_flood_warnings_are_rate_limited(caplog):
+    import os
+    import socket
+    import time
+
+    from torch_sdcp.peer import fd_exchange
+
+    d, path, listener = fd_exchange._make_socket_dir()
+    clients = []
+    try:
+        for _ in range(12):  # connections from a process that is no rank of the group
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(path)
+            clients.append(c)
+        with caplog.at_level(logging.WARNING, logger="torch_sdcp"):
+            served = fd_exchange._serve_fd(listener, 0, 0, 64, {1: 2**22 + 1}, os.getuid(),
+                                          time.monotonic() + 1.0)
+    finally:
+        for c in clients:
+            c.close()
+        listener.close()
+        fd_exchange._remove_socket_dir(d, path)
+    assert served == set()
+    texts = [r.getMessage() for r in caplog.records]
+    assert len(texts) == fd_exchange._WARNED_CONNECTIONS + 1, texts
+    assert "9 more connections" in texts[-1]
+
+
+def _killed_peer_worker(rank, world):
+    import os
+    import signal
+    import time
+
+    import torch_sdcp
+
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, backend="host", timeout_s=60)
+    other = torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=60)
+    if rank == 0:  # killed while its peer waits in a call that it never makes
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"peer 0 \(pid \d+\) exited") as raised:
+        ws.combine(torch.zeros(2, 8, 64), torch.zeros(2, 8))
+    waited = time.monotonic() - start  # from before the peer's 0.5 s
+    assert waited < 1.5, (waited, str(raised.value))
+    start = time.monotonic()
+    other.close()  # no barrier with a peer known gone
+    ws.close()
+    assert time.monotonic() - start < 1.0
+    return True
+
+
+def test_a_killed_peer_is_reported_at_once_whatever_the_timeout():
+    assert run_workers(_killed_peer_worker, 2, timeout=120, may_die=(0,)) == [None, True]

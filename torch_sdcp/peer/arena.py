@@ -94,6 +94,7 @@ class PeerArena:
         self.device = torch.device("cpu")
         self.stride = 0
         self.base_address = 0
+        self.peer_pids: Dict[int, int] = {}  # rank -> pid of every other rank, once created
         self.native_peer_atomics: Optional[bool] = None
         try:
             self.timeout_s = float(timeout_s)
@@ -134,6 +135,7 @@ class PeerArena:
                 return plan
 
             plans = self._step(steps, "validate", validate)
+            self.peer_pids = {r: p["pid"] for r, p in enumerate(plans) if r != me}
             self.backend, self.stride = verdict(plans)
             mem = candidates[self.backend]
             for other in candidates.values():

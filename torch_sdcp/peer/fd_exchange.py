@@ -62,6 +62,7 @@ def _serve_fd(listener: socket.socket, fd: int, my_rank: int, nbytes: int,
     Returns the set of ranks served."""
     served: set = set()
     pids = set(expected.values())
+    refused = 0  # a flood of foreign connections logs _WARNED_CONNECTIONS warnings, then one count
     while len(served) < len(expected):
         if stop is not None and stop.is_set():
             break
@@ -88,11 +89,18 @@ def _serve_fd(listener: socket.socket, fd: int, my_rank: int, nbytes: int,
                 socket.send_fds(conn, [_REPLY.pack(_MAGIC, my_rank, nbytes)], [fd])
                 served.add(peer)
             except PermissionError as e:
-                logger.warning("torch_sdcp: PeerArena rank %d refused a connection on its "
-                               "descriptor-exchange socket: %s", my_rank, e)
+                refused += 1
+                if refused <= _WARNED_CONNECTIONS:
+                    logger.warning("torch_sdcp: PeerArena rank %d refused a connection on its "
+                                   "descriptor-exchange socket: %s", my_rank, e)
             except (OSError, ValueError, struct.error) as e:
-                logger.warning("torch_sdcp: PeerArena rank %d dropped a connection on its "
-                               "descriptor-exchange socket: %r", my_rank, e)
+                refused += 1
+                if refused <= _WARNED_CONNECTIONS:
+                    logger.warning("torch_sdcp: PeerArena rank %d dropped a connection on its "
+                                   "descriptor-exchange socket: %r", my_rank, e)
+    if refused > _WARNED_CONNECTIONS:
+        logger.warning("torch_sdcp: PeerArena rank %d refused or dropped %d more connections on its "
+                       "descriptor-exchange socket", my_rank, refused - _WARNED_CONNECTIONS)
     return served
 
 
@@ -179,13 +187,50 @@ def _exchange_fds(listener: socket.socket, fd: int, rank: int, world_size: int, 
 
 
 _MAX_UNIX_PATH = 107
+# Warnings per exchange about refused or dropped connections (then one count).
+_WARNED_CONNECTIONS = 3
+_SOCKET_DIR_PREFIX = "sdcp-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove_stale_socket_dirs(base: str) -> None:
+    """Remove the socket directories (sdcp-<pid>-*) that processes of this user
+    left behind when they died before close(): their pid no longer runs."""
+    uid = os.getuid()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "sdcp" or not parts[1].isdigit() or _pid_alive(int(parts[1])):
+            continue
+        d = os.path.join(base, name)
+        try:
+            if os.lstat(d).st_uid != uid or not os.path.isdir(d) or os.path.islink(d):
+                continue
+            for entry in os.listdir(d):
+                os.unlink(os.path.join(d, entry))
+            os.rmdir(d)
+        except OSError:  # another process cleaning up at the same time, or not ours to remove
+            continue
 
 
 def _make_socket_dir() -> Tuple[str, str, socket.socket]:
     base = tempfile.gettempdir()
-    if len(os.path.join(base, "sdcp-XXXXXXXX", "x" * 32)) > _MAX_UNIX_PATH:
+    if len(os.path.join(base, "sdcp-4194304-XXXXXXXX", "x" * 32)) > _MAX_UNIX_PATH:
         base = "/tmp"
-    d = tempfile.mkdtemp(prefix="sdcp-", dir=base)  # mode 0700
+    _remove_stale_socket_dirs(base)
+    d = tempfile.mkdtemp(prefix=f"{_SOCKET_DIR_PREFIX}{os.getpid()}-", dir=base)  # mode 0700
     path = os.path.join(d, secrets.token_hex(16))
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -6,7 +6,9 @@ stream policy of a call."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 import threading
 import weakref
 from typing import Any, NamedTuple
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from torch_sdcp import _registry
 from torch_sdcp._checks import arg_error, check_bool
-from torch_sdcp.peer import PeerArena
+from torch_sdcp.peer import PeerArena, liveness
 from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._policy import check_size_param, check_timeout, default_timeout_s, resolve_group
@@ -34,9 +36,10 @@ class _Built(NamedTuple):
     device: torch.device
 
 
-def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena) -> None:
+def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena, watch: liveness.Watch) -> None:
     """Finalizer of a workspace garbage-collected without close(): local only
     (no collective from a finalizer or at interpreter exit)."""
+    watch.cancel()
     with contextlib.suppress(Exception):  # interpreter exit: the library may be gone
         torch.ops.sdcp.workspace_unregister(handle)
     _registry.remove(handle)
@@ -44,6 +47,32 @@ def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena) -> Non
         arena.close(barrier=False)
     with contextlib.suppress(Exception):
         logger.info("torch_sdcp %s workspace, rank %d: dropped without close(); released locally", name, rank)
+
+
+# Every workspace with memory of its own, for the fork handler (a set of its own:
+# the registry's lock may be held by a thread that the fork did not copy).
+_owned: weakref.WeakSet = weakref.WeakSet()
+
+
+def _forget_inherited() -> None:
+    """In a forked child: the parent's workspaces are dead here (every entry
+    refuses another process). Nothing is released: the mappings and the
+    descriptors belong to the parent's rank, and CUDA does not survive a fork;
+    they go with the child."""
+    for ws in list(_owned):
+        finalizer, ws._finalizer, ws._watch = ws._finalizer, None, None
+        if finalizer is not None:
+            finalizer.detach()
+    _owned.clear()
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
+
+def _tell_exited(ref: weakref.ref, rank: int, pid: int) -> None:
+    ws = ref()
+    if ws is not None:
+        ws._peer_exited(rank, pid)
 
 
 class CallRefused(RuntimeError):
@@ -75,6 +104,11 @@ class _Call:
                 self.workspace._failed(error, self.held)
         finally:
             self.workspace._leave(self.held)
+        gone = self.workspace._watch.gone if self.workspace._watch is not None else None
+        if gone is not None and type(error) is RuntimeError:  # what ended the call: the peer's exit
+            ws = self.workspace
+            raise RuntimeError(f"torch_sdcp: {type(ws).__name__} on rank {ws.rank}: {self.what}() failed: peer "
+                               f"{gone[0]} (pid {gone[1]}) exited; re-create the workspace without it") from error
 
 
 class PeerWorkspace:
@@ -109,9 +143,12 @@ class PeerWorkspace:
                  allow_shared_device: bool = False, fallback: bool = False, rows_fallback: bool = True):
         # Everything local is checked before the first collective (the arena's creation).
         self._closed = True  # until created
+        self._pid = os.getpid()  # the process that is this rank: a fork's child is not
+        self._abort_lock = threading.RLock()  # abort() against unregistration (RLock: a signal handler may abort)
         self.handle: int | None = None
         self.arena: PeerArena | None = None
         self._finalizer: weakref.finalize | None = None
+        self._watch: liveness.Watch | None = None  # the peers' processes, while the workspace has memory
         group, self.rank, self.world_size = resolve_group(group)
         self.timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, "timeout_s")
         check_bool(fallback, "fallback")
@@ -178,12 +215,16 @@ class PeerWorkspace:
         self.nbytes_per_rank = built.layout.region_bytes
         self.arena, self.handle, self.device = built.arena, built.handle, built.device
         if built.handle is not None:
+            assert built.arena is not None
             _registry.add(built.handle, self)
+            # Weakly: the watcher must not keep a dropped workspace alive.
+            self._watch = liveness.watch(built.arena.peer_pids, functools.partial(_tell_exited, weakref.ref(self)))
             self._finalizer = weakref.finalize(self, _release_dropped, type(self).__name__, self.rank,
-                                               built.handle, built.arena)
+                                               built.handle, built.arena, self._watch)
             # At interpreter exit the process's memory goes with it: nothing to
             # release, and the CUDA context may already be going.
             self._finalizer.atexit = False
+            _owned.add(self)
 
     def _fill_sentinel(self, arena: PeerArena, layout: WorkspaceLayout) -> None:
         """Data-as-flag buffers start as the sentinel (every byte 0xFF): each
@@ -240,6 +281,7 @@ class PeerWorkspace:
         between CUDA-graph replays and during capture; it reports what the
         kernels that already ran saw (synchronise the stream first for an
         exact answer). A closed workspace raises as every call does."""
+        self._check_process("check")
         self._check_open("check")
         if self._poisoned is None and self.handle is not None:
             try:
@@ -279,7 +321,47 @@ class PeerWorkspace:
             self._logged.add(key)
             logger.warning("torch_sdcp %s workspace, rank %d: %s", type(self).__name__, self.rank, message)
 
+    def abort(self, reason: str = "aborted by the caller") -> None:
+        """Abort the workspace on every rank: a call waiting in it on any rank
+        raises at once, and every later call raises until it is re-created.
+        Thread-safe and non-blocking (a watchdog or a signal handler may call
+        it while another thread is inside a call); idempotent; nothing once
+        closed. In collective mode it poisons this rank only."""
+        self._check_process("abort")
+        if not isinstance(reason, str):
+            raise arg_error("reason", "a str", type(reason).__name__)
+        with self._abort_lock:
+            if self._closed:
+                return
+            if self._poisoned is None:
+                self._poisoned = f"aborted on rank {self.rank}: {reason[:200]}"
+            if self.handle is not None:
+                torch.ops.sdcp.workspace_abort(self.handle)
+
+    def _peer_exited(self, rank: int, pid: int) -> None:
+        """The watcher thread saw peer ``rank`` exit: abort the workspace on
+        every rank at once (a wait ends now, not after its timeout)."""
+        with self._abort_lock:
+            if self._closed or self.handle is None:
+                return
+            if self._poisoned is None:
+                try:
+                    torch.ops.sdcp.workspace_check(self.handle)
+                    self._poisoned = f"peer {rank} (pid {pid}) exited"
+                except RuntimeError as e:  # it failed before: that is what its calls report
+                    self._poisoned = str(e)
+            torch.ops.sdcp.workspace_abort(self.handle)
+
     # -- one caller at a time -------------------------------------------------------------------
+
+    def _check_process(self, what: str) -> None:
+        """Refuse every use from a process other than the creator's (a fork's
+        child would act as its parent's rank and pair with its parent's calls)."""
+        pid = os.getpid()
+        if pid != self._pid:
+            raise RuntimeError(
+                f"torch_sdcp: {type(self).__name__} of rank {self.rank} belongs to process {self._pid}: {what}() "
+                f"from process {pid} (a fork of it) is refused; create workspaces in the process that uses them")
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -290,6 +372,7 @@ class PeerWorkspace:
         """Start a call: refuse a closed workspace, and a second thread while
         another one is inside a call (non-blocking). Returns whether the call
         lock is held (never under torch.compile tracing, which runs no call)."""
+        self._check_process(what)  # first: a fork may have copied the lock held
         if torch.compiler.is_compiling():
             self._check_open(what)
             return False
@@ -392,12 +475,16 @@ class PeerWorkspace:
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
             finalizer.detach()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
         if self.handle is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            torch.ops.sdcp.workspace_unregister(self.handle)
-            _registry.remove(self.handle)
-            self.handle = None
+            with self._abort_lock:  # no abort() stores into memory about to be unmapped
+                torch.ops.sdcp.workspace_unregister(self.handle)
+                _registry.remove(self.handle)
+                self.handle = None
         if self.arena is not None:
             arena, self.arena = self.arena, None
             arena.close(barrier=barrier)
@@ -408,6 +495,7 @@ class PeerWorkspace:
         raises."""
         if getattr(self, "_closed", True):
             return
+        self._check_process("close")
         with self._call("close", poison=False):
             if self._poisoned is None and self.handle is not None:
                 try:

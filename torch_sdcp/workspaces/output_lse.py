@@ -106,9 +106,9 @@ class OutputLSEWorkspace(PeerWorkspace):
             base2 = ops.lse_is_base2(lse_base)
             if self._rows_fit(partial_out.shape[0], "partial_out"):
                 out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base)
-            else:  # the fused collective path; its output is a [T, H/N, D] view of head-major storage
-                out, lse = collective.lse_all_gather_correct_reduce_scatter(
-                    partial_out, partial_lse, base2=base2, return_lse=True, group=self.group)
+            else:  # the fused collective path, made contiguous like the peer path's output
+                out, lse = (t.contiguous() for t in collective.lse_all_gather_correct_reduce_scatter(
+                    partial_out, partial_lse, base2=base2, return_lse=True, group=self.group))
             return (out, lse) if return_lse else out
 
     def combine_out(self, partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor, *,
