@@ -67,6 +67,35 @@ void check_lse_correct_inputs(const at::Tensor& partial_out, const at::Tensor& g
   SDCP_CHECK_ARG(rank >= 0 && rank < n, "rank", "a rank in [0, " << n << ")", rank);
 }
 
+namespace {
+
+void check_index_tensor(const at::Tensor& t, const char* name, const at::Tensor& partial_out) {
+  SDCP_CHECK_ARG(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name, "dtype int32 or int64",
+                 t.scalar_type());
+  check_contiguous(t, name);
+  check_same_device(t, name, partial_out, "partial_out");
+}
+
+}  // namespace
+
+RowMask check_row_mask(const c10::optional<at::Tensor>& seq_lens, const c10::optional<at::Tensor>& query_start_loc,
+                       const at::Tensor& partial_out) {
+  const bool has_seq = seq_lens.has_value(), has_qsl = query_start_loc.has_value();
+  SDCP_CHECK_ARG(has_seq == has_qsl, (has_seq ? "query_start_loc" : "seq_lens"),
+                 "a tensor, as 'seq_lens' and 'query_start_loc' are given both or neither",
+                 "None beside a given '" << (has_seq ? "seq_lens" : "query_start_loc") << "'");
+  if (!has_seq) return {};
+  const at::Tensor& s = *seq_lens;
+  const at::Tensor& q = *query_start_loc;
+  check_dim(s, "seq_lens", 1);
+  check_dim(q, "query_start_loc", 1);
+  SDCP_CHECK_ARG(q.size(0) == s.size(0) + 1, "query_start_loc",
+                 s.size(0) + 1 << " entries (len(seq_lens) + 1)", q.size(0));
+  check_index_tensor(s, "seq_lens", partial_out);
+  check_index_tensor(q, "query_start_loc", partial_out);
+  return {true, s.data_ptr(), q.data_ptr(), s.size(0), s.scalar_type() == at::kLong, q.scalar_type() == at::kLong};
+}
+
 CombineCall prepare_combine_out(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
                                 const at::Tensor& out, const at::Tensor& out_lse) {
   check_partial_inputs(partial_out, partial_lse);
@@ -98,7 +127,9 @@ namespace {
 // Allocates the caller-owned outputs and runs the `_out` op of the inputs'
 // backend through the dispatcher.
 std::tuple<at::Tensor, at::Tensor> output_lse_combine(const at::Tensor& partial_out, const at::Tensor& partial_lse,
-                                                      int64_t workspace, bool base2) {
+                                                      int64_t workspace, bool base2,
+                                                      const c10::optional<at::Tensor>& seq_lens,
+                                                      const c10::optional<at::Tensor>& query_start_loc) {
   check_partial_inputs(partial_out, partial_lse);
   const auto ws = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
   const int64_t n = ws->world_size;
@@ -109,8 +140,9 @@ std::tuple<at::Tensor, at::Tensor> output_lse_combine(const at::Tensor& partial_
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("sdcp::output_lse_combine_out", "")
                              .typed<void(const at::Tensor&, const at::Tensor&, int64_t, bool, at::Tensor&,
-                                         at::Tensor&)>();
-  op.call(partial_out, partial_lse, workspace, base2, out, lse);
+                                         at::Tensor&, const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&)>();
+  op.call(partial_out, partial_lse, workspace, base2, out, lse, seq_lens, query_start_loc);
   return {out, lse};
 }
 

@@ -78,13 +78,19 @@ void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const 
   };
   const auto* po = static_cast<const uint32_t*>(partial_out.data_ptr());
   const auto* pl = reinterpret_cast<const uint32_t*>(partial_lse.data_ptr<float>());
+  // This producer's LSE words of row t, heads [h0, h0 + hl): -inf for an empty row (call.mask).
+  const std::vector<uint32_t> neg_inf(hl, float_bits(-INFINITY));
+  std::vector<char> empty(rows, 0);
+  if (c.mask.enabled)
+    for (int64_t t = 0; t < rows; ++t) empty[t] = c.mask.row_empty(t);
+  auto lse_words = [&](int64_t t, int64_t h0) { return empty[t] ? neg_inf.data() : pl + t * heads + h0; };
   for (int64_t d = 0; d < n; ++d) {
     if (d == ws.rank) continue;
     host_store_call_header(header(d, ws.rank), c.header);  // before the data it describes
     for (int64_t t = 0; t < rows; ++t) {
       host_store_payload(inbox_out(d, ws.rank) + t * hl * item_words, po + (t * heads + d * hl) * item_words,
                          hl * item_words, false);
-      host_store_payload(inbox_lse(d, ws.rank) + t * hl, pl + t * heads + d * hl, hl, true);
+      host_store_payload(inbox_lse(d, ws.rank) + t * hl, lse_words(t, d * hl), hl, true);
     }
   }
   // Gather the shards [N][rows][h_loc] (own one copied from partial_out), then combine.
@@ -98,7 +104,7 @@ void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const 
     if (s == ws.rank) {
       for (int64_t t = 0; t < rows; ++t) {
         std::memcpy(to + t * hl * item_words, po + (t * heads + s * hl) * item_words, hl * item_words * 4);
-        std::memcpy(tl + t * hl, pl + t * heads + s * hl, hl * 4);
+        std::memcpy(tl + t * hl, lse_words(t, s * hl), hl * 4);
       }
     } else {
       // The header first: a mismatch fails here, before waiting for rows the peer may not send.

@@ -94,11 +94,18 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 // compiled per world size (kN; 0 = any) so that the per-shard LSEs and
 // weights stay in registers instead of local memory. The workspace is a grid
 // constant: the failure paths take its address, which would otherwise make
-// every thread copy it into local memory at entry.
+// every thread copy it into local memory at entry (the row mask too: its
+// lookup is a member function).
+//
+// With a row mask (vLLM's seq_lens / query_start_loc, output_lse.h) each
+// producer sends -inf for its own empty rows, so the owner's combine gives
+// them no weight; a warp looks a row up once (a binary search over the
+// request ends), and without a mask the lookup is one uniform branch per item.
 template <typename scalar_t, int kN>
 __global__ void __launch_bounds__(kThreads)
     output_lse_kernel(const __grid_constant__ DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po,
-                      const float* pl, int rows, bool base2, scalar_t* out, float* out_lse, CallHeader hdr) {
+                      const float* pl, int rows, bool base2, scalar_t* out, float* out_lse, CallHeader hdr,
+                      const __grid_constant__ RowMask mask) {
   using V = Vec<scalar_t>;
   constexpr int kShards = kN > 0 ? kN : kMaxDeviceWorld;
   pdl_wait_and_release();
@@ -110,6 +117,17 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   uint64_t call = 0;
   bool have_call = false;
+  // The warp's last looked-up row (items of one row are often the same warp's).
+  int mask_row = -1;
+  bool mask_row_empty = false;
+  auto row_empty = [&](int t) {
+    if (!mask.enabled) return false;
+    if (t != mask_row) {
+      mask_row = t;
+      mask_row_empty = mask.row_empty(t);
+    }
+    return mask_row_empty;
+  };
   // Buffer of rank d, entry of source s: payload [row][h_loc][dim], LSE [row][h_loc].
   const int64_t entry_vecs = g.max_rows * g.local_heads * nvec, entry_words = g.max_rows * g.local_heads;
   auto inbox_out = [&](int d, int s) {
@@ -139,8 +157,8 @@ __global__ void __launch_bounds__(kThreads)
   const int pairs = (n - 1) * nvec;
   for (int i = begin + warp; i < end; i += kWarps) {
     const int t = i / hl, h = i - t * hl;
-    const bool sends_lse = lane < n && lane != me;
-    const float lse = sends_lse ? pl[static_cast<int64_t>(t) * heads + lane * hl + h] : 0.0f;
+    const bool sends_lse = lane < n && lane != me, empty = row_empty(t);
+    const float lse = !sends_lse ? 0.0f : empty ? -INFINITY : pl[static_cast<int64_t>(t) * heads + lane * hl + h];
     for (int base = 0; base < pairs; base += 32 * kUnroll) {
       uint4 buf[kUnroll];
       int dst[kUnroll], vec[kUnroll];
@@ -177,7 +195,7 @@ __global__ void __launch_bounds__(kThreads)
     uint4* const header_at = header(me, lane);
     const uint4 header_word = checks_header ? ld_volatile_v4(header_at) : sentinel4;
     uint32_t lse_word = polls_lse ? ld_volatile_u32(lse_at) : 0u;
-    const float own_lse = lane == me ? pl[static_cast<int64_t>(t) * heads + me * hl + h] : 0.0f;
+    const float own_lse = lane != me ? 0.0f : row_empty(t) ? -INFINITY : pl[static_cast<int64_t>(t) * heads + me * hl + h];
     // Chunk 0's vectors: this rank's own (no wait) and the first peer's.
     const bool two0 = lane + 32 < nvec;
     uint4 own0 = make_uint4(0, 0, 0, 0), own1 = own0, a0 = sentinel4, a1 = sentinel4;
@@ -300,7 +318,7 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
     auto launch = [&](auto kernel) {
       launch_dataflag(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws), c.geo,
                      partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
-                     out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header);
+                     out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header, c.mask);
     };
     switch (ws.world_size) {  // DCP2, 4 and 8 keep their weights in registers
       case 2: launch(output_lse_kernel<scalar_t, 2>); break;

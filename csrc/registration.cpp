@@ -44,11 +44,13 @@ TORCH_LIBRARY(sdcp, m) {
   // every peer; returns the rank-major stack [N, *x.shape].
   m.def("peer_all_gather(Tensor x, int workspace) -> Tensor");
   // Output/LSE: producer-direct publish of each destination's head shard and
-  // LSE, owner-side combine. Returns ([T, H/N, D], [T, H/N] fp32).
-  m.def("output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2) "
-        "-> (Tensor, Tensor)");
+  // LSE, owner-side combine. Returns ([T, H/N, D], [T, H/N] fp32). With
+  // seq_lens [R] and query_start_loc [R + 1] (vLLM's metadata, local to each
+  // rank), padding rows and rows of empty shards get no weight.
+  m.def("output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, "
+        "Tensor? seq_lens=None, Tensor? query_start_loc=None) -> (Tensor, Tensor)");
   m.def("output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, "
-        "Tensor(a!) out, Tensor(b!) out_lse) -> ()");
+        "Tensor(a!) out, Tensor(b!) out_lse, Tensor? seq_lens=None, Tensor? query_start_loc=None) -> ()");
   // Top-K: each owner publishes its candidate shard in place; every consumer
   // selects over local and peer shards. Returns [T, k] int32 global ids.
   m.def("topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor");

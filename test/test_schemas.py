@@ -16,8 +16,8 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(all_schemas(), """\
 sdcp::lse_combine(Tensor partial_out, Tensor partial_lse, bool base2) -> (Tensor, Tensor)
 sdcp::lse_correct(Tensor partial_out, Tensor gathered_lse, int rank, bool base2) -> (Tensor, Tensor)
-sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2) -> (Tensor, Tensor)
-sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse) -> ()
+sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor? seq_lens=None, Tensor? query_start_loc=None) -> (Tensor, Tensor)
+sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse, Tensor? seq_lens=None, Tensor? query_start_loc=None) -> ()
 sdcp::peer_all_gather(Tensor x, int workspace) -> Tensor
 sdcp::query_all_gather_heads(Tensor q, int workspace) -> Tensor
 sdcp::query_all_gather_heads_out(Tensor q, int workspace, Tensor(a!) out) -> ()

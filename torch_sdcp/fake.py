@@ -41,14 +41,15 @@ def _peer_all_gather(x, workspace):
 
 
 @register_fake("sdcp::output_lse_combine")
-def _output_lse_combine(partial_out, partial_lse, workspace, base2):
+def _output_lse_combine(partial_out, partial_lse, workspace, base2, seq_lens=None, query_start_loc=None):
     n = _registry.world_size(workspace)
     t, h, d = partial_out.shape
     return partial_out.new_empty((t, h // n, d)), partial_lse.new_empty((t, h // n))
 
 
 @register_fake("sdcp::output_lse_combine_out")
-def _output_lse_combine_out(partial_out, partial_lse, workspace, base2, out, out_lse):
+def _output_lse_combine_out(partial_out, partial_lse, workspace, base2, out, out_lse, seq_lens=None,
+                            query_start_loc=None):
     return None
 
 

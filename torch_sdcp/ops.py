@@ -71,16 +71,23 @@ def peer_all_gather(x: Tensor, workspace: int) -> Tensor:
     return torch.ops.sdcp.peer_all_gather(x, workspace)
 
 
-def output_lse_combine(partial_out: Tensor, partial_lse: Tensor, workspace: int, *,
-                       lse_base: str = "e") -> tuple[Tensor, Tensor]:
-    """This rank's heads of the combined output [T, H/N, D] and LSE [T, H/N]."""
-    return torch.ops.sdcp.output_lse_combine(partial_out, partial_lse, workspace, lse_is_base2(lse_base))
+def output_lse_combine(partial_out: Tensor, partial_lse: Tensor, workspace: int, *, lse_base: str = "e",
+                       seq_lens: Tensor | None = None,
+                       query_start_loc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """This rank's heads of the combined output [T, H/N, D] and LSE [T, H/N].
+    With vLLM's seq_lens [R] / query_start_loc [R + 1] (this rank's, int32 or
+    int64, both or neither), padding rows and rows of empty shards get no
+    weight (torch_sdcp.reference.mask_empty_shards)."""
+    return torch.ops.sdcp.output_lse_combine(partial_out, partial_lse, workspace, lse_is_base2(lse_base),
+                                             seq_lens, query_start_loc)
 
 
 def output_lse_combine_out(partial_out: Tensor, partial_lse: Tensor, workspace: int, out: Tensor,
-                           out_lse: Tensor, *, lse_base: str = "e") -> None:
+                           out_lse: Tensor, *, lse_base: str = "e", seq_lens: Tensor | None = None,
+                           query_start_loc: Tensor | None = None) -> None:
     """As output_lse_combine, written into caller-owned out / out_lse."""
-    torch.ops.sdcp.output_lse_combine_out(partial_out, partial_lse, workspace, lse_is_base2(lse_base), out, out_lse)
+    torch.ops.sdcp.output_lse_combine_out(partial_out, partial_lse, workspace, lse_is_base2(lse_base), out, out_lse,
+                                          seq_lens, query_start_loc)
 
 
 def topk_merge(scores: Tensor, ids: Tensor, workspace: int, k: int) -> Tensor:

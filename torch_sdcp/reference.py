@@ -25,8 +25,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from torch_sdcp._checks import (check, check_dim, check_dtype, check_int, check_positive_int, check_same_device,
-                                check_size, check_tensor)
+from torch_sdcp._checks import (arg_error, check, check_dim, check_dtype, check_int, check_positive_int,
+                                check_same_device, check_size, check_tensor)
 
 __all__ = [
     "token_owner",
@@ -40,6 +40,8 @@ __all__ = [
     "lse_combine_ref",
     "lse_combine_ref64",
     "output_lse_shard",
+    "check_mask_args",
+    "mask_empty_shards",
 ]
 
 IntOrTensor = Union[int, Tensor]
@@ -364,3 +366,46 @@ def output_lse_shard(out: Tensor, lse: Optional[Tensor], rank: int, world_size: 
         check(lse.shape == out.shape[:2], "lse", f"shape {list(out.shape[:2])}", f"shape {list(lse.shape)}")
         return out[:, sl], lse[:, sl]
     return out[:, sl], None
+
+
+def check_mask_args(seq_lens: Optional[Tensor], query_start_loc: Optional[Tensor]) -> bool:
+    """True when the empty-shard mask is asked for: ``seq_lens [R]`` and
+    ``query_start_loc [R + 1]``, both or neither, 1-D int32 or int64 (the
+    checks of csrc/output_lse.cpp, in its order). Shapes only: no device work."""
+    if seq_lens is None and query_start_loc is None:
+        return False
+    if seq_lens is None or query_start_loc is None:
+        missing = "seq_lens" if seq_lens is None else "query_start_loc"
+        given = "query_start_loc" if seq_lens is None else "seq_lens"
+        raise arg_error(missing, "a tensor, as 'seq_lens' and 'query_start_loc' are given both or neither",
+                        f"None beside a given '{given}'")
+    check_tensor(seq_lens, "seq_lens")
+    check_tensor(query_start_loc, "query_start_loc")
+    check_dim(seq_lens, "seq_lens", 1)
+    check_dim(query_start_loc, "query_start_loc", 1)
+    check(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc",
+          f"{seq_lens.numel() + 1} entries (len(seq_lens) + 1)", query_start_loc.numel())
+    for t, arg in ((seq_lens, "seq_lens"), (query_start_loc, "query_start_loc")):
+        check(t.dtype in (torch.int32, torch.int64), arg, "dtype int32 or int64", f"dtype {t.dtype}")
+    return True
+
+
+def mask_empty_shards(lse: Tensor, seq_lens: Optional[Tensor], query_start_loc: Optional[Tensor]) -> Tensor:
+    """vLLM's empty-shard mask (``mask_dcp_empty_shards_``), out of place:
+    ``lse [T, H]`` with -inf in every row that must get no weight, rows at or
+    past ``query_start_loc[-1]`` (CUDA-graph padding) and rows of requests
+    whose local ``seq_len`` is 0 (an empty KV shard). The request of row t is
+    the number of request ends ``query_start_loc[1:]`` at or before t, clamped
+    to the last request; with no request every row is empty. No host
+    synchronisation, no data-dependent shape (it can be captured). Without
+    ``seq_lens`` / ``query_start_loc`` returns ``lse`` itself."""
+    if not check_mask_args(seq_lens, query_start_loc):
+        return lse
+    assert seq_lens is not None and query_start_loc is not None
+    if seq_lens.numel() == 0:  # no local request at all (warm-up): every row is empty
+        return torch.full_like(lse, -math.inf)
+    qsl = query_start_loc.to(lse.device)
+    row = torch.arange(lse.shape[0], device=lse.device, dtype=qsl.dtype)
+    request = torch.bucketize(row, qsl[1:], right=True).clamp_max(seq_lens.numel() - 1)
+    empty = (row >= qsl[-1]) | (seq_lens.to(lse.device).index_select(0, request) == 0)
+    return lse.masked_fill(empty.unsqueeze(-1), -math.inf)

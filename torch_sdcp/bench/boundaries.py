@@ -62,6 +62,11 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
         for name in ("symm_mem", "vllm_a2a"):
             row[name] = guarded(ctx.timer, comp_fn(name))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.combine(po, pl, return_lse=True))
+        # vLLM's metadata at decode: one request per row, some shards empty, the last row padding.
+        seq_lens = torch.where(torch.arange(t) % 8 == 7, 0, 100 + torch.arange(t)).to(torch.int32).to(dev)
+        qsl = torch.arange(t + 1, dtype=torch.int32).clamp_max(max(t - 1, 1)).to(dev)
+        row["sdcp_masked"] = guarded(ctx.timer, lambda: lambda: ws.combine(
+            po, pl, return_lse=True, seq_lens=seq_lens, query_start_loc=qsl))
         out.append(row)
         ctx.progress(f"output_lse rows={t}")
     sizes = {"workspace_bytes_per_rank": ws.physical_bytes}

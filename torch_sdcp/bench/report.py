@@ -9,10 +9,11 @@ from typing import Optional
 
 from torch_sdcp.bench.decode import DecodeStep
 
-PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_view")
-OURS = ("sdcp", "sdcp_view")
+PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_masked", "sdcp_view")
+OURS = ("sdcp", "sdcp_masked", "sdcp_view")
 PATH_NAMES = {"collective": "collective", "collective_eager": "collective (eager ops)", "symm_mem": "symm-mem",
-              "vllm_a2a": "vLLM a2a", "sdcp": "torch_sdcp", "sdcp_view": "torch_sdcp view"}
+              "vllm_a2a": "vLLM a2a", "sdcp": "torch_sdcp", "sdcp_masked": "torch_sdcp masked",
+              "sdcp_view": "torch_sdcp view"}
 PATH_KEYS = {name: path for path, name in PATH_NAMES.items()}
 
 # The host backend runs every path on the CPU: the collective path over gloo,
@@ -70,6 +71,8 @@ LEGEND = {
         ("torch_sdcp", "sdcp::output_lse_combine: one kernel, data-as-flag: stores every peer's head shard and "
                        "LSE into that peer's buffer (peer memory), polls its own buffer as the peers' shards land, "
                        "reads its own shard in place, combines in fp32"),
+        ("torch_sdcp masked", "the same kernel with vLLM's empty-shard mask inside (seq_lens, query_start_loc: "
+                              "one request per row, every 8th shard empty, the last row padding)"),
     ],
     "decode": [
         ("collective", "query: collective path above; attention; Output/LSE: the fused collective path "

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp import collective, ops
+from torch_sdcp import collective, ops, reference
 from torch_sdcp._checks import arg_error, check
 from torch_sdcp.workspaces._layout import WorkspaceKind
 from torch_sdcp.workspaces._policy import check_size_param, require_tensor, resolve_group
@@ -38,6 +38,19 @@ def _check_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_lse:
     if partial_lse.device != partial_out.device:
         raise arg_error("partial_lse", f"device {partial_out.device} (that of 'partial_out')",
                         f"device {partial_lse.device}")
+
+
+def _check_mask(partial_out: Tensor, seq_lens: Any, query_start_loc: Any) -> bool:
+    """The empty-shard mask's arguments, checked alike on both paths (as
+    csrc/output_lse.cpp checks them); True when a mask is asked for."""
+    if not reference.check_mask_args(seq_lens, query_start_loc):
+        return False
+    for t, arg in ((seq_lens, "seq_lens"), (query_start_loc, "query_start_loc")):
+        if not t.is_contiguous():
+            raise arg_error(arg, "a contiguous tensor", f"strides {list(t.stride())} for shape {list(t.shape)}")
+        if t.device != partial_out.device:
+            raise arg_error(arg, f"device {partial_out.device} (that of 'partial_out')", f"device {t.device}")
+    return True
 
 
 def _check_combine_outputs(ws: OutputLSEWorkspace, partial_out: Tensor, out: object, out_lse: object) -> None:
@@ -97,32 +110,44 @@ class OutputLSEWorkspace(PeerWorkspace):
         return self.total_heads // self.world_size
 
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
-                return_lse: bool = False):
+                return_lse: bool = False, seq_lens: Tensor | None = None, query_start_loc: Tensor | None = None):
         """partial_out [T, H, D] of the workspace dtype, partial_lse [T, H] fp32
         over this rank's KV shard -> this rank's heads [T, H/N, D] (and their
-        LSE [T, H/N])."""
+        LSE [T, H/N]). With vLLM's seq_lens [R] and query_start_loc [R + 1]
+        (this rank's, int32 or int64, on the inputs' device), padding rows and
+        rows of empty shards get no weight, inside the one combine kernel
+        (torch_sdcp.reference.mask_empty_shards)."""
         with self._call("combine"):
             _check_combine_inputs(self, partial_out, partial_lse)
+            masked = _check_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             if self._rows_fit(partial_out.shape[0], "partial_out"):
-                out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base)
+                out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base,
+                                                  seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:  # the fused collective path, made contiguous like the peer path's output
+                if masked:
+                    partial_lse = reference.mask_empty_shards(partial_lse, seq_lens, query_start_loc)
                 out, lse = (t.contiguous() for t in collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group))
             return (out, lse) if return_lse else out
 
     def combine_out(self, partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor, *,
-                    lse_base: str = "e") -> None:
+                    lse_base: str = "e", seq_lens: Tensor | None = None,
+                    query_start_loc: Tensor | None = None) -> None:
         """As combine, written into caller-owned out [T, H/N, D] (the workspace
         dtype) and out_lse [T, H/N] fp32, both contiguous, on the inputs'
         device; the same checks on the peer and the collective path."""
         with self._call("combine_out"):
             _check_combine_inputs(self, partial_out, partial_lse)
             _check_combine_outputs(self, partial_out, out, out_lse)
+            masked = _check_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             if self._rows_fit(partial_out.shape[0], "partial_out"):
-                ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base)
+                ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base,
+                                           seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:
+                if masked:
+                    partial_lse = reference.mask_empty_shards(partial_lse, seq_lens, query_start_loc)
                 collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group, out=out,
                     out_lse=out_lse)
