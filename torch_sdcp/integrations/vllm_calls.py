@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp.integrations._core import Face, normalise_device
+from torch_sdcp.reference import check_mask_args as _check_mask_args
+from torch_sdcp.reference import mask_empty_shards
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "gather_heads",
@@ -161,40 +163,6 @@ def try_prepare_topk(group: Any, *, max_rows: int, k: int, candidates_per_rank: 
 # ---------------------------------------------------------------------------
 
 
-def _check_mask_args(seq_lens: Tensor | None, query_start_loc: Tensor | None) -> bool:
-    """True when masking is asked for. Shapes only: no device work."""
-    if seq_lens is None and query_start_loc is None:
-        return False
-    if seq_lens is None or query_start_loc is None:
-        raise ValueError("torch_sdcp: arguments 'seq_lens' and 'query_start_loc': expected both or neither, got "
-                         f"seq_lens={'None' if seq_lens is None else 'a tensor'}, "
-                         f"query_start_loc={'None' if query_start_loc is None else 'a tensor'}")
-    if seq_lens.dim() != 1 or query_start_loc.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
-        raise ValueError("torch_sdcp: argument 'query_start_loc': expected a 1-D tensor of len(seq_lens) + 1 "
-                         f"boundaries for a 1-D seq_lens, got shapes {list(query_start_loc.shape)} and "
-                         f"{list(seq_lens.shape)}")
-    return True
-
-
-def mask_empty_shards(lse: Tensor, seq_lens: Tensor | None, query_start_loc: Tensor | None) -> Tensor:
-    """``lse [T, H]`` with -inf in every row that must get no weight: rows at
-    or past ``query_start_loc[-1]`` (CUDA-graph padding) and rows of requests
-    whose local ``seq_len`` is 0 (an empty KV shard). Out of place; no host
-    synchronisation and no data-dependent shape, so it can be captured.
-    Without ``seq_lens``/``query_start_loc`` returns ``lse`` itself."""
-    if not _check_mask_args(seq_lens, query_start_loc):
-        return lse
-    rows = lse.shape[0]
-    if seq_lens.numel() == 0:  # no local request at all (warm-up): every row is empty
-        return torch.full_like(lse, -math.inf)
-    qsl = query_start_loc.to(lse.device)
-    row = torch.arange(rows, device=lse.device, dtype=qsl.dtype)
-    # Request of each row: the number of request ends at or before it.
-    request = torch.bucketize(row, qsl[1:], right=True).clamp_max(seq_lens.numel() - 1)
-    empty = (row >= qsl[-1]) | (seq_lens.to(lse.device).index_select(0, request) == 0)
-    return lse.masked_fill(empty.unsqueeze(-1), -math.inf)
-
-
 def _squeeze_inputs(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     if out.dim() == 4 and out.shape[1] == 1:  # [B, 1, H, D]
         out = out.squeeze(1)
@@ -236,10 +204,9 @@ def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_gr
     out, lse = _squeeze_inputs(cp_attn_out, cp_attn_lse)
     rows, heads, dim = out.shape
 
-    def peer(workspace):
-        masked = mask_empty_shards(lse.float(), seq_lens, query_start_loc)
-        return workspace.combine(out.contiguous(), masked.contiguous(), lse_base="e" if is_lse_base_on_e else "2",
-                                 return_lse=return_lse)
+    def peer(workspace):  # the mask runs inside the combine kernel
+        return workspace.combine(out.contiguous(), lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
+                                 return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc)
 
     return _face.call("output_lse", group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device,
                       rows, peer, caller=fallback_name, fallback=lambda: fallback(*args),

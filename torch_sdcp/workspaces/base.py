@@ -372,10 +372,10 @@ class PeerWorkspace:
         """Start a call: refuse a closed workspace, and a second thread while
         another one is inside a call (non-blocking). Returns whether the call
         lock is held (never under torch.compile tracing, which runs no call)."""
-        self._check_process(what)  # first: a fork may have copied the lock held
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # tracing runs no call (and cannot trace os.getpid)
             self._check_open(what)
             return False
+        self._check_process(what)  # before the lock: a fork may have copied it held
         if not self._call_lock.acquire(blocking=False):
             me = threading.current_thread()
             other = self._caller
