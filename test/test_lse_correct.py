@@ -201,10 +201,15 @@ def _workspace_fallback_worker(rank, world):
         got, got_lse = ws.combine(po[rank], pl[rank], lse_base="2", return_lse=True)
         want, want_lse = collective.lse_all_gather_correct_reduce_scatter(po[rank], pl[rank], True, True)
         assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
-        # combine_out checks its outputs as the peer path does: contiguous, so
-        # not empty_like() of the head-major view that the collective path returns.
+        # Both paths return contiguous results, so empty_like() of one is a valid output.
+        assert got.is_contiguous() and got_lse.is_contiguous()
+        o, ol = torch.empty_like(got), torch.empty_like(got_lse)
+        ws.combine_out(po[rank], pl[rank], o, ol, lse_base="2")
+        assert torch.equal(o, got) and torch.equal(ol, got_lse)
+        # combine_out checks its outputs as the peer path does: contiguous.
+        strided = torch.empty(got.shape[1], got.shape[0], got.shape[2], dtype=got.dtype).transpose(0, 1)
         with pytest.raises(ValueError, match="argument 'out': expected a contiguous tensor"):
-            ws.combine_out(po[rank], pl[rank], torch.empty_like(got), torch.empty_like(got_lse), lse_base="2")
+            ws.combine_out(po[rank], pl[rank], strided, torch.empty_like(got_lse), lse_base="2")
         assert ws.poisoned  # an error inside a call poisons the workspace, the collective path included
         ws.resize(4)  # re-created on every rank
         o, ol = torch.empty(got.shape, dtype=got.dtype), torch.empty(got_lse.shape)
