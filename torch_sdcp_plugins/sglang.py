@@ -7,12 +7,11 @@ with SGLang (docs/SGLANG.md)."""
 from __future__ import annotations
 
 import logging
-import os
+
+from torch_sdcp_plugins import SWITCH_WORDS, read_switch
 
 ENV_ENABLE = "SDCP_SGLANG"
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 _logged: set = set()
 
 
@@ -25,14 +24,11 @@ def _log_once(level: int, reason: str, msg: str, *args: object) -> None:
 def enabled() -> bool:
     """Whether ``SDCP_SGLANG`` switches the plugin on (off when unset). An
     unrecognised value is logged once and counts as off."""
-    raw = os.environ.get(ENV_ENABLE, "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value not in _FALSE:
+    on, bad = read_switch(ENV_ENABLE)
+    if bad is not None:
         _log_once(logging.ERROR, "setting", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the SGLang plugin "
-                  "stays off", ENV_ENABLE, raw, "/".join(_TRUE), "/".join(_FALSE[1:]))
-    return False
+                  "stays off", ENV_ENABLE, bad, *SWITCH_WORDS)
+    return on
 
 
 def register() -> None:

@@ -15,6 +15,8 @@ import logging
 import os
 import threading
 
+from torch_sdcp_plugins import SWITCH_WORDS, read_switch
+
 __all__ = ["ENV_ENABLE", "ENV_MAX_ROWS", "ENV_SEAMS", "ENV_TIMEOUT_S", "SEAMS", "enabled", "register", "seams",
            "validate_settings"]
 
@@ -25,8 +27,6 @@ ENV_SEAMS = "SDCP_VLLM_SEAMS"
 #: The seams the plugin can take over (SDCP_VLLM_SEAMS selects among them; default all).
 SEAMS = ("combine", "query", "topk")
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 _logged: set = set()
 _lock = threading.Lock()
@@ -48,14 +48,11 @@ def _log_once(level: int, reason: str, msg: str, *args, exc_info: bool = False) 
 def enabled() -> bool:
     """Whether ``SDCP_VLLM`` switches the plugin on (off when unset). An
     unrecognised value is logged once and counts as off."""
-    raw = os.environ.get(ENV_ENABLE, "")
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value not in _FALSE:
+    on, bad = read_switch(ENV_ENABLE)
+    if bad is not None:
         _log_once(logging.ERROR, "bad-enable", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the vLLM "
-                  "plugin stays off", ENV_ENABLE, raw, "/".join(_TRUE[:2]), "/".join(_FALSE[1:3]))
-    return False
+                  "plugin stays off", ENV_ENABLE, bad, *SWITCH_WORDS)
+    return on
 
 
 def seams() -> tuple[str, ...]:
