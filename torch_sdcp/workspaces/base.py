@@ -5,13 +5,12 @@ stream policy of a call."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,94 +20,13 @@ from torch_sdcp._checks import arg_error, check_bool
 from torch_sdcp.peer import PeerArena, liveness
 from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
+from torch_sdcp.workspaces._call import CallRefused, _Call
+from torch_sdcp.workspaces._lifetime import _Built, _owned, _release_dropped, _tell_exited
 from torch_sdcp.workspaces._policy import check_size_param, check_timeout, default_timeout_s, resolve_group
 
 logger = logging.getLogger("torch_sdcp")
 
-
-class _Built(NamedTuple):
-    """What one creation produced (collective mode: arena and handle None)."""
-
-    params: list
-    layout: WorkspaceLayout
-    arena: PeerArena | None
-    handle: int | None
-    device: torch.device
-
-
-def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena, watch: liveness.Watch) -> None:
-    """Finalizer of a workspace garbage-collected without close(): local only
-    (no collective from a finalizer or at interpreter exit)."""
-    watch.cancel()
-    with contextlib.suppress(Exception):  # interpreter exit: the library may be gone
-        torch.ops.sdcp.workspace_unregister(handle)
-    _registry.remove(handle)
-    with contextlib.suppress(Exception):
-        arena.close(barrier=False)
-    with contextlib.suppress(Exception):
-        logger.info("torch_sdcp %s workspace, rank %d: dropped without close(); released locally", name, rank)
-
-
-# Every workspace with memory of its own, for the fork handler (a set of its own:
-# the registry's lock may be held by a thread that the fork did not copy).
-_owned: weakref.WeakSet = weakref.WeakSet()
-
-
-def _forget_inherited() -> None:
-    """In a forked child: the parent's workspaces are dead here (every entry
-    refuses another process). Nothing is released: the mappings and the
-    descriptors belong to the parent's rank, and CUDA does not survive a fork;
-    they go with the child."""
-    for ws in list(_owned):
-        finalizer, ws._finalizer, ws._watch = ws._finalizer, None, None
-        if finalizer is not None:
-            finalizer.detach()
-    _owned.clear()
-
-
-os.register_at_fork(after_in_child=_forget_inherited)
-
-
-def _tell_exited(ref: weakref.ref, rank: int, pid: int) -> None:
-    ws = ref()
-    if ws is not None:
-        ws._peer_exited(rank, pid)
-
-
-class CallRefused(RuntimeError):
-    """A call refused before it touched the workspace (the ordering rules, an
-    open view): the workspace is not poisoned."""
-
-
-class _Call:
-    """One call on a workspace, the guard of every public call method:
-    ``with self._call("merge"): ...``. Entering starts the call (``_enter``:
-    refuses a closed or poisoned workspace and a second thread); leaving with
-    an error records the failure (``_failed``: poisons and aborts, unless
-    ``poison`` is False, as for resize and close, which release a poisoned
-    workspace), and leaving always ends the call (``_leave``). A plain class,
-    so that torch.compile traces it (under tracing nothing is held, released
-    or poisoned)."""
-
-    __slots__ = ("held", "poison", "what", "workspace")
-
-    def __init__(self, workspace: PeerWorkspace, what: str, poison: bool):
-        self.workspace, self.what, self.poison, self.held = workspace, what, poison, False
-
-    def __enter__(self) -> None:
-        self.held = self.workspace._enter(self.what)
-
-    def __exit__(self, exc_type, error, traceback) -> None:
-        try:
-            if error is not None and self.poison:
-                self.workspace._failed(error, self.held)
-        finally:
-            self.workspace._leave(self.held)
-        gone = self.workspace._watch.gone if self.workspace._watch is not None else None
-        if gone is not None and type(error) is RuntimeError:  # what ended the call: the peer's exit
-            ws = self.workspace
-            raise RuntimeError(f"torch_sdcp: {type(ws).__name__} on rank {ws.rank}: {self.what}() failed: peer "
-                               f"{gone[0]} (pid {gone[1]}) exited; re-create the workspace without it") from error
+__all__ = ["CallRefused", "PeerWorkspace"]
 
 
 class PeerWorkspace:

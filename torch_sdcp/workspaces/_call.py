@@ -1,0 +1,45 @@
+"""The call guard of every public workspace method (``with self._call(what)``)
+and the refusal that leaves a workspace usable."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch_sdcp.workspaces.base import PeerWorkspace
+
+
+class CallRefused(RuntimeError):
+    """A call refused before it touched the workspace (the ordering rules, an
+    open view): the workspace is not poisoned."""
+
+
+class _Call:
+    """One call on a workspace, the guard of every public call method:
+    ``with self._call("merge"): ...``. Entering starts the call (``_enter``:
+    refuses a closed or poisoned workspace and a second thread); leaving with
+    an error records the failure (``_failed``: poisons and aborts, unless
+    ``poison`` is False, as for resize and close, which release a poisoned
+    workspace), and leaving always ends the call (``_leave``). A plain class,
+    so that torch.compile traces it (under tracing nothing is held, released
+    or poisoned)."""
+
+    __slots__ = ("held", "poison", "what", "workspace")
+
+    def __init__(self, workspace: PeerWorkspace, what: str, poison: bool):
+        self.workspace, self.what, self.poison, self.held = workspace, what, poison, False
+
+    def __enter__(self) -> None:
+        self.held = self.workspace._enter(self.what)
+
+    def __exit__(self, exc_type, error, traceback) -> None:
+        try:
+            if error is not None and self.poison:
+                self.workspace._failed(error, self.held)
+        finally:
+            self.workspace._leave(self.held)
+        gone = self.workspace._watch.gone if self.workspace._watch is not None else None
+        if gone is not None and type(error) is RuntimeError:  # what ended the call: the peer's exit
+            ws = self.workspace
+            raise RuntimeError(f"torch_sdcp: {type(ws).__name__} on rank {ws.rank}: {self.what}() failed: peer "
+                               f"{gone[0]} (pid {gone[1]}) exited; re-create the workspace without it") from error
