@@ -69,18 +69,26 @@ def seams() -> tuple[str, ...]:
     return tuple(s for s in SEAMS if s in names)
 
 
+def max_rows_cap() -> int | None:
+    """``SDCP_VLLM_MAX_ROWS`` as a positive int, or None when unset. A bad
+    value is a ValueError naming the variable."""
+    raw = os.environ.get(ENV_MAX_ROWS)
+    if raw is None or not raw.strip():
+        return None
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"torch_sdcp: environment variable {ENV_MAX_ROWS}: expected a positive int, got {raw!r}")
+    return rows
+
+
 def validate_settings() -> None:
     """Every SDCP_VLLM_* setting, checked before anything is patched: a bad
     value is a ValueError naming the variable, the expected and the actual
     value."""
-    raw = os.environ.get(ENV_MAX_ROWS)
-    if raw is not None and raw.strip():
-        try:
-            rows = int(raw)
-        except ValueError:
-            rows = 0
-        if rows < 1:
-            raise ValueError(f"torch_sdcp: environment variable {ENV_MAX_ROWS}: expected a positive int, got {raw!r}")
+    max_rows_cap()
     raw = os.environ.get(ENV_TIMEOUT_S)
     if raw is not None and raw.strip():
         try:

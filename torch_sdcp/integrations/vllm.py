@@ -181,18 +181,8 @@ def supported_version(version: str) -> bool:
 def _row_bound(engine_bound: int) -> int:
     """The rows bound of the workspaces: vLLM's DCP bound, capped by
     ``SDCP_VLLM_MAX_ROWS`` when set."""
-    cap = os.environ.get(ENV_MAX_ROWS)
-    bound = int(engine_bound)
-    if cap is not None and cap.strip():
-        try:
-            cap_rows = int(cap)
-        except ValueError:
-            raise ValueError(f"torch_sdcp: environment variable {ENV_MAX_ROWS}: expected a positive int, "
-                             f"got {cap!r}") from None
-        if cap_rows < 1:
-            raise ValueError(f"torch_sdcp: environment variable {ENV_MAX_ROWS}: expected a positive int, "
-                             f"got {cap!r}")
-        bound = min(bound, cap_rows)
+    cap = _entry.max_rows_cap()
+    bound = int(engine_bound) if cap is None else min(int(engine_bound), cap)
     if bound < 1:
         raise ValueError(f"torch_sdcp: the DCP rows bound must be positive, got {bound}")
     return bound
