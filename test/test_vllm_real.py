@@ -71,3 +71,34 @@ def test_a_failing_plugin_leaves_vllm_starting():
     out = _run(code, SDCP_VLLM="1", SDCP_VLLM_SEAMS="combine,bogus")
     assert out.returncode == 0 and "started" in out.stdout, out.stdout + out.stderr
     assert "SDCP_VLLM_SEAMS" in out.stderr + out.stdout, "the refusal must be logged"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_manager_seams_equal_vllms_own():
+    """Two ranks on vLLM's own gloo DCP group: a real MLADCPManager per
+    backend, the patched combine, query gather and top-K merge against vLLM's
+    functions (test/_vllm_real_ranks.py says what is compared)."""
+    why = _vllm_importable()
+    if why is not None:
+        pytest.skip(f"vLLM is not importable here ({why}); tools/vllm_env.sh builds an environment where it is")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDCP_VLLM")}
+    env.update(SDCP_VLLM="1", WORLD_SIZE="2", MASTER_PORT=str(_free_port()), SDCP_VLLM_TIMEOUT_S="120")
+    script = os.path.join(ROOT, "test", "_vllm_real_ranks.py")
+    ranks = [subprocess.Popen([sys.executable, script], cwd=ROOT, env={**env, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = []
+    try:
+        for p in ranks:
+            outs.append(p.communicate(timeout=900)[0])
+    finally:
+        for p in ranks:
+            p.kill()
+    for r, (p, out) in enumerate(zip(ranks, outs)):
+        assert p.returncode == 0 and f"rank {r}: " in out and "checks passed" in out, f"rank {r}:\n{out[-6000:]}"

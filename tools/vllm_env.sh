@@ -1,27 +1,39 @@
 #!/usr/bin/env bash
-# A CPU test environment with vLLM 0.33.0 and its real Python dependencies,
-# and torch_sdcp built (host backend) against vLLM's torch, so that
+# A CPU test environment with vLLM and its real Python dependencies, and
+# torch_sdcp built (host backend) against the environment's torch, so that
 # test/test_vllm_real.py loads the plugin through vLLM's own
-# load_general_plugins. Heavy (vLLM pins torch 2.14.0 and pulls several GiB of
-# wheels): not part of the default CI.
+# load_general_plugins. Heavy (several GiB of wheels): not part of the default
+# CI.
 #   tools/vllm_env.sh [VENV]          (default /tmp/vllm033-env)
 #   VENV/bin/python -m pytest -q test/test_vllm_real.py test/test_vllm_lifecycle.py
 # VLLM_VERSION=0.33.1 builds the same for a patch release (then run
 # test/test_vllm_conformance.py against it before trusting the plugin there).
+#
+# torch: the venv sees this Python's site-packages. When the torch there has
+# vLLM's pinned major.minor (0.33.0 pins 2.14.0), it is used as is (a patch
+# release apart, e.g. 2.14.1); otherwise the pin is installed from PyPI (a
+# CUDA build of several GiB). vLLM itself goes in without its torch, torchaudio
+# and torchvision pins; every other requirement is installed as vLLM states it,
+# CUDA packages included (humming-kernels[cu13] puts CUDA 13.5 headers into
+# site-packages/nvidia/cu13/include: the environment of the build check).
 set -euo pipefail
 venv=${1:-/tmp/vllm033-env}
 version=${VLLM_VERSION:-0.33.0}
 root=$(cd "$(dirname "$0")/.." && pwd)
-python3 -m venv "$venv"
+python3 -m venv --system-site-packages "$venv"
 py="$venv/bin/python"
-"$py" -m pip install -q --upgrade pip
-# vLLM's torch pin, as a CPU wheel, first: the resolver then keeps it.
-torch_pin=$("$py" -m pip download -q --no-deps -d "$venv/dl" "vllm==$version" >/dev/null &&
-            unzip -p "$venv"/dl/vllm-"$version"-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: torch==\([^ ;]*\).*/\1/p' | head -1)
-echo "vLLM $version pins torch ${torch_pin:?no torch pin in the vLLM wheel metadata}"
-"$py" -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch==$torch_pin"
-"$py" -m pip install -q "vllm==$version" "torch==$torch_pin" pytest expecttest
-"$py" -m pip install -q -r "$root/requirements.txt"
+"$py" -m pip download -q --no-deps -d "$venv/dl" "vllm==$version"
+wheel=$(ls "$venv"/dl/vllm-"$version"-*.whl)
+unzip -p "$wheel" '*/METADATA' | sed -n 's/^Requires-Dist: //p' | grep -v 'extra ==' > "$venv/vllm-requires.txt"
+torch_pin=$(sed -n 's/^torch==\([^ ;]*\).*/\1/p' "$venv/vllm-requires.txt")
+have=$("$py" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || echo none)
+echo "vLLM $version pins torch ${torch_pin:?no torch pin in the vLLM wheel metadata}; this Python has torch $have"
+if [[ ${have%.*} != "${torch_pin%.*}" ]]; then
+  "$py" -m pip install -q "torch==$torch_pin"
+fi
+grep -Ev '^(torch|torchaudio|torchvision)([=<>! ;]|$)' "$venv/vllm-requires.txt" > "$venv/vllm-requires-no-torch.txt"
+"$py" -m pip install -q -r "$venv/vllm-requires-no-torch.txt" pytest expecttest
+"$py" -m pip install -q --no-deps "$wheel"
 # torch_sdcp against that torch (host backend only), with its entry points.
 (cd "$root" && SDCP_NO_CUDA=1 "$py" -m pip install --no-build-isolation --no-deps -e .)
 "$py" -c "import vllm, torch, torch_sdcp; print('vLLM', vllm.__version__, 'torch', torch.__version__)"

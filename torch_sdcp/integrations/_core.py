@@ -253,7 +253,10 @@ class Face:
             self.logged.add(reason)
         if self.logger is None:
             self.logger = self.make_logger()
-        once = getattr(self.logger, f"{level}_once", None)
+        # vLLM's *_once log on the node's first rank only: right for the
+        # start-up lines, which every rank shares; a warning or an error may be
+        # this rank's alone, so it is logged here (already once per reason).
+        once = getattr(self.logger, f"{level}_once", None) if level in ("info", "debug") else None
         if once is not None and callable(once):
             once(msg, *args)
         else:
