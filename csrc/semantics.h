@@ -100,11 +100,16 @@ SDCP_HD float rope_second(float x0, float x1, float c, float s) {
   return add_rn(mul_rn(x1, c), mul_rn(x0, s));
 }
 
-// float8_e4m3fn quantisation: saturate(x / scale), NaN kept, round to nearest even.
+// float8_e4m3fn quantisation: saturate(x / scale), round to nearest even;
+// every NaN becomes 0x7F. The sign of a NaN is dropped so that no output word
+// is four 0xFF bytes (the data-as-flag sentinel, which the gather rewrites to
+// 0x7F7F7F7F): the gathered query stays bit-identical to the local one.
 constexpr float kE4M3Max = 448.0f;
+constexpr uint8_t kE4M3NaN = 0x7F;
 SDCP_HD c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
   float v = div_rn(x, scale);
-  if (v == v) v = v > kE4M3Max ? kE4M3Max : (v < -kE4M3Max ? -kE4M3Max : v);
+  if (v != v) return c10::Float8_e4m3fn(kE4M3NaN, c10::Float8_e4m3fn::from_bits());
+  v = v > kE4M3Max ? kE4M3Max : (v < -kE4M3Max ? -kE4M3Max : v);
   return c10::Float8_e4m3fn(v);
 }
 

@@ -172,8 +172,10 @@ def query_rope_quant_ref(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_s
         scale = q_scale.reshape(()).to(device=out.device, dtype=torch.float32)
         out = torch.div(out, scale)
     # (With no scale the kernels divide by 1.0, which is the identity.)
-    # Saturate; torch.clamp keeps NaN as NaN, and the cast keeps it NaN.
+    # Saturate (torch.clamp keeps NaN); every NaN becomes the positive NaN
+    # 0x7F, as the kernels store it (no output word is the sentinel).
     out = torch.clamp(out, -E4M3_MAX, E4M3_MAX)
+    out = torch.where(torch.isnan(out), torch.full_like(out, float("nan")).abs(), out)
     return out.to(torch.float8_e4m3fn)
 
 
