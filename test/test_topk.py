@@ -16,7 +16,7 @@ import torch
 from torch_sdcp import ops, reference
 from torch_sdcp.workspaces import WorkspaceKind
 
-from _dist import run_workers
+from _dist import in_turn, run_workers
 from _helpers import (GPU_WORLD, HOST, SHARED_GPU_WORLDS, devices, expect_poisoned, rank_candidates,
                       rank_workspace_args, requires_gpus)
 
@@ -510,12 +510,13 @@ def test_cuda_two_ranks_on_one_gpu(worker):
     assert run_workers(worker, 2, args=("cuda_shared",), timeout=300) == [True, True]
 
 
-# Four ranks on one GPU: rank 0 against the three others is a mismatch on every
-# rank; rank 0's error inside a call reaches the three ranks waiting in it.
+# Four ranks on one GPU, in one spawn: rank 0 against the three others is a
+# mismatch on every rank; rank 0's error inside a call reaches the three ranks
+# waiting in it.
 @requires_gpus(1)
-@pytest.mark.parametrize("worker", [_topk_mismatch_worker, _topk_carry_on_worker], ids=lambda w: w.__name__.strip("_"))
-def test_cuda_four_ranks_shared_gpu(worker):
-    assert run_workers(worker, 4, args=("cuda_shared",), timeout=300) == [True] * 4
+def test_cuda_four_ranks_shared_gpu():
+    steps = ((_topk_mismatch_worker, ("cuda_shared",)), (_topk_carry_on_worker, ("cuda_shared",)))
+    assert run_workers(in_turn, 4, args=steps, timeout=300) == [[True, True]] * 4
 
 
 def test_workspace_fits_the_target_at_128_rows():
