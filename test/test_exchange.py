@@ -17,15 +17,20 @@ from _dist import in_turn, run_workers
 from _helpers import GPU_WORLD, SHARED_GPU_WORLDS, rank_workspace_args, requires_gpus
 
 
-def _epochs_worker(rank, world, epochs, backend, allow_shared):
+def _epochs_worker(rank, world, epochs, mode, allow_shared=False):
+    """mode "cuda": rank r on GPU r modulo the GPU count (sharing one when
+    allow_shared); "host" and "cuda_shared" as in rank_workspace_args."""
     import torch_sdcp
 
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "cuda" else torch.device("cpu")
-    if backend == "cuda":
+    if mode == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        args = {"backend": "cuda", "device": device, "allow_shared_device": allow_shared}
+    else:
+        args = rank_workspace_args(rank, mode)
+        device = args.get("device", torch.device("cpu"))
     rng = random.Random(rank)
-    with torch_sdcp.ExchangeWorkspace(None, 4096, backend=backend, device=device, timeout_s=30,
-                                      allow_shared_device=allow_shared) as ws:
+    with torch_sdcp.ExchangeWorkspace(None, 4096, timeout_s=30, **args) as ws:
         for e in range(epochs):
             if rng.random() < 0.01:  # random per-rank delays
                 time.sleep(rng.random() * 0.003)
@@ -110,16 +115,14 @@ def test_cuda_publish_wait_many_epochs():
     assert run_workers(_epochs_worker, GPU_WORLD, args=(10000, "cuda", False), timeout=300) == [10000] * GPU_WORLD
 
 
-# DCP4 and DCP8 with every rank on the first visible GPU (time-sliced,
-# correctness only): sizes from 1 word to the workspace's capacity, all-ones
-# words, odd byte counts; then, at world 4, a rank that stops is named by the
-# three others' timeouts.
+# DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only):
+# sizes from 1 word to the workspace's capacity, all-ones words, odd byte
+# counts; then, at world 4, a rank that stops is named by the others' timeouts.
 @requires_gpus(1)
 @pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
 def test_cuda_publish_wait_and_tagged_words_shared_gpu(world):
-    one_gpu = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-    steps = ((_epochs_worker, (20, "cuda", True)), (_tagged_bytes_worker, ("cuda_shared",)))
-    assert run_workers(in_turn, world, args=steps, timeout=300, env=one_gpu) == [[20, True]] * world
+    steps = ((_epochs_worker, (20, "cuda_shared")), (_tagged_bytes_worker, ("cuda_shared",)))
+    assert run_workers(in_turn, world, args=steps, timeout=300) == [[20, True]] * world
 
 
 @requires_gpus(1)
