@@ -122,7 +122,7 @@ def test_cuda_publish_wait_many_epochs():
 @pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
 def test_cuda_publish_wait_and_tagged_words_shared_gpu(world):
     steps = ((_epochs_worker, (20, "cuda_shared")), (_tagged_bytes_worker, ("cuda_shared",)))
-    assert run_workers(in_turn, world, args=steps, timeout=300) == [[20, True]] * world
+    assert run_workers(in_turn, world, args=steps, timeout=240) == [[20, True]] * world
 
 
 @requires_gpus(1)

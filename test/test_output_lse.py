@@ -232,7 +232,7 @@ SHARED_GPU_CASES = [(1, 32, 128, False, True), (17, 32, 256, True, False), (64, 
 @pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
 def test_peer_combine_cuda_shared_gpu(world):
     steps = ((_peer_combine_worker, ("cuda", SHARED_GPU_CASES, 64, True)), (_sentinel_worker, ("cuda_shared",)))
-    assert run_workers(in_turn, world, args=steps, timeout=300) == [[len(SHARED_GPU_CASES), True]] * world
+    assert run_workers(in_turn, world, args=steps, timeout=240) == [[len(SHARED_GPU_CASES), True]] * world
 
 
 @requires_gpus(GPU_WORLD)
@@ -483,4 +483,4 @@ def test_cuda_two_ranks_on_one_gpu(worker):
 # Four ranks on one GPU: rank 0's bad input reaches the three ranks waiting in the call.
 @requires_gpus(1)
 def test_cuda_bad_input_aborts_every_waiting_peer_shared_gpu():
-    assert run_workers(_bad_input_worker, 4, args=("cuda_shared",), timeout=300) == [True] * 4
+    assert run_workers(_bad_input_worker, 4, args=("cuda_shared",), timeout=180) == [True] * 4

@@ -291,4 +291,4 @@ def test_masked_peer_combine_cuda_graph_two_ranks_on_one_gpu():
 @pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
 def test_masked_peer_combine_cuda_shared_gpu(world):
     steps = ((_masked_combine_worker, ("cuda_shared", 24)), (_masked_graph_worker, ("cuda_shared", 4)))
-    assert run_workers(in_turn, world, args=steps, timeout=300) == [[N_MASKED, 4]] * world
+    assert run_workers(in_turn, world, args=steps, timeout=240) == [[N_MASKED, 4]] * world

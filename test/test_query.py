@@ -163,7 +163,7 @@ def test_peer_gather_heads_and_view_cuda_shared_gpu(world):
     steps = ((_peer_gather_worker, ("cuda", SHARED_GPU_WORLD_CASES, 32, True)),
              (_heads_worker, ("cuda", rows, 32, True)), (_view_worker, ("cuda_shared", 6, world - 1)),
              (_nan_producer_worker, ("cuda_shared",)))
-    assert run_workers(in_turn, world, args=steps, timeout=300) == \
+    assert run_workers(in_turn, world, args=steps, timeout=240) == \
         [[len(SHARED_GPU_WORLD_CASES), len(rows) * len(GATHER_DTYPES), 6, True]] * world
 
 
@@ -985,4 +985,4 @@ def test_query_cuda_two_ranks_on_one_gpu(worker, args):
 @requires_gpus(1)
 def test_query_cuda_four_ranks_shared_gpu():
     steps = ((_query_caught_error_worker, ("cuda_shared", "gather")), (_query_bad_position_worker, ("cuda_shared",)))
-    assert run_workers(in_turn, 4, args=steps, timeout=300) == [[True, True]] * 4
+    assert run_workers(in_turn, 4, args=steps, timeout=180) == [[True, True]] * 4

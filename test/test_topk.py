@@ -256,7 +256,7 @@ SHARED_GPU_WORLD_CASES = [(1, 512, 512, True), (32, 1024, 1024, True), (0, 512, 
 @requires_gpus(1)
 @pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
 def test_peer_merge_cuda_shared_gpu(world):
-    picked = run_workers(_peer_merge_worker, world, args=("cuda", SHARED_GPU_WORLD_CASES, 32, True), timeout=300)
+    picked = run_workers(_peer_merge_worker, world, args=("cuda", SHARED_GPU_WORLD_CASES, 32, True), timeout=240)
     assert len(picked[0]) == len(SHARED_GPU_WORLD_CASES)
     for r in range(1, world):
         assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
@@ -516,7 +516,7 @@ def test_cuda_two_ranks_on_one_gpu(worker):
 @requires_gpus(1)
 def test_cuda_four_ranks_shared_gpu():
     steps = ((_topk_mismatch_worker, ("cuda_shared",)), (_topk_carry_on_worker, ("cuda_shared",)))
-    assert run_workers(in_turn, 4, args=steps, timeout=300) == [[True, True]] * 4
+    assert run_workers(in_turn, 4, args=steps, timeout=180) == [[True, True]] * 4
 
 
 def test_workspace_fits_the_target_at_128_rows():
