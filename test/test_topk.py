@@ -415,8 +415,9 @@ def _topk_mismatch_worker(rank, world, device):
     return True
 
 
-def test_topk_mismatched_rows_raise_on_every_rank_naming_both_sides():
-    assert run_workers(_topk_mismatch_worker, 2, args=("host",), timeout=180) == [True, True]
+@pytest.mark.parametrize("world", [2, 4])  # 4: rank 0 against three ranks, as on one GPU at DCP4
+def test_topk_mismatched_rows_raise_on_every_rank_naming_both_sides(world):
+    assert run_workers(_topk_mismatch_worker, world, args=("host",), timeout=180) == [True] * world
 
 
 def _topk_carry_on_worker(rank, world, device):
