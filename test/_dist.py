@@ -11,6 +11,10 @@ tests can check what a worker leaves in its temporary directory.
 The call fails (AssertionError) with the workers' output when a worker raises (its traceback is
 included), exits without a result, or the whole run exceeds `timeout` seconds (every worker is
 killed). Ranks listed in `may_die` may exit without a result; their result is None.
+
+`in_turn` runs several workers one after another in one process per rank (one spawn, one CUDA
+context): ``run_workers(in_turn, n, args=((fn_a, args_a), (fn_b, args_b)))`` returns, per rank,
+the list of the workers' results.
 """
 
 from __future__ import annotations
@@ -129,3 +133,9 @@ def run_workers(fn, world_size, *, args=(), timeout=60.0, may_die=(), env=None, 
         return results
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def in_turn(rank, world_size, *steps):
+    """A worker that runs the workers of `steps` ((fn, args) pairs) in turn on
+    this rank and returns their results, so that one spawn serves them all."""
+    return [fn(rank, world_size, *fn_args) for fn, fn_args in steps]

@@ -30,6 +30,13 @@ def requires_gpus(n: int):
                               reason=f"needs {n} GPU(s) and the CUDA kernels (found {count} GPU(s))")
 
 
+# World sizes of the tests whose ranks all share GPU 0 ("shared_gpu" in their
+# names, `requires_gpus(1)`): the CUDA peer kernels and their failures at DCP4
+# and DCP8 on a one-GPU machine. Every rank is a process with its own CUDA
+# context (about 500 MB, several seconds to start): keep their cases few.
+SHARED_GPU_WORLDS = (4, 8)
+
+
 # Workspace arguments of the host backend.
 HOST = {"backend": "host"}
 

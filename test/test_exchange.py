@@ -1,29 +1,36 @@
 """The signalling primitive (peer_all_gather through an ExchangeWorkspace):
 epochs, two slots, publish/wait and bounded waits, on the host backend at
-world sizes 2-4 and on CUDA (2 GPUs, and 4 ranks on 2 GPUs)."""
+world sizes 2-4 and on CUDA (2 GPUs, 4 ranks on 2 GPUs, and 4 and 8 ranks on
+one GPU)."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import time
 
 import pytest
 import torch
 
-from _dist import run_workers
-from _helpers import GPU_WORLD, requires_gpus
+from _dist import in_turn, run_workers
+from _helpers import GPU_WORLD, SHARED_GPU_WORLDS, rank_workspace_args, requires_gpus
 
 
-def _epochs_worker(rank, world, epochs, backend, allow_shared):
+def _epochs_worker(rank, world, epochs, mode, allow_shared=False):
+    """mode "cuda": rank r on GPU r modulo the GPU count (sharing one when
+    allow_shared); "host" and "cuda_shared" as in rank_workspace_args."""
     import torch_sdcp
 
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "cuda" else torch.device("cpu")
-    if backend == "cuda":
+    if mode == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        args = {"backend": "cuda", "device": device, "allow_shared_device": allow_shared}
+    else:
+        args = rank_workspace_args(rank, mode)
+        device = args.get("device", torch.device("cpu"))
     rng = random.Random(rank)
-    with torch_sdcp.ExchangeWorkspace(None, 4096, backend=backend, device=device, timeout_s=30,
-                                      allow_shared_device=allow_shared) as ws:
+    with torch_sdcp.ExchangeWorkspace(None, 4096, timeout_s=30, **args) as ws:
         for e in range(epochs):
             if rng.random() < 0.01:  # random per-rank delays
                 time.sleep(rng.random() * 0.003)
@@ -42,28 +49,34 @@ def test_host_publish_wait_many_epochs(world, epochs):
     assert run_workers(_epochs_worker, world, args=(epochs, "host", False), timeout=300) == [epochs] * world
 
 
-def _stall_worker(rank, world):
+def _stall_worker(rank, world, mode="host", timeout_s=1.0):
     import torch.distributed as dist
 
     import torch_sdcp
 
+    args = rank_workspace_args(rank, mode)
     dist.barrier()  # creation is bounded by timeout_s too: start it together
 
-    with torch_sdcp.ExchangeWorkspace(None, 64, backend="host", timeout_s=1.0) as ws:
-        x = torch.ones(4)
+    with torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=timeout_s, **args) as ws:
+        x = torch.ones(4, device=args.get("device", "cpu"))
         for _ in range(3):
             ws.all_gather(x)
         if rank == world - 1:  # stops participating, without dying
-            time.sleep(4)
+            time.sleep(4 * timeout_s)
             return "stalled"
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as info:
             ws.all_gather(x)
+            if mode != "host":  # the kernel records the timeout and returns: the host raises at check()
+                torch.cuda.synchronize()
+                ws.check()
         elapsed = time.monotonic() - t0
         msg = str(info.value)
-        assert f"rank {rank} waited" in msg and f"peer {world - 1}" in msg, msg
+        # Its own timeout, or a peer's relayed by the abort word: either names this rank's wait (and on CUDA
+        # the block) and the rank that stopped.
+        assert re.search(f"rank {rank}( block \\d+)? waited", msg) and f"peer {world - 1}" in msg, msg
         assert "buffer 1" in msg and "call 3" in msg, msg
-        assert elapsed < 3.0, elapsed
+        assert elapsed < 3 * timeout_s, elapsed
         return "reported"
 
 
@@ -100,6 +113,22 @@ def test_host_killed_rank_survivors_fail_within_timeout():
 @requires_gpus(GPU_WORLD)
 def test_cuda_publish_wait_many_epochs():
     assert run_workers(_epochs_worker, GPU_WORLD, args=(10000, "cuda", False), timeout=300) == [10000] * GPU_WORLD
+
+
+# DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only):
+# sizes from 1 word to the workspace's capacity, all-ones words, odd byte
+# counts; then, at world 4, a rank that stops is named by the others' timeouts.
+@requires_gpus(1)
+@pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
+def test_cuda_publish_wait_and_tagged_words_shared_gpu(world):
+    steps = ((_epochs_worker, (20, "cuda_shared")), (_tagged_bytes_worker, ("cuda_shared",)))
+    assert run_workers(in_turn, world, args=steps, timeout=240) == [[20, True]] * world
+
+
+@requires_gpus(1)
+def test_cuda_timeout_names_the_rank_that_stops_shared_gpu():
+    # 2 s: time-sliced with other tests' ranks, the calls before the stop must not time out.
+    assert run_workers(_stall_worker, 4, args=("cuda_shared", 2.0), timeout=120) == ["reported"] * 3 + ["stalled"]
 
 
 @requires_gpus(2)
@@ -140,16 +169,15 @@ def test_cuda_graph_replay_advances_epochs():
     assert run_workers(_graph_worker, GPU_WORLD, args=(1000,), timeout=300) == [1000] * GPU_WORLD
 
 
-def _tagged_bytes_worker(rank, world, backend):
+def _tagged_bytes_worker(rank, world, mode):
     """Arbitrary bytes arrive bit-exact: all-ones words, odd byte counts and
     unaligned views (the exchange reserves no value)."""
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
-    if backend == "cuda":
-        torch.cuda.set_device(device)
+    args = rank_workspace_args(rank, mode)
+    device = args.get("device", torch.device("cpu"))
     g = torch.Generator().manual_seed(7)
-    with torch_sdcp.ExchangeWorkspace(None, 1024, backend=backend, device=device, timeout_s=30) as ws:
+    with torch_sdcp.ExchangeWorkspace(None, 1024, timeout_s=30, **args) as ws:
         for i, nbytes in enumerate((1, 3, 4, 13, 64, 1000, 1024)):
             data = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(world)]
             for r in range(world):

@@ -1,5 +1,5 @@
 """Output/LSE boundary: the local combine, the peer combine (host backend at
-world sizes 1-4, CUDA on 2 GPUs and two ranks sharing one GPU), opcheck, torch.compile, CUDA graphs,
+world sizes 1-4, CUDA on 2 GPUs, and 2, 4 and 8 ranks sharing one GPU), opcheck, torch.compile, CUDA graphs,
 and the failures of a call: timeouts, aborts, poisoning, a killed peer, ranks on different paths."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from torch_sdcp import ops, reference
 
-from _dist import run_workers
-from _helpers import (GPU_WORLD, HOST, devices, expect_poisoned, rank_partials, rank_workspace_args,
-                      requires_gpus)
+from _dist import in_turn, run_workers
+from _helpers import (GPU_WORLD, HOST, SHARED_GPU_WORLDS, devices, expect_poisoned, rank_partials,
+                      rank_workspace_args, requires_gpus)
 
 
 def make_partials(n, t, h, d, dtype=torch.bfloat16, device="cpu", seed=0):
@@ -132,18 +132,17 @@ def _peer_combine_worker(rank, world, backend, cases, max_rows, shared=False):
     return done
 
 
-def _sentinel_worker(rank, world, backend):
+def _sentinel_worker(rank, world, mode):
     """The data-as-flag sentinel (all-ones words) as real input: payload words
     of a weighted shard become NaN exactly where the reference has NaN; under
     zero weight they contribute exactly 0; an all-ones LSE (a NaN) is an
     empty shard; the results stay identical call after call."""
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
-    if backend == "cuda":
-        torch.cuda.set_device(device)
+    args = rank_workspace_args(rank, mode)
+    device = args.get("device", torch.device("cpu"))
     t, h, d = 9, 4 * world, 128
-    with torch_sdcp.OutputLSEWorkspace(None, 16, h, d, backend=backend, device=device) as ws:
+    with torch_sdcp.OutputLSEWorkspace(None, 16, h, d, **args) as ws:
         for call in range(6):
             out, lse = make_partials(world, t, h, d, seed=call)
             words = out.view(torch.int32)  # bf16 pairs
@@ -222,6 +221,18 @@ def test_peer_combine_cuda_two_ranks_on_one_gpu():
     # Two ranks time-slicing one GPU (correctness only): the peer path where one GPU is all there is.
     cases = [(1, 64, 512, False, True), (17, 32, 256, True, True), (64, 64, 512, False, False)]
     assert run_workers(_peer_combine_worker, 2, args=("cuda", cases, 64, True), timeout=300) == [len(cases)] * 2
+
+
+# DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only): rows
+# 1 and max_rows, NaN / +-inf LSE, every shard of a row empty, the sentinel words.
+SHARED_GPU_CASES = [(1, 32, 128, False, True), (17, 32, 256, True, False), (64, 64, 512, True, True)]
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
+def test_peer_combine_cuda_shared_gpu(world):
+    steps = ((_peer_combine_worker, ("cuda", SHARED_GPU_CASES, 64, True)), (_sentinel_worker, ("cuda_shared",)))
+    assert run_workers(in_turn, world, args=steps, timeout=240) == [[len(SHARED_GPU_CASES), True]] * world
 
 
 @requires_gpus(GPU_WORLD)
@@ -467,3 +478,9 @@ def test_cuda_bad_input_aborts_the_waiting_peer():
 @pytest.mark.parametrize("worker", [_skip_worker, _bad_input_worker], ids=lambda w: w.__name__.strip("_"))
 def test_cuda_two_ranks_on_one_gpu(worker):
     assert run_workers(worker, 2, args=("cuda_shared",), timeout=300) == [True, True]
+
+
+# Four ranks on one GPU: rank 0's bad input reaches the three ranks waiting in the call.
+@requires_gpus(1)
+def test_cuda_bad_input_aborts_every_waiting_peer_shared_gpu():
+    assert run_workers(_bad_input_worker, 4, args=("cuda_shared",), timeout=180) == [True] * 4

@@ -1,7 +1,7 @@
 """Output/LSE boundary, vLLM's empty-shard mask inside the op (seq_lens /
 query_start_loc): the reference mask against vLLM's rule written as a loop,
 the masked peer combine against the reference mask + reference combine (host
-backend at world 2 and 3, CUDA on GPU_WORLD GPUs and two ranks sharing one),
+backend at world 2 and 3, CUDA on GPU_WORLD GPUs and 2, 4 and 8 ranks sharing one),
 the collective fallback, argument errors, opcheck, torch.compile and CUDA
 graphs with the metadata changed in place between replays."""
 
@@ -14,8 +14,8 @@ import torch
 
 from torch_sdcp import ops, reference
 
-from _dist import run_workers
-from _helpers import GPU_WORLD, requires_gpus, rank_workspace_args
+from _dist import in_turn, run_workers
+from _helpers import GPU_WORLD, SHARED_GPU_WORLDS, rank_workspace_args, requires_gpus
 
 
 def mask_loop(lse, seq_lens, qsl):
@@ -282,3 +282,13 @@ def test_masked_peer_combine_cuda_graph_replay():
 @requires_gpus(1)
 def test_masked_peer_combine_cuda_graph_two_ranks_on_one_gpu():
     assert run_workers(_masked_graph_worker, 2, args=("cuda_shared", 20), timeout=400) == [20] * 2
+
+
+# DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only): every
+# mask case (rows 1 and max_rows, zero-length requests, padding, NaN / +inf LSE),
+# then a few replays of the graph with the metadata changed in place.
+@requires_gpus(1)
+@pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
+def test_masked_peer_combine_cuda_shared_gpu(world):
+    steps = ((_masked_combine_worker, ("cuda_shared", 24)), (_masked_graph_worker, ("cuda_shared", 4)))
+    assert run_workers(in_turn, world, args=steps, timeout=240) == [[N_MASKED, 4]] * world

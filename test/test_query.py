@@ -1,6 +1,6 @@
 """Query boundary: the fused RoPE/FP8 producer, the peer gather (host backend
-at world sizes 1-4, CUDA on 2 GPUs and two ranks sharing one GPU), opcheck,
-torch.compile, CUDA graphs."""
+at world sizes 1-4, CUDA on 2 GPUs, and 2, 4 and 8 ranks sharing one GPU),
+opcheck, torch.compile, CUDA graphs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from torch_sdcp import ops, reference
 from torch_sdcp.workspaces import WorkspaceKind
 
-from _dist import run_workers
-from _helpers import GPU_WORLD, devices, make_query, rank_workspace_args, requires_gpus
+from _dist import in_turn, run_workers
+from _helpers import GPU_WORLD, SHARED_GPU_WORLDS, devices, make_query, rank_workspace_args, requires_gpus
 
 
 def as_bytes(x):
@@ -148,6 +148,25 @@ def test_peer_gather_and_heads_cuda_two_ranks_on_one_gpu():
         [len(rows) * len(GATHER_DTYPES)] * 2
 
 
+# DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only): the
+# fused producer's gather (rows 1 and max_rows, both dtypes and RoPE styles),
+# all_gather_heads with sentinel words and NaNs in every dtype, the view read
+# late, NaN queries through the producer, gather and view.
+SHARED_GPU_WORLD_CASES = [(1, 8, torch.float8_e4m3fn, "interleaved", 0.02), (17, 16, torch.bfloat16, "neox", None),
+                          (32, 8, torch.float8_e4m3fn, "neox", None)]
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
+def test_peer_gather_heads_and_view_cuda_shared_gpu(world):
+    rows = [1, 32]
+    steps = ((_peer_gather_worker, ("cuda", SHARED_GPU_WORLD_CASES, 32, True)),
+             (_heads_worker, ("cuda", rows, 32, True)), (_view_worker, ("cuda_shared", 6, world - 1)),
+             (_nan_producer_worker, ("cuda_shared",)))
+    assert run_workers(in_turn, world, args=steps, timeout=240) == \
+        [[len(SHARED_GPU_WORLD_CASES), len(rows) * len(GATHER_DTYPES), 6, True]] * world
+
+
 def _graph_worker(rank, world, replays):
     import torch_sdcp
 
@@ -213,16 +232,15 @@ def test_peer_gather_opcheck_and_compile_world1(world1):
 # ---------------------------------------------------------------------------
 
 
-def _view_worker(rank, world, backend, rounds, late_rank):
+def _view_worker(rank, world, mode, rounds, late_rank):
     import time
 
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
-    if backend == "cuda":
-        torch.cuda.set_device(device)
+    args = rank_workspace_args(rank, mode)
+    device = args.get("device", torch.device("cpu"))
     t, h = 9, 8
-    with torch_sdcp.QueryWorkspace(None, 16, h, dtype=torch.float8_e4m3fn, backend=backend, device=device) as ws:
+    with torch_sdcp.QueryWorkspace(None, 16, h, dtype=torch.float8_e4m3fn, **args) as ws:
         scale = torch.tensor([0.02])
         for i in range(rounds):
             inputs = _global_query(world, t, h, seed=100 + i)
@@ -230,7 +248,7 @@ def _view_worker(rank, world, backend, rounds, late_rank):
             view = ws.gather_view(*[x.to(device) for x in inputs[rank]], scale.to(device))
             assert view.shape == (t, world * h, 576) and view.dtype == torch.float8_e4m3fn
             if rank == late_rank:  # reads after other work: the others must not overwrite the inbox meanwhile
-                if backend == "cuda":
+                if mode != "host":
                     torch.cuda._sleep(50_000_000)
                 else:
                     time.sleep(0.05)
@@ -446,16 +464,15 @@ def test_all_gather_heads_sentinel_inputs_cuda():
         [len(cases) * len(GATHER_DTYPES)] * GPU_WORLD
 
 
-def _nan_producer_worker(rank, world, backend):
+def _nan_producer_worker(rank, world, mode):
     # NaN inputs: the producer writes its canonical NaNs (float8 0x7F, bf16
     # 0x7FC0), the rewrites themselves; gather and view keep them exact.
     import torch_sdcp
 
-    device = torch.device("cuda", rank) if backend == "cuda" else torch.device("cpu")
-    if backend == "cuda":
-        torch.cuda.set_device(device)
+    args = rank_workspace_args(rank, mode)
+    device = args.get("device", torch.device("cpu"))
     for dtype, scale in ((torch.float8_e4m3fn, torch.tensor([0.02])), (torch.bfloat16, None)):
-        with torch_sdcp.QueryWorkspace(None, 8, 4, dtype=dtype, backend=backend, device=device) as ws:
+        with torch_sdcp.QueryWorkspace(None, 8, 4, dtype=dtype, **args) as ws:
             inputs = _global_query(world, 6, 4, seed=3)
             for q in inputs:
                 q[0][1] = float("nan")
@@ -961,3 +978,11 @@ def test_query_cuda_creation_compares_the_geometry_across_ranks():
                          ids=["mismatch", "caught_gather", "caught_heads", "caught_view", "bad_position"])
 def test_query_cuda_two_ranks_on_one_gpu(worker, args):
     assert run_workers(worker, 2, args=("cuda_shared", *args), timeout=300) == [True, True]
+
+
+# Four ranks on one GPU, in one spawn: rank 0's error inside a gather, then its
+# position outside the cache (met by the kernel), reach the three ranks waiting.
+@requires_gpus(1)
+def test_query_cuda_four_ranks_shared_gpu():
+    steps = ((_query_caught_error_worker, ("cuda_shared", "gather")), (_query_bad_position_worker, ("cuda_shared",)))
+    assert run_workers(in_turn, 4, args=steps, timeout=180) == [[True, True]] * 4

@@ -1,6 +1,6 @@
 """Top-K boundary: the local stable selection, the peer merge (host backend at
-world sizes 1-4, CUDA on 2 GPUs or SDCP_GPU_WORLD, and two ranks sharing one
-GPU), opcheck, torch.compile,
+world sizes 1-4, CUDA on 2 GPUs or SDCP_GPU_WORLD, and 2, 4 and 8 ranks sharing
+one GPU), opcheck, torch.compile,
 CUDA graphs, many calls with random per-rank delays, and the failures of a
 call: call headers that disagree, poisoning and aborts."""
 
@@ -16,9 +16,9 @@ import torch
 from torch_sdcp import ops, reference
 from torch_sdcp.workspaces import WorkspaceKind
 
-from _dist import run_workers
-from _helpers import (GPU_WORLD, HOST, devices, expect_poisoned, rank_candidates, rank_workspace_args,
-                      requires_gpus)
+from _dist import in_turn, run_workers
+from _helpers import (GPU_WORLD, HOST, SHARED_GPU_WORLDS, devices, expect_poisoned, rank_candidates,
+                      rank_workspace_args, requires_gpus)
 
 
 def make_candidates(t, c, *, seed=0, id_base=0, stride=1, nasty=False):
@@ -246,6 +246,22 @@ def test_peer_merge_cuda_two_ranks_on_one_gpu():
     assert len(picked[0]) == len(SHARED_GPU_CASES)
 
 
+# DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only): rows
+# 0, 1 and max_rows, ties, NaN / +-inf scores, invalid ids, owners with fewer
+# than k or no valid candidates, odd shard rows.
+SHARED_GPU_WORLD_CASES = [(1, 512, 512, True), (32, 1024, 1024, True), (0, 512, 512, False), (3, 77, 77, True),
+                          (2, 2048, 2048, False, "tied80"), (2, 2048, 2048, False, "equal_nonfinite")]
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
+def test_peer_merge_cuda_shared_gpu(world):
+    picked = run_workers(_peer_merge_worker, world, args=("cuda", SHARED_GPU_WORLD_CASES, 32, True), timeout=240)
+    assert len(picked[0]) == len(SHARED_GPU_WORLD_CASES)
+    for r in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
+
+
 @requires_gpus(GPU_WORLD)
 def test_peer_merge_cuda():
     picked = run_workers(_peer_merge_worker, GPU_WORLD, args=("cuda", GPU_CASES, 256), timeout=400)
@@ -366,9 +382,13 @@ def _topk_mismatch_worker(rank, world, device):
             every = _topk_every(2, 1, world)
             got = ws.merge(*(x.to(ws.device) for x in every[rank])).cpu()  # a good call first: the workspace works
             assert torch.equal(got, reference.topk_merge_ref(every, TOPK_K))
-            s, i = (x.to(ws.device) for x in rank_candidates(rows[rank], TOPK_C, seed=rank))
+            s, i = (x.to(ws.device) for x in rank_candidates(rows[min(rank, 1)], TOPK_C, seed=rank))
             t0 = time.monotonic()
             match = f"call mismatch \\(topk workspace .*\\): {re.escape(text)}"
+            if world > 2:  # rank 0 against all the others: the pair a rank finds first varies, or an abort tells it
+                pair = re.escape(text).replace(re.escape("rank 1 "), r"rank \d+ ")
+                match = (f"call mismatch \\(topk workspace .*\\): {pair}"
+                         r"|peer \d+ aborted: its call differs from a peer's \(call mismatch\)")
             if device != "host":
                 ws.merge(s, i)
                 torch.cuda.synchronize()  # the kernels end at once: neither rank waits for rows that never come
@@ -395,8 +415,9 @@ def _topk_mismatch_worker(rank, world, device):
     return True
 
 
-def test_topk_mismatched_rows_raise_on_every_rank_naming_both_sides():
-    assert run_workers(_topk_mismatch_worker, 2, args=("host",), timeout=180) == [True, True]
+@pytest.mark.parametrize("world", [2, 4])  # 4: rank 0 against three ranks, as on one GPU at DCP4
+def test_topk_mismatched_rows_raise_on_every_rank_naming_both_sides(world):
+    assert run_workers(_topk_mismatch_worker, world, args=("host",), timeout=180) == [True] * world
 
 
 def _topk_carry_on_worker(rank, world, device):
@@ -406,7 +427,7 @@ def _topk_carry_on_worker(rank, world, device):
     from torch_sdcp import reference
 
     dev = rank_workspace_args(rank, device)
-    control = dist.new_group([0, 1])  # orders the two ranks' steps, apart from the workspace
+    control = dist.new_group(list(range(world)))  # orders the ranks' steps, apart from the workspace
     every = _topk_every(2, 3, world)
     s, i = (x.to(dev.get("device", "cpu")) for x in every[rank])
     big_s, big_i = (x.to(dev.get("device", "cpu")) for x in rank_candidates(6, TOPK_C, seed=rank))
@@ -488,6 +509,15 @@ def test_cuda_topk_error_inside_a_call_aborts_the_waiting_peer():
 @pytest.mark.parametrize("worker", [_topk_mismatch_worker, _topk_carry_on_worker], ids=lambda w: w.__name__.strip("_"))
 def test_cuda_two_ranks_on_one_gpu(worker):
     assert run_workers(worker, 2, args=("cuda_shared",), timeout=300) == [True, True]
+
+
+# Four ranks on one GPU, in one spawn: rank 0 against the three others is a
+# mismatch on every rank; rank 0's error inside a call reaches the three ranks
+# waiting in it.
+@requires_gpus(1)
+def test_cuda_four_ranks_shared_gpu():
+    steps = ((_topk_mismatch_worker, ("cuda_shared",)), (_topk_carry_on_worker, ("cuda_shared",)))
+    assert run_workers(in_turn, 4, args=steps, timeout=180) == [[True, True]] * 4
 
 
 def test_workspace_fits_the_target_at_128_rows():

@@ -1,0 +1,77 @@
+"""Peer liveness (torch_sdcp/peer/liveness.py): a rank SIGKILLed while its
+peers wait inside a call that it never makes. The survivors' pidfd watchers
+store the abort words, so each survivor's call raises (host backend) or its
+kernel returns and check() raises (CUDA, every rank on one GPU) well before
+the 60 s timeout, naming the dead rank and its pid; close() skips the barrier
+with a peer known gone. The measured detection latency (from the kill to the
+survivor's error) is printed: `pytest -rP test/test_liveness.py` shows it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from _dist import run_workers
+from _helpers import rank_workspace_args, requires_gpus
+
+# What a survivor may take from the kill to its error: the target is 200 ms
+# (the printed latency); the bound leaves room for a loaded machine.
+REPORTED_WITHIN_S = 1.0
+
+
+def _killed_in_a_wait_worker(rank, world, mode, dead, report_dir):
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    args = rank_workspace_args(rank, mode)
+    device = args.get("device", torch.device("cpu"))
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, timeout_s=60, **args)
+    other = torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **args)
+    out, lse = torch.zeros(2, 8, 64, device=device), torch.zeros(2, 8, device=device)
+    ws.combine(out, lse)  # one call that completes: the kernels are loaded, the ranks in step
+    if mode != "host":
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank == dead:  # killed while its peers wait in the next call, which it never makes
+        time.sleep(1.0)
+        path = os.path.join(report_dir, "killed")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {time.monotonic()}")  # CLOCK_MONOTONIC: one clock for every process
+        os.replace(path + ".tmp", path)
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(RuntimeError) as raised:
+        ws.combine(out, lse)
+        if mode != "host":  # the kernel returns when the watcher's abort word arrives; check() raises
+            torch.cuda.synchronize()
+            ws.check()
+    reported = time.monotonic()
+    with open(os.path.join(report_dir, "killed")) as f:
+        pid, killed = f.read().split()
+    assert f"peer {dead} (pid {pid}) exited" in str(raised.value), str(raised.value)
+    assert ws.poisoned
+    start = time.monotonic()
+    other.close()  # no barrier with a peer known gone
+    ws.close()
+    assert time.monotonic() - start < 1.0
+    return reported - float(killed)
+
+
+@pytest.mark.parametrize("mode,world", [("host", 2), ("host", 4),
+                                        pytest.param("cuda_shared", 2, marks=requires_gpus(1)),
+                                        pytest.param("cuda_shared", 4, marks=requires_gpus(1))])
+def test_killed_peer_is_reported_to_every_waiting_rank(mode, world, tmp_path):
+    dead = 0 if world == 2 else 1
+    latencies = run_workers(_killed_in_a_wait_worker, world, args=(mode, dead, str(tmp_path)), timeout=120,
+                            may_die=(dead,))
+    survivors = {r: s for r, s in enumerate(latencies) if r != dead}
+    print(f"{mode}, world {world}: rank {dead} SIGKILLed, reported by "
+          + ", ".join(f"rank {r} after {1000 * s:.0f} ms" for r, s in survivors.items()))
+    assert latencies[dead] is None
+    for r, s in survivors.items():
+        assert s < REPORTED_WITHIN_S, f"rank {r} learnt of the kill after {s:.3f} s"
