@@ -478,12 +478,18 @@ def _nan_producer_worker(rank, world, mode):
                 q[0][1] = float("nan")
                 q[0][3, :, 100:200] = float("nan")
                 q[1][4] = float("nan")
+                # Negative bf16 NaNs (0xFFC0, set as bits: a float NaN assigned to bf16 loses its sign),
+                # whole float8 output words of them: the sentinel, were their sign kept.
+                q[0].view(torch.int16)[2, :, 8:40] = -64
             # The local producer of this backend (the CPU and CUDA producers, and
-            # the reference, may encode a NaN differently; the gather keeps the
+            # the reference, may encode a bf16 NaN differently; the gather keeps the
             # producer's bytes).
             sc = None if scale is None else scale.to(device)
             want = torch.cat([ops.query_rope_quant(*[t.to(device) for t in x], sc, out_dtype=dtype).cpu()
                               for x in inputs], dim=1)
+            if dtype == torch.float8_e4m3fn:  # every float8 NaN is 0x7F, as the reference says
+                assert torch.equal(as_bytes(want), as_bytes(_expected(inputs, scale, "interleaved", dtype)))
+                assert (as_bytes(want)[2, :4, 8:40] == 0x7F).all()  # row 2 of rank 0's heads
             mine = [x.to(device) for x in inputs[rank]]
             assert torch.equal(as_bytes(ws.gather(*mine, sc).cpu()), as_bytes(want))
             assert torch.equal(as_bytes(ws.gather_view(*mine, sc).cpu()), as_bytes(want))
