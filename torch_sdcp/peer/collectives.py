@@ -144,26 +144,14 @@ class StoreSync:
         _, keys, verdict_key, count_key = self._keys(name)
         others = [k for r, k in enumerate(keys) if r != me]
         store.set(keys[me], payload)  # type: ignore[arg-type]  # the binding takes bytes as well
-        start = time.monotonic()
-        pause = POLL_START_S
-        while True:
-            if store.check(others):
-                verdict = store.compare_set(verdict_key, "", _DONE.decode())
-                break
-            if store.check([verdict_key]):
-                verdict = store.get(verdict_key)
-                if verdict != _DONE:
-                    break
-                continue  # decided while we looked: every key is there
-            reason = give_up() if give_up is not None else None
-            waited = time.monotonic() - start
-            if reason is not None or waited >= timeout_s:
-                missing = [r for r, k in enumerate(keys) if r != me and not store.check([k])]
-                record = json.dumps({"rank": me, "missing": missing, "waited": waited, "reason": reason})
-                verdict = store.compare_set(verdict_key, "", _ABANDONED + record)
-                break
-            time.sleep(min(pause, max(timeout_s - waited, 0.0)))
-            pause = min(pause * POLL_GROWTH, POLL_CAP_S)
+        try:
+            verdict = self._verdict(keys, verdict_key, timeout_s, give_up)
+        except BaseException as e:  # Ctrl-C, or the store failed: the peers need not wait it out
+            try:
+                store.compare_set(verdict_key, "", _record(me, [], 0.0, f"interrupted on rank {me} ({e!r})"))
+            except Exception:  # noqa: BLE001  (the error that interrupted is the one to raise)
+                pass
+            raise
         if verdict != _DONE:
             try:
                 store.delete_key(keys[me])  # the verdict alone tells a late rank
@@ -179,6 +167,31 @@ class StoreSync:
                 store.delete_key(k)
         return got
 
+    def _verdict(self, keys: List[str], verdict_key: str, timeout_s: float,
+                 give_up: Optional[Callable[[], Optional[str]]]) -> bytes:
+        """Poll until every peer's key is there (the verdict "done", unless a peer gave up first),
+        a peer gave up, ``give_up()`` says so, or ``timeout_s`` passed (this rank gives up, unless
+        the last peer came first)."""
+        store, me = self.store, self.rank
+        others = [k for r, k in enumerate(keys) if r != me]
+        start = time.monotonic()
+        pause = POLL_START_S
+        while True:
+            if store.check(others):
+                return store.compare_set(verdict_key, "", _DONE.decode())
+            if store.check([verdict_key]):
+                verdict = store.get(verdict_key)
+                if verdict != _DONE:
+                    return verdict
+                continue  # decided while we looked: every key is there
+            reason = give_up() if give_up is not None else None
+            waited = time.monotonic() - start
+            if reason is not None or waited >= timeout_s:
+                missing = [r for r, k in enumerate(keys) if r != me and not store.check([k])]
+                return store.compare_set(verdict_key, "", _record(me, missing, waited, reason))
+            time.sleep(min(pause, max(timeout_s - waited, 0.0)))
+            pause = min(pause * POLL_GROWTH, POLL_CAP_S)
+
     def post(self, name: str) -> None:
         """Count this rank as come to ``name`` without waiting (a rank that leaves without the
         barrier its peers hold): their barrier completes instead of timing out."""
@@ -189,6 +202,10 @@ class StoreSync:
         if self.store.add(count_key, 1) == self.world_size:  # every peer has passed the verdict
             for k in keys + [f"{self.prefix}/{name}/v", count_key]:
                 self.store.delete_key(k)
+
+
+def _record(rank: int, missing: List[int], waited: float, reason: Optional[str]) -> str:
+    return _ABANDONED + json.dumps({"rank": rank, "missing": missing, "waited": waited, "reason": reason})
 
 
 def _process_gone(pid: int) -> bool:
@@ -255,8 +272,10 @@ def out_of_step(group, stage: str, gave_up: AgreementAbandoned, rank: int, timeo
                                  "timeout_s, or not made the same torch_sdcp call)")
         detail = f"rank {rank} gave up waiting for ranks {gave_up.missing}: {why}"
     else:
+        late = f" before rank {rank} came" if rank in gave_up.missing else ""
+        why = f": {gave_up.reason}" if gave_up.reason else ""
         detail = (f"rank {gave_up.by_rank} gave up on it after {gave_up.waited_s:.3g} s waiting for ranks "
-                  f"{gave_up.missing} before rank {rank} came")
+                  f"{gave_up.missing}{late}{why}")
     return GroupOutOfStepError(f"{detail}; {refusal}")
 
 
