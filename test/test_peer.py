@@ -630,6 +630,19 @@ def test_store_agreement_gives_every_rank_one_verdict():
     t0 = time.monotonic()
     assert syncs[1].meet("close", 5.0) == [b"", b""] and time.monotonic() - t0 < 1.0
     assert store.num_keys() == abandoned
+    # an interrupted wait (Ctrl-C) gives the agreement up for its peers at once
+    syncs = [StoreSync(store, r, 2, "interrupted") for r in range(2)]
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        syncs[0].meet("x", 5.0, give_up=interrupt)
+    with pytest.raises(AgreementAbandoned, match="rank 0 gave up .*interrupted on rank 0") as e:
+        syncs[1].meet("x", 5.0)
+    assert not e.value.mine
+    # a rank that leaves after a peer gave the barrier up learns it (and completes nothing)
+    assert syncs[1].post("x").by_rank == 0
 
 
 def _log_records():

@@ -407,7 +407,9 @@ class PeerArena:
                 elif barrier:
                     self._meet("close", "close barrier")
                 else:  # peers that hold the close barrier complete it instead of waiting out timeout_s
-                    self._agreements.post("close")
+                    gave_up = self._agreements.post("close")
+                    if gave_up is not None:  # a peer gave it up before: the group is out of step
+                        raise out_of_step(self._group, "close barrier", gave_up, self.rank, self.timeout_s)
         except Exception as e:
             logger.warning("torch_sdcp: PeerArena rank %d: close() could not synchronise with "
                            "the group (%s); releasing locally", self.rank, e)

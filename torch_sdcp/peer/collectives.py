@@ -192,16 +192,25 @@ class StoreSync:
             time.sleep(min(pause, max(timeout_s - waited, 0.0)))
             pause = min(pause * POLL_GROWTH, POLL_CAP_S)
 
-    def post(self, name: str) -> None:
+    def post(self, name: str) -> Optional[AgreementAbandoned]:
         """Count this rank as come to ``name`` without waiting (a rank that leaves without the
-        barrier its peers hold): their barrier completes instead of timing out."""
+        barrier its peers hold): their barrier completes instead of timing out. Returns the record
+        of a peer that gave the barrier up before this rank came (nothing to complete then)."""
         if self.world_size == 1:
-            return
-        _, keys, _, count_key = self._keys(name)
-        self.store.set(keys[self.rank], "")
-        if self.store.add(count_key, 1) == self.world_size:  # every peer has passed the verdict
-            for k in keys + [f"{self.prefix}/{name}/v", count_key]:
-                self.store.delete_key(k)
+            return None
+        store, me = self.store, self.rank
+        _, keys, verdict_key, count_key = self._keys(name)
+        if store.check([verdict_key]):
+            verdict = store.get(verdict_key)
+            if verdict != _DONE:
+                record = json.loads(verdict.decode()[len(_ABANDONED):])
+                return AgreementAbandoned(record["rank"], record["missing"], record["waited"], False,
+                                          record["reason"])
+        store.set(keys[me], "")
+        if store.add(count_key, 1) == self.world_size:  # every peer has passed the verdict
+            for k in keys + [verdict_key, count_key]:
+                store.delete_key(k)
+        return None
 
 
 def _record(rank: int, missing: List[int], waited: float, reason: Optional[str]) -> str:

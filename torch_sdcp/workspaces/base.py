@@ -337,14 +337,10 @@ class PeerWorkspace:
                              "this call takes the collective path")
             if self.POISON_ON_ERROR:
                 self.check()  # a peer's abort poisons the collective path too
-            self._agree_collective_path(rows)
+            agree_collective_path(self, rows)  # every rank says so on the store before any collective
             return False
         self._check_stream()
         return True
-
-    def _agree_collective_path(self, rows: int) -> None:
-        """Agree the collective path of this call with every rank before any collective runs."""
-        agree_collective_path(self, rows)
 
     def _check_stream(self) -> None:
         """Calls on one workspace must be ordered: refuse a second stream while
