@@ -250,6 +250,9 @@ def _leak_worker(rank, ws, cycles, warmup):
     elapsed = time.monotonic() - t0
     gc.collect()
     c1 = _counts()
+    deadline = time.monotonic() + 2.0  # until the peer, the last rank of the last agreement, removed its keys
+    while store.num_keys() > keys0 and time.monotonic() < deadline:
+        time.sleep(0.01)
     return {"before": c0, "after": c1, "snapshots": snapshots, "elapsed": elapsed, "keys": (keys0, store.num_keys()),
             "leftover": _sdcp_entries(), "arena_mappings": len(_arena_mappings())}
 
