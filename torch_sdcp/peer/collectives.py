@@ -123,8 +123,9 @@ class StoreSync:
     """The agreements of one PeerArena over a store, each under ``<prefix>/<name>/``: rank r's
     key ``r`` (its payload), the verdict ``v`` ("done" or the record of the rank that gave up,
     set once with compare_set) and the count ``n`` of ranks that read the verdict; the rank that
-    completes the count removes every key of the agreement. What stays in the store: the verdict
-    of an agreement given up, and the keys of a close barrier that a rank left without."""
+    completes the count removes every key of the agreement (a rank that leaves without a close
+    barrier counts itself in: ``post``). What stays in the store: the verdict of an agreement
+    given up (one key)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, prefix: str) -> None:
         self.store, self.rank, self.world_size, self.prefix = store, rank, world_size, prefix
@@ -157,9 +158,7 @@ class StoreSync:
                 store.delete_key(keys[me])  # the verdict alone tells a late rank
             except Exception:  # noqa: BLE001  (what it tells the caller is the verdict)
                 pass
-            record = json.loads(verdict.decode()[len(_ABANDONED):])
-            raise AgreementAbandoned(record["rank"], record["missing"], record["waited"], record["rank"] == me,
-                                     record["reason"])
+            raise _abandoned(verdict, me)
         got = _multi_get(store, others) if payload else [b""] * len(others)
         got.insert(me, payload)
         if store.add(count_key, 1) == self.world_size:
@@ -203,9 +202,7 @@ class StoreSync:
         if store.check([verdict_key]):
             verdict = store.get(verdict_key)
             if verdict != _DONE:
-                record = json.loads(verdict.decode()[len(_ABANDONED):])
-                return AgreementAbandoned(record["rank"], record["missing"], record["waited"], False,
-                                          record["reason"])
+                return _abandoned(verdict, me)
         store.set(keys[me], "")
         if store.add(count_key, 1) == self.world_size:  # every peer has passed the verdict
             for k in keys + [verdict_key, count_key]:
@@ -215,6 +212,12 @@ class StoreSync:
 
 def _record(rank: int, missing: List[int], waited: float, reason: Optional[str]) -> str:
     return _ABANDONED + json.dumps({"rank": rank, "missing": missing, "waited": waited, "reason": reason})
+
+
+def _abandoned(verdict: bytes, me: int) -> AgreementAbandoned:
+    record = json.loads(verdict.decode()[len(_ABANDONED):])
+    return AgreementAbandoned(record["rank"], record["missing"], record["waited"], record["rank"] == me,
+                              record["reason"])
 
 
 def _process_gone(pid: int) -> bool:
