@@ -1,16 +1,18 @@
 """Workspaces: the fallback policy (collective mode when peer memory is
-unavailable, logged), argument errors, teardown, resizing, and the
+unavailable, logged; calls with more rows than max_rows agreed on the group's
+store before any collective), argument errors, teardown, resizing, and the
 one-stream-at-a-time rule."""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
 
 from _dist import run_workers
-from _helpers import GPU_WORLD, requires_gpus
+from _helpers import GPU_WORLD, rank_workspace_args, requires_gpus
 
 
 def _collective_mode_worker(rank, world):
@@ -357,3 +359,106 @@ def _killed_peer_worker(rank, world):
 
 def test_a_killed_peer_is_reported_at_once_whatever_the_timeout():
     assert run_workers(_killed_peer_worker, 2, timeout=120, may_die=(0,)) == [None, True]
+
+
+def _rows_fallback_worker(rank, world, calls, mode):
+    import torch.distributed as dist
+
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    out = {}
+    kwargs = rank_workspace_args(rank, mode)
+    dev = kwargs.get("device", torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    partial, lse = torch.randn(world, 8, 8, 64, generator=g), torch.randn(world, 8, 8, generator=g)
+    want = reference.output_lse_shard(*reference.lse_combine_ref64(partial, lse), rank, world)[0]
+    partial, lse = partial.to(dev), lse.to(dev)
+
+    def workspace(timeout_s=2.0):
+        return torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, timeout_s=timeout_s, **kwargs)
+
+    def combine(ws, rows):  # on CUDA a kernel's failure is learnt once it ran
+        got = ws.combine(partial[rank, :rows], lse[rank, :rows])
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            ws.check()
+        return got.cpu().double()
+
+    ws = workspace()
+    # agreed: every rank takes the collective path; the store round trip per call, measured
+    torch.testing.assert_close(combine(ws, 8), want, rtol=1e-5, atol=1e-5)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        combine(ws, 8)
+    out["agreed_us"] = (time.perf_counter() - t0) / calls * 1e6
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        torch_sdcp.collective.lse_all_gather_correct_reduce_scatter(partial[rank], lse[rank], return_lse=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    out["bare_us"] = (time.perf_counter() - t0) / calls * 1e6
+    # rows that differ above max_rows: a named mismatch on every rank, at once, and no collective
+    with pytest.raises(RuntimeError, match="call mismatch on the collective path") as e:
+        combine(ws, 6 + rank)
+    out["mismatch"] = str(e.value)
+    ws.close()
+    # one rank on the peer path, the other on the collective path: both raise within ~timeout_s
+    ws = workspace()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        combine(ws, 8 if rank == 0 else 2)
+    out["disagree"], out["disagree_s"] = str(e.value), time.monotonic() - t0
+    ws.close()  # poisoned: released locally
+    # a rank that comes late to the collective path finds the call given up and fails at once
+    ws = workspace(timeout_s=1.0)
+    if rank == 1:
+        time.sleep(1.5)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
+        combine(ws, 8)
+    out["late"], out["late_s"] = str(e.value), time.monotonic() - t0
+    ws.close()
+    # nothing was left in flight: the group's collectives and a new workspace on the same group work
+    t = torch.tensor([rank + 1.0], device=dev)
+    dist.all_reduce(t)
+    out["sum"] = t.item()
+    with workspace() as ws:
+        torch.testing.assert_close(combine(ws, 8), want, rtol=1e-5, atol=1e-5)
+    return out
+
+
+def _check_rows_fallback(results, calls, mode):
+    r0, r1 = results
+    for r in (r0, r1):
+        assert "rank 0: combine() with 6 rows, rank 1: combine() with 7 rows; no rank entered a collective" in \
+            r["mismatch"], r["mismatch"]
+        assert r["sum"] == 3.0
+    # the collective-path rank names the peer-path rank; the peer-path rank learns its abort
+    # (whichever times out first aborts the other: the peer-path rank's kernel or this agreement)
+    assert r0["disagree"].startswith("torch_sdcp: OutputLSEWorkspace on rank 0: combine() has 8 rows > max_rows = 4 "
+                                     "on this rank and takes the collective path"), r0["disagree"]
+    assert ("but rank 1 did not take the collective path within timeout_s = 2 s (took the peer path" in r0["disagree"]
+            or "it stopped waiting for rank 1 to take it: " in r0["disagree"] and "peer 1 aborted" in r0["disagree"])
+    assert r0["disagree"].endswith("no rank entered a collective"), r0["disagree"]
+    assert "peer 0 aborted" in r1["disagree"] or "waited 2 s for peer 0's call header" in r1["disagree"], r1["disagree"]
+    assert 1.5 < r0["disagree_s"] < 4.0 and r1["disagree_s"] < 4.5, (r0, r1)
+    assert "but rank 1 did not take the collective path within timeout_s = 1 s" in r0["late"], r0["late"]
+    # the late rank learns it from rank 0's abort, or (when it comes first) from the given-up agreement
+    assert ("peer 0 aborted" in r1["late"]
+            or "but rank 0 gave up on this call after" in r1["late"] and "before this rank came" in r1["late"]), r1
+    assert r1["late_s"] < 0.5, r1
+    print(f"rows fallback, 2 ranks, {mode}: {max(r0['agreed_us'], r1['agreed_us']):.0f} us per agreed call against "
+          f"{max(r0['bare_us'], r1['bare_us']):.0f} us for the bare collective ({calls} calls)")
+
+
+def test_rows_fallback_is_agreed_before_any_collective():
+    results = run_workers(_rows_fallback_worker, 2, args=(200, "host"), timeout=180)
+    _check_rows_fallback(results, 200, "host, gloo, FileStore")
+
+
+@requires_gpus(2)
+def test_cuda_rows_fallback_is_agreed_on_an_nccl_group():
+    results = run_workers(_rows_fallback_worker, 2, args=(200, "cuda"), timeout=300, backend="nccl")
+    _check_rows_fallback(results, 200, "cuda, nccl, FileStore")

@@ -1,7 +1,8 @@
 """PeerArena: every rank's memory mapped rank-major into every rank, and views over it.
 
-Creation is collective and every failure is collective (see collectives._Agreement); the memory
-itself comes from a backend (backend.MemoryBackend). The view lifetime policy is described in
+Creation is collective and every failure is collective (see collectives._Agreement: every step
+agreed on the group's c10d store, never a collective of its backend); the memory itself comes from
+a backend (backend.MemoryBackend). The view lifetime policy is described in
 docs/DESIGN.md, section "Peer-addressable objects": in short, views hold a reference on the
 mapping, close() is idempotent and collective only outside destructors and interpreter exit.
 """
@@ -12,13 +13,14 @@ import logging
 import math
 import os
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .backend import MemoryBackend
-from .collectives import _Agreement, _group_barrier
+from .collectives import (AgreementAbandoned, GroupOutOfStepError, StoreSync, _Agreement, check_group, group_store,
+                          is_refused, next_arena_number, out_of_step, peers_exited)
 from .dlpack import _byte_tensor
 from .fd_exchange import _exchange_fds, _ExchangeSocket
 from .lifetime import _interpreter_exiting, _Mapping
@@ -55,7 +57,9 @@ class PeerArena:
             host: None or cpu.
         allow_shared_device: cuda: explicit opt-in for several ranks on one GPU (correct but slow;
             docs/DESIGN.md section 6).
-        timeout_s: bound on every blocking step of creation, barrier() and close().
+        timeout_s: bound on every blocking step of creation, barrier() and close(). A step or
+            barrier that times out makes this process refuse the group for torch_sdcp's use
+            (GroupOutOfStepError, "re-create the process group"); nothing is left in flight.
         agree: values that must be equal on every rank ({name: value}, e.g. the parameters of
             the workspace built on the arena); creation raises RankMismatchError on every rank,
             naming each value that differs and every rank's value, before anything is allocated.
@@ -100,7 +104,14 @@ class PeerArena:
             self.timeout_s = float(timeout_s)
         except (TypeError, ValueError):
             self.timeout_s = 60.0
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            self.timeout_s = 60.0  # the bound of the agreement that reports the bad value on every rank
         self._agree = dict(agree or {})
+        self._barriers = 0
+        self._agreements: Optional[StoreSync] = None
+        check_group(group, "PeerArena creation")
+        number = next_arena_number(group)  # the same on every rank: creations on a group are collective
+        self._agreements = StoreSync(group_store(group), rank, self.world_size, f"sdcp/arena{number}")
         self._create(nbytes_per_rank, backend, device, bool(allow_shared_device), timeout_s)
 
     # ---------------------------------------------------------------------------------------
@@ -120,7 +131,8 @@ class PeerArena:
 
     def _create(self, nbytes_per_rank, backend, device, allow_shared_device, timeout_s) -> None:
         N, me = self.world_size, self.rank
-        steps = _Agreement(self._group, me, self.timeout_s)
+        assert self._agreements is not None
+        steps = _Agreement(self._group, self._agreements, self.timeout_s)
         candidates: Dict[str, MemoryBackend] = {}
         sock = _ExchangeSocket()
         received: Dict[int, int] = {}
@@ -135,7 +147,7 @@ class PeerArena:
                 return plan
 
             plans = self._step(steps, "validate", validate)
-            self.peer_pids = {r: p["pid"] for r, p in enumerate(plans) if r != me}
+            self.peer_pids = steps.peer_pids = {r: p["pid"] for r, p in enumerate(plans) if r != me}
             self.backend, self.stride = verdict(plans)
             mem = candidates[self.backend]
             for other in candidates.values():
@@ -346,24 +358,58 @@ class PeerArena:
                                offset // itemsize)
 
     def barrier(self) -> None:
-        """Barrier over the group (host-side; bounded by timeout_s). Does not synchronise the
-        device."""
+        """Barrier over the group (host-side, on the group's store; bounded by timeout_s). Does not
+        synchronise the device. On a timeout the group is refused from then on, on this rank and
+        on every rank that comes later (GroupOutOfStepError)."""
         self._check_open("barrier")
-        _group_barrier(self._group, self.timeout_s)
+        check_group(self._group, "PeerArena.barrier")
+        self._barriers += 1
+        self._meet(f"barrier{self._barriers}", "barrier")
+
+    def _meet(self, name: str, stage: str) -> None:
+        assert self._agreements is not None
+        try:
+            self._agreements.meet(name, self.timeout_s, give_up=peers_exited(self.peer_pids))
+        except AgreementAbandoned as e:
+            err = out_of_step(self._group, stage, e, self.rank, self.timeout_s)
+            raise GroupOutOfStepError(f"torch_sdcp: PeerArena {stage} failed: {err}") from None
+        except Exception as e:  # the store itself failed
+            gave_up = AgreementAbandoned(self.rank, [], 0.0, True, f"the group's store failed: {e}")
+            err = out_of_step(self._group, stage, gave_up, self.rank, self.timeout_s)
+            raise GroupOutOfStepError(f"torch_sdcp: PeerArena {stage} failed: {err}") from e
+
+    def agree_call(self, name: str, payload: bytes, timeout_s: float,
+                   give_up: Optional[Callable[[], Optional[str]]] = None) -> List[bytes]:
+        """Every rank's ``payload`` for ``name`` (unique in this arena, alike on every rank), agreed
+        on the group's store within ``timeout_s`` (a workspace's rows-fallback decision), or
+        AgreementAbandoned; the group stays usable: nothing collective ran."""
+        self._check_open("agree_call")
+        check_group(self._group, "the collective path")
+        assert self._agreements is not None
+        return self._agreements.meet(name, timeout_s, payload, give_up)
 
     def close(self, barrier: bool = True) -> None:
-        """Idempotent. Synchronise the device, barrier over the group (if `barrier`, the process
-        group is still initialised and the interpreter is not exiting; failures are logged), then
-        release locally: the memory is unmapped and freed now if no view is alive, else when the
-        last view is released."""
+        """Idempotent. Synchronise the device, barrier over the group's store (if `barrier`, the
+        process group is still initialised and the interpreter is not exiting; failures are logged;
+        a timeout refuses the group), then release locally: the memory is unmapped and freed now
+        if no view is alive, else when the last view is released. Without `barrier` this rank is
+        counted as come to the close barrier, so that peers closing with it do not wait for it."""
         if getattr(self, "_closed", True):
             return
         self._closed = True
         try:
             if self._mapping is not None:
                 self._mapping.backend.synchronize()
-            if barrier and not _interpreter_exiting() and dist.is_available() and dist.is_initialized():
-                _group_barrier(self._group, self.timeout_s)
+            if not _interpreter_exiting() and dist.is_available() and dist.is_initialized():
+                assert self._agreements is not None
+                if is_refused(self._group):
+                    pass  # nothing to agree on after a timed-out agreement: release locally
+                elif barrier:
+                    self._meet("close", "close barrier")
+                else:  # peers that hold the close barrier complete it instead of waiting out timeout_s
+                    gave_up = self._agreements.post("close")
+                    if gave_up is not None:  # a peer gave it up before: the group is out of step
+                        raise out_of_step(self._group, "close barrier", gave_up, self.rank, self.timeout_s)
         except Exception as e:
             logger.warning("torch_sdcp: PeerArena rank %d: close() could not synchronise with "
                            "the group (%s); releasing locally", self.rank, e)

@@ -22,7 +22,8 @@ from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._call import CallRefused, _Call
 from torch_sdcp.workspaces._lifetime import _Built, _owned, _release_dropped, _tell_exited
-from torch_sdcp.workspaces._policy import check_size_param, check_timeout, default_timeout_s, resolve_group
+from torch_sdcp.workspaces._policy import (agree_collective_path, check_size_param, check_timeout, default_timeout_s,
+                                           resolve_group)
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -132,6 +133,7 @@ class PeerWorkspace:
         self.layout = built.layout
         self.nbytes_per_rank = built.layout.region_bytes
         self.arena, self.handle, self.device = built.arena, built.handle, built.device
+        self._collective_calls = 0  # calls of this arena that took the collective path: their agreements' names
         if built.handle is not None:
             assert built.arena is not None
             _registry.add(built.handle, self)
@@ -335,6 +337,7 @@ class PeerWorkspace:
                              "this call takes the collective path")
             if self.POISON_ON_ERROR:
                 self.check()  # a peer's abort poisons the collective path too
+            agree_collective_path(self, rows)  # every rank says so on the store before any collective
             return False
         self._check_stream()
         return True
