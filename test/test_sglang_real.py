@@ -179,6 +179,31 @@ def _coordinator(rank, world):
     return coord
 
 
+def _pre_capture(coord):
+    """SGLang's real BaseRunner._pre_initialize_fi_a2a_workspace, as wrapped
+    by its registry, on a runner whose model has DCP MLA layers: SGLang's body
+    returns (the backend is not fi_a2a), the plugin's AFTER hook prepares the
+    workspaces. The DCP settings are stamped where initialize_model_parallel
+    writes them; the runner carries only what the hook reads."""
+    import types
+
+    import torch
+    from sglang.srt.model_executor.runner.base_runner import BaseRunner
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel()._stamp.update(dcp_enabled=True, dcp_comm_backend="a2a", dcp_replicate_q_proj=False)
+    layers = []
+    for _ in range(2):
+        layer = torch.nn.Module()
+        layer.dcp_size, layer.num_local_heads, layer.kv_lora_rank, layer.qk_rope_head_dim = 2, H_LOC, D, R
+        layers.append(layer)
+    model_runner = types.SimpleNamespace(model=torch.nn.Sequential(*layers), device="cpu",
+                                         model_config=types.SimpleNamespace(dtype=torch.bfloat16))
+    runner = types.SimpleNamespace(model_runner=model_runner, _widest_decode_rows=lambda: BOUND)
+    assert BaseRunner._pre_initialize_fi_a2a_workspace(runner) is None
+    assert get_parallel().dcp_group is coord
+
+
 def _own_path_taken(*args, **kwargs):
     raise AssertionError("the patched function fell back to SGLang's own")
 
@@ -216,10 +241,12 @@ def _real_worker(rank, world, rows_list):
     own = {name: getattr(comm, name).__wrapped__ for name in SEAMS}
     face.configure(originals=dict.fromkeys(SEAMS, _own_path_taken))  # the patched calls must stay on peer memory
     coord, lib = _coordinator(rank, world), _cpu_collectives()
-    for dtype in (torch.bfloat16, torch.float32):
-        done = face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=dtype,
-                            device="cpu", query=dtype == torch.bfloat16)
-        assert done == {"output_lse": True, "query": dtype == torch.bfloat16}, done
+    _pre_capture(coord)
+    assert [type(w).__name__ for w in face.workspaces()] == ["OutputLSEWorkspace", "QueryWorkspace"]
+    # An fp32 model's combine, prepared directly (what the hook does for a model of that dtype).
+    done = face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.float32,
+                        device="cpu", query=False)
+    assert done == {"output_lse": True, "query": False}, done
     tol = {torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2}, torch.float32: {"rtol": 1e-5, "atol": 1e-5}}
     compared = []
     for i, rows in enumerate(rows_list):
