@@ -109,23 +109,25 @@ def test_loaded_by_sglang_and_hooks_land():
     assert out.returncode == 0, out.stdout + out.stderr
     landed = [line for line in out.stdout.splitlines() if line.startswith("LANDED")]
     assert len(landed) == 6, out.stdout
-    rebound = [line for line in out.stdout.splitlines() if line.startswith("REBOUND")]
-    assert len(rebound) == 3 * (2 - ("CALL-SITE-BLOCKED" in out.stdout)), out.stdout
     assert "CALL-SITE-BLOCKED" not in out.stdout, "forward_mla does not import here: " + out.stdout
+    rebound = [line for line in out.stdout.splitlines() if line.startswith("REBOUND")]
+    assert len(rebound) == 6, out.stdout  # three seams in the package and in forward_mla
 
 
 def test_off_loads_nothing_of_ours():
     code = (f"import sys, {COMM} as comm; from sglang.srt.plugins import load_plugins; load_plugins(); "
             "assert not [m for m in sys.modules if m.startswith('torch_sdcp.') or m == 'torch_sdcp'], 'imported'; "
             "assert 'torch_sdcp_plugins.sglang' in sys.modules, 'the entry point was not run'; "
-            f"assert comm.cp_lse_ag_out_rs_mla.__module__ == {COMM!r}; print('off')")
+            f"assert not [n for n in {SEAMS!r} if hasattr(getattr(comm, n), '__wrapped__')], 'wrapped'; "
+            "print('off')")
     out = _run(code)
     assert out.returncode == 0 and "off" in out.stdout, out.stdout + out.stderr
 
 
 STARTS = (f"import logging; logging.basicConfig(level=logging.INFO); {{before}}; "
           f"import {COMM} as comm; from sglang.srt.plugins import load_plugins; load_plugins(); "
-          f"assert all(getattr(comm, n).__module__ == {COMM!r} for n in {SEAMS!r}), 'patched'; print('started')")
+          f"assert not [n for n in {SEAMS!r} if hasattr(getattr(comm, n), '__wrapped__')], 'wrapped'; "
+          "print('started')")
 
 
 @pytest.mark.parametrize("case", ["bad-setting", "unknown-version"])
