@@ -301,3 +301,58 @@ def test_pre_capture_follows_sglangs_settings(fake, monkeypatch, caplog):
     with caplog.at_level(logging.ERROR):
         face._after_pre_initialize(None, runner)
     assert any("no memory" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------
+# torch.compile: the three seams traced whole (host backend, two gloo ranks)
+# ---------------------------------------------------------------------------
+
+
+def _own_path_taken(*args, **kwargs):
+    raise AssertionError("SGLang's own function ran: the seam left the peer path")
+
+
+def _compile_worker(rank, world):
+    """Each seam compiled with fullgraph=True (the workspaces' ops traced
+    through their fake implementations) equals the same seam run eagerly,
+    bit for bit, and SGLang's functions in plain torch within tolerance; the
+    compiled query gather still returns two views of one cat([q_pe, q_nope])."""
+    torch.set_num_threads(1)
+    from torch_sdcp.integrations import sglang as face
+
+    coord = Coordinator(dist.group.WORLD)
+    face.configure(dcp_group=lambda: coord, originals=dict.fromkeys(
+        ("cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"), _own_path_taken))
+    assert face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R,
+                        dtype=torch.bfloat16, device="cpu") == {"output_lse": True, "query": True}
+    graphs = []
+
+    def backend(gm, example_inputs):  # aot_eager, keeping what dynamo traced
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    ag_rs = torch.compile(face.cp_lse_ag_out_rs_mla, fullgraph=True, backend=backend)
+    a2a = torch.compile(face.dcp_a2a_lse_reduce, fullgraph=True, backend=backend)
+    gather = torch.compile(face.all_gather_q_for_mla_decode, fullgraph=True, backend=backend)
+    for rows in (1, 5, BOUND):
+        for base_e in (False, True):
+            q_nope, q_pe, out, lse = _inputs(world, rows, 7 * rows + base_e, torch.bfloat16)[rank]
+            got, eager = ag_rs(out, lse, coord, None, base_e), face.cp_lse_ag_out_rs_mla(out, lse, coord, None, base_e)
+            assert got.shape == (H_LOC, rows, D) and torch.equal(got, eager)
+            torch.testing.assert_close(got, ref_cp_lse_ag_out_rs_mla(out, lse, coord, None, base_e), rtol=1.6e-2,
+                                       atol=1e-2)
+            got, eager = a2a(out, lse, coord, base_e), face.dcp_a2a_lse_reduce(out, lse, coord, base_e)
+            assert got.shape == (rows, H_LOC, D) and got.is_contiguous() and torch.equal(got, eager)
+            torch.testing.assert_close(got, ref_dcp_a2a_lse_reduce(out, lse, coord, base_e), rtol=1.6e-2, atol=1e-2)
+        g_nope, g_pe = gather(q_nope, q_pe)
+        for a, b in zip((g_nope, g_pe), ref_all_gather_q_for_mla_decode(q_nope, q_pe, coord)):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        assert g_nope.data_ptr() == g_pe.data_ptr() + R * 2, "not two views of one cat([q_pe, q_nope])"
+    ops = [{str(n.target) for n in gm.graph.nodes if n.op == "call_function"} for gm in graphs]
+    assert len(ops) >= 3 and all(any(t.startswith("sdcp.") for t in names) for names in ops), ops
+    face.teardown()
+    return True
+
+
+def test_seams_compile_fullgraph_two_ranks():
+    assert run_workers(_compile_worker, 2, timeout=300) == [True, True]
