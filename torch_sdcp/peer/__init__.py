@@ -7,7 +7,8 @@ and so is every failure of it; every blocking wait is bounded by ``timeout_s``.
 
 Modules: ``arena`` (PeerArena, its views and close), ``plan`` (argument checks, backend choice),
 ``backend`` (the MemoryBackend interface) with ``cuda_vmm`` (CUDA VMM) and ``host_shm``
-(memfd shared memory), ``collectives`` (timed collectives, collective failures),
+(memfd shared memory), ``collectives`` (the creation agreements and barriers on the group's c10d store, collective
+failures, :class:`GroupOutOfStepError`),
 ``fd_exchange`` (SCM_RIGHTS over private AF_UNIX sockets, SO_PEERCRED checks), ``lifetime``
 (reference counting, interpreter exit) and ``dlpack`` (tensors with an explicit device).
 
@@ -16,8 +17,9 @@ docs/DESIGN.md, section "Peer-addressable objects".
 """
 
 from .arena import PeerArena
+from .collectives import GroupOutOfStepError
 
-__all__ = ["PeerArena"]
+__all__ = ["GroupOutOfStepError", "PeerArena"]
 
 # Fault injection for the tests: called with the name of each creation stage ("validate",
 # "allocate", "exchange", "map", "probe") just before it runs. None in production.
