@@ -835,11 +835,15 @@ def _fixed_masking(world, rows, seed):
     return per_rank, qsl
 
 
-def _gpu_capture_worker(rank, world):
+def _gpu_capture_worker(rank, world, shared=False):
     from torch_sdcp.integrations import vllm as plugin
+    from torch_sdcp.integrations import vllm_calls
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", 0 if shared else rank)
     torch.cuda.set_device(device)
+    if shared:  # both ranks on one GPU: correct, time-sliced
+        options = vllm_calls._face.options
+        vllm_calls._face.options = lambda: {**options(), "allow_shared_device": True}
     coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     plugin.configure(dcp_group=lambda: coord)
     rows = 8
@@ -900,6 +904,11 @@ def _gpu_capture_worker(rank, world):
 @requires_gpus(2)
 def test_capture_and_replay_cuda():
     assert run_workers(_gpu_capture_worker, 2, timeout=300) == [True, True]
+
+
+@requires_gpus(1)
+def test_capture_and_replay_two_ranks_on_one_gpu():
+    assert run_workers(_gpu_capture_worker, 2, args=(True,), timeout=300) == [True, True]
 
 
 @requires_gpus(1)
