@@ -580,3 +580,41 @@ def test_cuda_check_during_capture_and_replay():
 @pytest.mark.parametrize("worker", [_mismatch_worker], ids=lambda w: w.__name__.strip("_"))
 def test_cuda_two_ranks_on_one_gpu(worker):
     assert run_workers(worker, 2, args=("cuda_shared",), timeout=300) == [True, True]
+
+
+def _abort_note_worker(rank, world):
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    po, pl = rank_partials(2, seed=rank)
+    for how in ("abort", "bad input"):
+        ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=120, **HOST)
+        ws.combine(po, pl)
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.5)  # the peers wait in their call by now
+            if how == "abort":
+                ws.abort("drained by the watchdog")
+            else:
+                with pytest.raises(ValueError, match="'partial_out'"):
+                    ws.combine(po.half(), pl)
+        else:
+            want = ("[rank 0: abort(): drained by the watchdog]" if how == "abort"
+                    else "[rank 0: ValueError: torch_sdcp: argument 'partial_out'")
+            with pytest.raises(RuntimeError, match="peer 0 aborted") as raised:
+                ws.combine(po, pl)
+            assert want in str(raised.value), str(raised.value)
+            with pytest.raises(RuntimeError) as checked:  # the poisoned workspace says it too
+                ws.check()
+            assert want in str(checked.value), str(checked.value)
+        ws.close()
+        dist.barrier()
+    return True
+
+
+def test_the_aborting_ranks_error_reaches_every_peer():
+    """A rank's abort() reason, or the error of its failed call, is in the
+    error of every peer that meets its abort word (left on the group's store
+    before the abort words go out)."""
+    assert run_workers(_abort_note_worker, 4, timeout=120) == [True] * 4

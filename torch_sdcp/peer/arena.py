@@ -357,6 +357,22 @@ class PeerArena:
                                (self.stride // itemsize,) + self._contiguous_strides(shape),
                                offset // itemsize)
 
+    def post_note(self, text: str) -> None:
+        """Leave this rank's error message (at most 200 characters) on the group's store, where
+        a peer that meets this rank's abort word finds it (one key per aborting rank)."""
+        if self._agreements is not None:
+            self._agreements.store.set(f"{self._agreements.prefix}/note/{self.rank}", text[:200])
+
+    def peer_note(self, rank: int) -> Optional[str]:
+        """The message rank ``rank`` left with :meth:`post_note`, or None; never waits."""
+        if self._agreements is None:
+            return None
+        key = f"{self._agreements.prefix}/note/{rank}"
+        store = self._agreements.store
+        if not store.check([key]):
+            return None
+        return bytes(store.get(key)).decode(errors="replace")
+
     def barrier(self) -> None:
         """Barrier over the group (host-side, on the group's store; bounded by timeout_s). Does not
         synchronise the device. On a timeout the group is refused from then on, on this rank and

@@ -33,13 +33,20 @@ class _Call:
         self.held = self.workspace._enter(self.what)
 
     def __exit__(self, exc_type, error, traceback) -> None:
+        ws = self.workspace
+        # A call that met a peer's abort: the error that peer left, in this one.
+        noted = None
+        if type(error) is RuntimeError and self.held:
+            text = ws._with_peer_note(str(error))
+            noted = RuntimeError(text) if text != str(error) else None
         try:
             if error is not None and self.poison:
-                self.workspace._failed(error, self.held)
+                ws._failed(noted or error, self.held)
         finally:
-            self.workspace._leave(self.held)
-        gone = self.workspace._watch.gone if self.workspace._watch is not None else None
+            ws._leave(self.held)
+        gone = ws._watch.gone if ws._watch is not None else None
         if gone is not None and type(error) is RuntimeError:  # what ended the call: the peer's exit
-            ws = self.workspace
             raise RuntimeError(f"torch_sdcp: {type(ws).__name__} on rank {ws.rank}: {self.what}() failed: peer "
                                f"{gone[0]} (pid {gone[1]}) exited; re-create the workspace without it") from error
+        if noted is not None:
+            raise noted from error

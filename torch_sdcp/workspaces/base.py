@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import threading
 import weakref
 from typing import Any
@@ -26,6 +27,9 @@ from torch_sdcp.workspaces._policy import (agree_collective_path, check_size_par
                                            resolve_group)
 
 logger = logging.getLogger("torch_sdcp")
+
+# How the C++ error of a call that met a peer's abort word names the peer.
+_PEER_ABORTED = re.compile(r"peer (\d+) aborted")
 
 __all__ = ["CallRefused", "PeerWorkspace"]
 
@@ -207,7 +211,7 @@ class PeerWorkspace:
             try:
                 torch.ops.sdcp.workspace_check(self.handle)
             except RuntimeError as e:
-                self._poisoned = str(e)
+                self._poisoned = self._with_peer_note(str(e))
         if self._poisoned is not None:
             raise RuntimeError(self._poisoned_message("check"))
 
@@ -225,6 +229,7 @@ class PeerWorkspace:
             return
         if self._poisoned is None:
             self._poisoned = f"{type(error).__name__}: {error}"
+        self._leave_note(f"{type(error).__name__}: {error}")
         try:
             torch.ops.sdcp.workspace_abort(self.handle)
         except Exception as e:  # noqa: BLE001  (the error of the call is what the caller needs)
@@ -256,7 +261,30 @@ class PeerWorkspace:
             if self._poisoned is None:
                 self._poisoned = f"aborted on rank {self.rank}: {reason[:200]}"
             if self.handle is not None:
+                self._leave_note(f"abort(): {reason}")
                 torch.ops.sdcp.workspace_abort(self.handle)
+
+    def _leave_note(self, text: str) -> None:
+        """Best effort, before the abort words go out: this rank's error, for
+        the peers' errors (a store that is gone with a peer is no error here)."""
+        if self.arena is not None:
+            try:
+                self.arena.post_note(text)
+            except Exception as e:  # noqa: BLE001
+                logger.info("torch_sdcp %s workspace, rank %d: could not leave the error for the peers (%s)",
+                            type(self).__name__, self.rank, e)
+
+    def _with_peer_note(self, message: str) -> str:
+        """``message`` with the error that the aborting peer it names left
+        (``peer r aborted: ...`` -> ``... [rank r: ValueError: ...]``)."""
+        found = _PEER_ABORTED.search(message)
+        if found is None or self.arena is None:
+            return message
+        try:
+            note = self.arena.peer_note(int(found.group(1)))
+        except Exception:  # noqa: BLE001  (the store may be gone with the peer)
+            return message
+        return message if note is None else f"{message} [rank {found.group(1)}: {note}]"
 
     def _peer_exited(self, rank: int, pid: int) -> None:
         """The watcher thread saw peer ``rank`` exit: abort the workspace on
