@@ -92,6 +92,7 @@ QueryCall prepare_query_call(const at::Tensor& ql_nope, const at::Tensor& q_pe, 
                  s.nope << " + " << s.rope);
   SDCP_CHECK_ARG(static_cast<int64_t>(c10::elementSize(out_dtype)) == g.elem_bytes, "out_dtype",
                  "an element of " << g.elem_bytes << " bytes (the workspace dtype)", out_dtype);
+  check_workspace_health(*c.ws);
   if (allocate_out)
     c.out = at::empty({s.rows, c.ws->world_size * s.heads, s.width()}, ql_nope.options().dtype(out_dtype));
   return c;
@@ -129,6 +130,7 @@ HeadsCall prepare_all_gather_heads(const at::Tensor& q, int64_t workspace, const
   check_dtype(out, "out", q.scalar_type());
   check_contiguous(out, "out");
   check_same_device(out, "out", q, "q");
+  check_workspace_health(*c.ws);
   return c;
 }
 
@@ -147,6 +149,7 @@ ReleaseCall prepare_query_release(const at::Tensor& view, int64_t workspace) {
   SDCP_CHECK_ARG(static_cast<int64_t>(view.element_size()) == g.elem_bytes, "inbox",
                  "elements of " << g.elem_bytes << " bytes (the workspace dtype)", view.scalar_type());
   c.rows = view.size(0);
+  check_workspace_health(*c.ws);
   return c;
 }
 

@@ -218,7 +218,9 @@ DataFlagDeviceHooks& dataflag_device_hooks();
 
 // Resolve a handle; checks that it is alive, of the expected kind, and lives
 // on the device of `on` (CPU tensors need a host workspace, CUDA tensors a
-// CUDA workspace on the same device).
+// CUDA workspace on the same device). Not its health: an op checks that
+// (check_workspace_health) after all its arguments, so that a rank's own bad
+// argument is reported before a peer's abort.
 std::shared_ptr<const Workspace> resolve_workspace(int64_t handle, WorkspaceKind kind,
                                                    const at::Tensor& on);
 

@@ -162,7 +162,8 @@ std::shared_ptr<const Workspace> resolve_workspace(int64_t handle, WorkspaceKind
                     " workspace, got handle ", handle, " of kind ", kind_name(ws->kind)));
   TORCH_CHECK_VALUE(ws->device == on.device() || (ws->device.is_cpu() && on.is_cpu()), cat("torch_sdcp: argument 'workspace': expected a workspace on ", on.device(),
                     " (the inputs' device), got one on ", ws->device));
-  check_workspace_health(*ws);
+  // Health is the caller's last check (check_workspace_health), after its
+  // arguments: every rank reports its own argument error before a peer's abort.
   // The shared pointer keeps the descriptor (not the mapping) alive; the
   // mapping is only released by close(), which synchronises and barriers
   // before it unregisters.

@@ -618,3 +618,29 @@ def test_the_aborting_ranks_error_reaches_every_peer():
     error of every peer that meets its abort word (left on the group's store
     before the abort words go out)."""
     assert run_workers(_abort_note_worker, 4, timeout=120) == [True] * 4
+
+
+def _own_argument_first_worker(rank, world):
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    po, pl = rank_partials(2, seed=rank)
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=60, **HOST)
+    ws.combine(po, pl)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(0.5)  # rank 0's failure (its abort words) is here first
+    with pytest.raises(ValueError, match="argument 'partial_out': expected dtype torch.bfloat16"):
+        ws.combine(po.half(), pl)  # every rank makes the same bad call: each reports its own argument
+    dist.barrier()
+    assert ws.poisoned
+    expect_poisoned(ws, lambda: ws.combine(po, pl))  # a good call on the poisoned workspace
+    ws.close()
+    return True
+
+
+def test_every_rank_reports_its_own_argument_error_first():
+    """Arguments are checked before health: the rank that makes the same bad
+    call after its peer's failure reached it still names its own argument."""
+    assert run_workers(_own_argument_first_worker, 2, timeout=120) == [True, True]

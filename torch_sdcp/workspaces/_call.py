@@ -17,23 +17,32 @@ class CallRefused(RuntimeError):
 class _Call:
     """One call on a workspace, the guard of every public call method:
     ``with self._call("merge"): ...``. Entering starts the call (``_enter``:
-    refuses a closed or poisoned workspace and a second thread); leaving with
+    refuses a closed workspace and a second thread; a poisoned one raises when
+    the call ends, unless its arguments were wrong, so that every rank reports
+    its own argument error before a peer's abort); leaving with
     an error records the failure (``_failed``: poisons and aborts, unless
     ``poison`` is False, as for resize and close, which release a poisoned
     workspace), and leaving always ends the call (``_leave``). A plain class,
     so that torch.compile traces it (under tracing nothing is held, released
     or poisoned)."""
 
-    __slots__ = ("held", "poison", "what", "workspace")
+    __slots__ = ("held", "poison", "poisoned", "what", "workspace")
 
     def __init__(self, workspace: PeerWorkspace, what: str, poison: bool):
-        self.workspace, self.what, self.poison, self.held = workspace, what, poison, False
+        self.workspace, self.what, self.poison, self.held, self.poisoned = workspace, what, poison, False, False
 
     def __enter__(self) -> None:
         self.held = self.workspace._enter(self.what)
+        # Poisoned before the call: the call checks its arguments (each rank
+        # reports its own bad argument first, not a peer's abort), then raises
+        # "poisoned" (the ops check health after their arguments).
+        self.poisoned = self.held and self.workspace._poisoned is not None and self.what not in ("resize", "close")
 
     def __exit__(self, exc_type, error, traceback) -> None:
         ws = self.workspace
+        if self.poisoned and not isinstance(error, (ValueError, TypeError)):
+            ws._leave(self.held)
+            raise RuntimeError(ws._poisoned_message(self.what)) from error
         # A call that met a peer's abort: the error that peer left, in this one.
         noted = None
         if type(error) is RuntimeError and self.held:

@@ -334,9 +334,7 @@ class PeerWorkspace:
                 f"(id {me.ident}) while {inside} on this workspace: calls on one workspace must be ordered; "
                 "use one workspace per thread, or serialise the calls")
         try:
-            self._check_open(what)
-            if self._poisoned is not None and what not in ("resize", "close"):  # both release it
-                raise RuntimeError(self._poisoned_message(what))
+            self._check_open(what)  # poisoning is reported when the call ends, after its arguments (_Call)
         except BaseException:
             self._call_lock.release()
             raise
