@@ -278,3 +278,23 @@ def decode_step(ns, q_nope_out, q_pe, attn_output, lse, is_lse_base_on_e):
         attn_output = fm.cp_lse_ag_out_rs_mla(attn_output, lse, parallel.dcp_group, is_lse_base_on_e=is_lse_base_on_e)
         attn_output = attn_output.transpose(0, 1)
     return q_nope_out, q_pe, attn_output.view(-1, H_LOC, D)
+
+
+def step_inputs(world, rows, seed, dtype):
+    """Every rank's step inputs: the query halves (q_nope_out head-major, as
+    SGLang's bmm makes it), partial outputs with finite payloads and LSEs with
+    empty shards (-inf, NaN, +inf) and an all-empty (row, head)."""
+    g = torch.Generator().manual_seed(seed)
+    per_rank = []
+    heads = world * H_LOC
+    for _ in range(world):
+        q_nope = (torch.randn(H_LOC, rows, D, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)
+        q_pe = (torch.randn(rows, H_LOC, R, generator=g) * 3).to(torch.bfloat16)
+        out = torch.randn(rows, heads, D, generator=g).to(dtype)
+        lse = torch.randn(rows, heads, generator=g) * 3
+        u = torch.rand(rows, heads, generator=g)
+        lse = torch.where(u < 0.1, -math.inf, torch.where(u < 0.15, math.nan, torch.where(u < 0.2, math.inf, lse)))
+        per_rank.append([q_nope, q_pe, out, lse])
+    for p in per_rank:
+        p[3][0, 0] = -math.inf  # every shard of (row 0, head 0) is empty
+    return per_rank

@@ -16,7 +16,6 @@ seams against SGLang's sources.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -31,28 +30,8 @@ from _dist import run_workers
 from _sglang_stand_in import (
     BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, MODULES, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
     Coordinator, MLA, _real_registry, build_fake_sglang, decode_step, ref_all_gather_q_for_mla_decode,
-    ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce,
+    ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce, step_inputs,
 )
-
-
-def _inputs(world, rows, seed, dtype):
-    """Every rank's step inputs: the query halves (q_nope_out head-major, as
-    SGLang's bmm makes it), partial outputs with finite payloads and LSEs with
-    empty shards (-inf, NaN, +inf) and an all-empty (row, head)."""
-    g = torch.Generator().manual_seed(seed)
-    per_rank = []
-    heads = world * H_LOC
-    for _ in range(world):
-        q_nope = (torch.randn(H_LOC, rows, D, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)
-        q_pe = (torch.randn(rows, H_LOC, R, generator=g) * 3).to(torch.bfloat16)
-        out = torch.randn(rows, heads, D, generator=g).to(dtype)
-        lse = torch.randn(rows, heads, generator=g) * 3
-        u = torch.rand(rows, heads, generator=g)
-        lse = torch.where(u < 0.1, -math.inf, torch.where(u < 0.15, math.nan, torch.where(u < 0.2, math.inf, lse)))
-        per_rank.append([q_nope, q_pe, out, lse])
-    for p in per_rank:
-        p[3][0, 0] = -math.inf  # every shard of (row 0, head 0) is empty
-    return per_rank
 
 
 def _protocol_worker(rank, world, rows_list):
@@ -88,7 +67,7 @@ def _protocol_worker(rank, world, rows_list):
         for base_e in (False, True):
             for i, rows in enumerate(rows_list):
                 for dtype in (torch.bfloat16, torch.float32):
-                    per_rank = _inputs(world, rows, 1000 * i + 10 * base_e + (dtype == torch.float32), dtype)
+                    per_rank = step_inputs(world, rows, 1000 * i + 10 * base_e + (dtype == torch.float32), dtype)
                     q_nope, q_pe, out, lse = per_rank[rank]
                     before = len(ns.calls)
                     got = runner.model_runner.forward(lambda: decode_step(ns, q_nope, q_pe, out, lse, base_e))
@@ -336,7 +315,7 @@ def _compile_worker(rank, world):
     gather = torch.compile(face.all_gather_q_for_mla_decode, fullgraph=True, backend=backend)
     for rows in (1, 5, BOUND):
         for base_e in (False, True):
-            q_nope, q_pe, out, lse = _inputs(world, rows, 7 * rows + base_e, torch.bfloat16)[rank]
+            q_nope, q_pe, out, lse = step_inputs(world, rows, 7 * rows + base_e, torch.bfloat16)[rank]
             got, eager = ag_rs(out, lse, coord, None, base_e), face.cp_lse_ag_out_rs_mla(out, lse, coord, None, base_e)
             assert got.shape == (H_LOC, rows, D) and torch.equal(got, eager)
             torch.testing.assert_close(got, ref_cp_lse_ag_out_rs_mla(out, lse, coord, None, base_e), rtol=1.6e-2,

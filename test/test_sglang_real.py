@@ -18,7 +18,6 @@ blocks a case on a CPU machine is in docs/SGLANG.md.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import subprocess
 import sys
@@ -147,26 +146,6 @@ def test_a_refusing_plugin_leaves_sglang_starting(case):
 # ---------------------------------------------------------------------------
 
 
-def _inputs(world, rows, seed, dtype):
-    """Every rank's (q_nope_out, q_pe, attn_out, lse): q_nope_out head-major as
-    SGLang's bmm leaves it, LSEs with empty shards (-inf, NaN, +inf) and one
-    (row, head) empty on every rank."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    heads, per_rank = world * H_LOC, []
-    for _ in range(world):
-        q_nope = (torch.randn(H_LOC, rows, D, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)
-        q_pe = (torch.randn(rows, H_LOC, R, generator=g) * 3).to(torch.bfloat16)
-        out = torch.randn(rows, heads, D, generator=g).to(dtype)
-        lse = torch.randn(rows, heads, generator=g) * 3
-        u = torch.rand(rows, heads, generator=g)
-        lse = torch.where(u < 0.1, -math.inf, torch.where(u < 0.15, math.nan, torch.where(u < 0.2, math.inf, lse)))
-        lse[0, 0] = -math.inf
-        per_rank.append((q_nope, q_pe, out, lse))
-    return per_rank
-
-
 def _coordinator(rank, world):
     """SGLang's own GroupCoordinator over the workers' gloo world, published as
     the DCP group (what SGLang's initialize_model_parallel does on a GPU)."""
@@ -232,6 +211,7 @@ def _cpu_collectives():
 
 def _real_worker(rank, world, rows_list):
     import torch
+    from _sglang_stand_in import step_inputs  # the same inputs as the stand-in protocol test
     from sglang.srt.plugins import load_plugins
 
     torch.set_num_threads(1)
@@ -254,7 +234,7 @@ def _real_worker(rank, world, rows_list):
     for i, rows in enumerate(rows_list):
         for dtype in (torch.bfloat16, torch.float32):
             for base_e in (False, True):
-                q_nope, q_pe, out, lse = _inputs(world, rows, 100 * i + 10 * base_e + (dtype == torch.float32),
+                q_nope, q_pe, out, lse = step_inputs(world, rows, 100 * i + 10 * base_e + (dtype == torch.float32),
                                                  dtype)[rank]
                 got = comm.cp_lse_ag_out_rs_mla(out, lse, coord, None, base_e)
                 want = own["cp_lse_ag_out_rs_mla"](out, lse, coord, None, base_e)
