@@ -22,7 +22,7 @@ from torch_sdcp import ops
 from torch_sdcp._version import __version__
 
 _LAZY = {
-    "PeerArena": "torch_sdcp.peer",
+    "GroupOutOfStepError": "torch_sdcp.peer", "PeerArena": "torch_sdcp.peer",
     "ExchangeWorkspace": "torch_sdcp.workspaces", "OutputLSEWorkspace": "torch_sdcp.workspaces",
     "PeerWorkspace": "torch_sdcp.workspaces", "QueryWorkspace": "torch_sdcp.workspaces",
     "TopKWorkspace": "torch_sdcp.workspaces",
@@ -39,6 +39,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'torch_sdcp' has no attribute {name!r}")
 
 __all__ = [
-    "ExchangeWorkspace", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace", "TopKWorkspace",
-    "__version__", "collective", "inputs", "ops", "reference",
+    "ExchangeWorkspace", "GroupOutOfStepError", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace",
+    "TopKWorkspace", "__version__", "collective", "inputs", "ops", "reference",
 ]
