@@ -441,7 +441,7 @@ def _check_rows_fallback(results, calls, mode):
                                      "on this rank and takes the collective path"), r0["disagree"]
     assert ("but rank 1 did not take the collective path within timeout_s = 2 s (took the peer path" in r0["disagree"]
             or "it stopped waiting for rank 1 to take it: " in r0["disagree"] and "peer 1 aborted" in r0["disagree"])
-    assert r0["disagree"].endswith("no rank entered a collective"), r0["disagree"]
+    assert "; no rank entered a collective" in r0["disagree"], r0["disagree"]  # the peer's note may follow
     assert "peer 0 aborted" in r1["disagree"] or "waited 2 s for peer 0's call header" in r1["disagree"], r1["disagree"]
     assert 1.5 < r0["disagree_s"] < 4.0 and r1["disagree_s"] < 4.5, (r0, r1)
     assert "but rank 1 did not take the collective path within timeout_s = 1 s" in r0["late"], r0["late"]
