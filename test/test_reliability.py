@@ -239,6 +239,9 @@ def _calls_worker(rank, world):
         peer_mod._TEST_HOOK = None
     assert not coll.peer
     assert coll.all_gather(torch.ones(2)).shape == (2, 2)
+    coll.abort("this rank stops")  # collective mode: this rank only, and it enters no collective afterwards
+    with pytest.raises(RuntimeError, match="poisoned: all_gather\\(\\) .*this rank stops"):
+        coll.all_gather(torch.ones(2))
     coll.close()
     with pytest.raises(RuntimeError, match=f"ExchangeWorkspace on rank {rank} is closed: all_gather"):
         coll.all_gather(torch.ones(2))

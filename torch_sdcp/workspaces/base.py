@@ -351,9 +351,16 @@ class PeerWorkspace:
         """The guard of the call ``what`` (a context manager, see ``_Call``)."""
         return _Call(self, what, poison)
 
+    def _refuse_poisoned(self) -> None:
+        """Before a collective-mode call's collective: a workspace poisoned by
+        abort() enters none (its peers may not)."""
+        if self._poisoned is not None:
+            raise RuntimeError(self._poisoned_message(self._caller[2] if self._caller is not None else "call"))
+
     def _rows_fit(self, rows: int, arg: str) -> bool:
         """True when this call takes the peer path (and may use the workspace)."""
         if not self.peer:
+            self._refuse_poisoned()
             return False
         if rows > self.max_rows:
             if not self.rows_fallback:

@@ -33,6 +33,7 @@ class ExchangeWorkspace(PeerWorkspace):
             if not isinstance(x, Tensor):
                 raise arg_error("x", "a Tensor", type(x).__name__)
             if not self.peer:
+                self._refuse_poisoned()
                 out = [torch.empty_like(x) for _ in range(self.world_size)]
                 dist.all_gather(out, x.contiguous(), group=self.group)
                 return torch.stack(out)
