@@ -693,6 +693,15 @@ def test_creation_timeout_then_retry_refuses_the_group_without_a_crash():
         assert r["sum"] == 3.0
 
 
+def _agreement_keys_left(store, arena):
+    """The keys of ``arena``'s agreements (creation steps, barriers, close) still in the store."""
+    prefix = arena._agreements.prefix
+    names = ["validate", "allocate", "exchange", "map", "probe write", "probe verify", "close"]
+    names += [f"barrier{i}" for i in range(1, arena._barriers + 1)]
+    keys = [f"{prefix}/{n}/{k}" for n in names for k in [*map(str, range(arena.world_size)), "v", "n"]]
+    return [k for k in keys if store.check([k])]
+
+
 def _close_one_rank_worker(rank, ws):
     records = _log_records()
     store = group_store(dist.group.WORLD)
@@ -709,6 +718,7 @@ def _close_one_rank_worker(rank, ws):
         out["post_s"] = time.monotonic() - t0
     dist.barrier()
     out["keys"] = (keys0, store.num_keys())
+    out["left"] = _agreement_keys_left(store, b)
     # close() on rank 0 only: its barrier times out, is logged, and the group is refused
     a = PeerArena(None, 4096, backend="host", timeout_s=1.0)
     t = torch.tensor([rank + 1.0])
@@ -735,7 +745,8 @@ def test_close_on_one_rank_only_leaves_nothing_in_flight():
                "[1]); re-create the process group")
     assert results[1]["post_s"] < 1.0, results
     for rank, r in enumerate(results):
-        assert r["keys"][1] <= r["keys"][0], r  # (gloo's own keys come and go)
+        assert r["left"] == [], r  # every key of the arena's agreements is gone
+        assert r["keys"][1] <= r["keys"][0] + 1, r  # and no more (gloo's own keys come and go)
         assert r["sum"] == 3.0, r
         assert len(r["logged"]) == 1 and "close() could not synchronise" in r["logged"][0], r
         assert refusal in r["logged"][0], r
