@@ -224,6 +224,24 @@ _cache: dict[tuple, Entry] = {}
 _lock = threading.RLock()
 
 
+class EngineHooks:
+    """What a face's calls read from its engine, set by the face's install()
+    or configure(): the engine's own functions by name (the fallbacks) and
+    the engine's DCP group (a callable returning it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.originals: dict[str, Callable] = {}
+        self.dcp_group: Callable[[], Any] | None = None
+
+    def configure(self, dcp_group: Callable[[], Any] | None, originals: dict[str, Callable] | None) -> None:
+        with self.lock:
+            if dcp_group is not None:
+                self.dcp_group = dcp_group
+            if originals:
+                self.originals.update(originals)
+
+
 class Face:
     """One engine face over the cache: how it resolves groups (``via``), what
     a call without a workspace does (``create_missing``: create it on first

@@ -25,14 +25,13 @@ import importlib
 import logging
 import os
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torch_sdcp.integrations._core import OUTPUT_DTYPES, Face, normalise_device, query_direct
+from torch_sdcp.integrations._core import OUTPUT_DTYPES, EngineHooks, Face, normalise_device, query_direct
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_MAX_ROWS", "ENV_TIMEOUT_S", "HOOKS", "SGLANG_SIGNATURES", "SUPPORTED_SGLANG_VERSIONS",
@@ -107,14 +106,12 @@ _face = Face("sglang", via="cpu_group", create_missing=False, make_logger=_make_
 _log_once = _face.log_once
 
 
-class _Hooks:
-    """What the calls read from SGLang (set by install() or configure())."""
+class _Hooks(EngineHooks):
+    """What the calls read from SGLang, and whether install() patched it."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
+        super().__init__()
         self.installed = False
-        self.originals: dict[str, Callable] = {}  # SGLang's own functions by name: the fallbacks
-        self.dcp_group: Callable[[], Any] | None = None
 
 
 _hooks = _Hooks()
@@ -125,11 +122,7 @@ def configure(*, dcp_group: Callable[[], Any] | None = None, originals: dict[str
     (``get_parallel().dcp_group``) and the fallbacks by name
     (``cp_lse_ag_out_rs_mla``, ``dcp_a2a_lse_reduce``,
     ``all_gather_q_for_mla_decode``)."""
-    with _hooks.lock:
-        if dcp_group is not None:
-            _hooks.dcp_group = dcp_group
-        if originals:
-            _hooks.originals.update(originals)
+    _hooks.configure(dcp_group, originals)
 
 
 def workspaces() -> list[Any]:

@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp.integrations._core import Face, normalise_device
+from torch_sdcp.integrations._core import EngineHooks, Face, normalise_device
 from torch_sdcp.reference import check_mask_args as _check_mask_args
 from torch_sdcp.reference import mask_empty_shards
 
@@ -77,16 +76,7 @@ def _workspace_options() -> dict:
 _face = Face("vllm", via="cpu_group", create_missing=False, make_logger=_make_logger, options=_workspace_options)
 
 
-class _Hooks:
-    """What the calls read from vLLM (set by install() or configure())."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.originals: dict[str, Callable] = {}  # vLLM's own functions by name: the fallbacks
-        self.dcp_group: Callable[[], Any] | None = None
-
-
-_hooks = _Hooks()
+_hooks = EngineHooks()  # what the calls read from vLLM (set by install() or configure())
 
 
 def configure(*, ubatch_id: Callable[[], int] | None = None, dcp_group: Callable[[], Any] | None = None,
@@ -99,10 +89,7 @@ def configure(*, ubatch_id: Callable[[], int] | None = None, dcp_group: Callable
     with _hooks.lock:
         if ubatch_id is not None:
             _face.ubatch_id = ubatch_id
-        if dcp_group is not None:
-            _hooks.dcp_group = dcp_group
-        if originals:
-            _hooks.originals.update(originals)
+        _hooks.configure(dcp_group, originals)
 
 
 def workspaces() -> list[Any]:
