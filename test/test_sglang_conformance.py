@@ -22,6 +22,8 @@ import sys
 
 import pytest
 
+from _ast_helpers import find_definition, param_list
+
 from torch_sdcp.integrations import sglang as face
 
 COMM = "sglang.srt.layers.dcp.comm"
@@ -72,33 +74,10 @@ def version():
 
 
 def _find(module: str, path: str):
-    body = _tree(module).body
-    node = None
-    for part in path.split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
-        if node is None:
-            pytest.fail(f"{module} defines no {path} (missing: {part})")
-        body = node.body
-    return node
+    return find_definition(_tree(module), module, path)
 
 
-def _params(fn: ast.FunctionDef) -> str:
-    a = fn.args
-    out = []
-    positional = a.posonlyargs + a.args
-    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
-    for arg, default in zip(positional, defaults):
-        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
-    if a.vararg:
-        out.append("*" + a.vararg.arg)
-    elif a.kwonlyargs:
-        out.append("*")
-    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
-        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
-    if a.kwarg:
-        out.append("**" + a.kwarg.arg)
-    return "(" + ", ".join(out) + ")"
+_params = param_list
 
 
 def _text(fn) -> str:

@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+from _ast_helpers import find_definition, param_list
+
 from torch_sdcp.integrations import vllm as plugin
 
 
@@ -72,37 +74,10 @@ def version():
 
 
 def _find(module: str, path: str):
-    """The FunctionDef (or ClassDef) of ``path`` ("f" or "Class.method") at
-    the top level of ``module``."""
-    body = _tree(module).body
-    node = None
-    for part in path.split("."):
-        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
-        if node is None:
-            # A re-export (from .x import f) is not a definition: report the module it really lives in.
-            pytest.fail(f"{module} defines no {path} (missing: {part})")
-        body = node.body
-    return node
+    return find_definition(_tree(module), module, path)
 
 
-def _params(fn: ast.FunctionDef) -> str:
-    """The parameter list as text, annotations left out."""
-    a = fn.args
-    out = []
-    positional = a.posonlyargs + a.args
-    defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
-    for arg, default in zip(positional, defaults):
-        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
-    if a.vararg:
-        out.append("*" + a.vararg.arg)
-    elif a.kwonlyargs:
-        out.append("*")
-    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
-        out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
-    if a.kwarg:
-        out.append("**" + a.kwarg.arg)
-    return "(" + ", ".join(out) + ")"
+_params = param_list
 
 
 @pytest.mark.parametrize("target", sorted(plugin.VLLM_SIGNATURES), ids=lambda t: f"{t[0]}:{t[1]}")
