@@ -13,6 +13,14 @@
 namespace sdcp {
 namespace {
 
+__global__ void store_abort_kernel(DeviceWorkspace ws, uint64_t word) {
+  for (int r = threadIdx.x; r < ws.world; r += blockDim.x) {
+    uint64_t* a = &reinterpret_cast<DataFlagControl*>(ws.region(r))->abort;
+    if (ld_volatile_u64(a) == 0) st_volatile_u64(a, word);
+  }
+  __threadfence_system();
+}
+
 // Pinned, mapped host memory: the kernels write it (volatile stores and a
 // system fence), the host reads it without synchronising a stream, during
 // capture too. Null when the device cannot map host memory (then a timeout
@@ -31,18 +39,21 @@ std::shared_ptr<void> alloc_error(const c10::Device& device, DataFlagError** hos
     return nullptr;
   }
   std::memset(h, 0, sizeof(DataFlagError));
+  // Load the abort kernel (and make the side streams) now: under lazy loading
+  // (the default since CUDA 12.2) its first launch waits for this context to
+  // go idle, which never happens while a kernel of this workspace waits for a
+  // peer that died, so the watcher's abort would arrive only with the timeout.
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device.index()), &status) == cudaSuccess &&
+      status == cudaStreamCaptureStatusNone) {
+    auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device.index());
+    store_abort_kernel<<<1, 1, 0, side.stream()>>>(DeviceWorkspace{}, 0);  // world 0: stores nothing
+  }
+  (void)cudaGetLastError();
   *host = static_cast<DataFlagError*>(h);
   *dev = static_cast<DataFlagError*>(d);
   // cudaFreeHost waits for the device, so no kernel still writes the record.
   return std::shared_ptr<void>(h, [](void* p) { cudaFreeHost(p); });
-}
-
-__global__ void store_abort_kernel(DeviceWorkspace ws, uint64_t word) {
-  for (int r = threadIdx.x; r < ws.world; r += blockDim.x) {
-    uint64_t* a = &reinterpret_cast<DataFlagControl*>(ws.region(r))->abort;
-    if (ld_volatile_u64(a) == 0) st_volatile_u64(a, word);
-  }
-  __threadfence_system();
 }
 
 // On a high-priority side stream, so that it runs beside a kernel of this

@@ -20,14 +20,6 @@ from _helpers import rank_workspace_args, requires_gpus
 # (the printed latency); the bound leaves room for a loaded machine.
 REPORTED_WITHIN_S = 1.0
 
-# Open on CUDA: on one H200 with the ranks sharing it (2026-12-02, 2 and 4
-# ranks), the survivors' kernels ran to their 60 s timeout instead. Not yet
-# isolated: either the killed process's exit (and so its pidfd) waits for its
-# GPU context's teardown behind the survivors' spinning kernels, or the
-# watcher's abort kernel cannot start beside them. docs/PROTOCOL.md says so.
-CUDA_OPEN = pytest.mark.xfail(reason="a SIGKILLed peer is found at the timeout on CUDA with ranks sharing a GPU",
-                              strict=False)
-
 
 def _killed_in_a_wait_worker(rank, world, mode, dead, report_dir):
     import signal
@@ -74,8 +66,8 @@ def _killed_in_a_wait_worker(rank, world, mode, dead, report_dir):
 
 
 @pytest.mark.parametrize("mode,world", [("host", 2), ("host", 4),
-                                        pytest.param("cuda_shared", 2, marks=[requires_gpus(1), CUDA_OPEN]),
-                                        pytest.param("cuda_shared", 4, marks=[requires_gpus(1), CUDA_OPEN])])
+                                        pytest.param("cuda_shared", 2, marks=requires_gpus(1)),
+                                        pytest.param("cuda_shared", 4, marks=requires_gpus(1))])
 def test_killed_peer_is_reported_to_every_waiting_rank(mode, world, tmp_path):
     dead = 0 if world == 2 else 1
     latencies = run_workers(_killed_in_a_wait_worker, world, args=(mode, dead, str(tmp_path)), timeout=120,
