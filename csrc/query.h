@@ -128,8 +128,9 @@ ReleaseCall prepare_query_release(const at::Tensor& view, int64_t workspace);
 //   HeadsLaunch(call, q, out)
 //   ReleaseLaunch(call, view)
 // Every call carries a call header (dataflag.h), compared by each consumer. A
-// call of 0 rows launches nothing and advances no index (a peer with rows
-// then waits for this rank's header and times out, naming the header).
+// call of 0 rows is still a call: its kernel (one block) exchanges the
+// headers and advances the index, so a peer with rows meets a named rows
+// mismatch and the next calls stay paired.
 template <auto ProduceLaunch>
 at::Tensor query_rope_quant_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                                const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, bool neox,
@@ -147,7 +148,7 @@ at::Tensor query_gather_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
   QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, true);
   c.header = make_call_header(c.shape.rows, static_cast<int64_t>(out_dtype),
                               query_call_flags(kQueryGatherOp, neox, q_scale.has_value()), c.ws->geometry_hash);
-  if (c.shape.rows > 0) GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, false);
+  GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, false);
   return *c.out;
 }
 
@@ -158,7 +159,7 @@ void query_publish_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const a
   QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, false);
   c.header = make_call_header(c.shape.rows, static_cast<int64_t>(out_dtype),
                               query_call_flags(kQueryPublishOp, neox, q_scale.has_value()), c.ws->geometry_hash);
-  if (c.shape.rows > 0) GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, true);
+  GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, true);
 }
 
 template <auto HeadsLaunch>
@@ -166,13 +167,13 @@ void query_all_gather_heads_out_op(const at::Tensor& q, int64_t workspace, at::T
   HeadsCall c = prepare_all_gather_heads(q, workspace, out);
   c.header = make_call_header(c.rows, static_cast<int64_t>(q.scalar_type()), query_call_flags(kQueryHeadsOp),
                               c.ws->geometry_hash);
-  if (c.rows > 0) HeadsLaunch(c, q, out);
+  HeadsLaunch(c, q, out);
 }
 
 template <auto ReleaseLaunch>
 void query_release_op(const at::Tensor& view, int64_t workspace) {
   const ReleaseCall c = prepare_query_release(view, workspace);
-  if (c.rows > 0) ReleaseLaunch(c, view);
+  ReleaseLaunch(c, view);
 }
 
 }  // namespace sdcp

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check
 from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._call import call_method
 from torch_sdcp.workspaces._policy import check_size_param, require_tensor
 from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace
 
@@ -75,6 +76,7 @@ class QueryWorkspace(PeerWorkspace):
         self.nope_dim, self.rope_dim = nope_dim, rope_dim
         self._open_view: Tensor | None = None
         self._inbox_view: Tensor | None = None
+        self._view_published = False  # the open view is rows of the inbox (not a collective-path result)
         elem = torch.empty((), dtype=dtype).element_size()
         super().__init__(group, [max_rows, local_heads, nope_dim + rope_dim, elem], **kwargs)
 
@@ -100,6 +102,7 @@ class QueryWorkspace(PeerWorkspace):
     def _release(self, barrier: bool) -> None:
         """As PeerWorkspace._release; an open view becomes invalid."""
         self._open_view = self._inbox_view = None
+        self._view_published = False
         super()._release(barrier)
 
     def _check_no_open_view(self, what: str) -> None:
@@ -108,6 +111,7 @@ class QueryWorkspace(PeerWorkspace):
                               "the last gather_view() is still open; call release() once its reader is done, "
                               "before producing the next query")
 
+    @call_method
     def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                q_scale: Tensor | None = None) -> Tensor:
         """A fresh gathered query [T, N*H_loc, nope+rope] (head = src*H_loc + h),
@@ -119,12 +123,15 @@ class QueryWorkspace(PeerWorkspace):
 
     def _gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
         _check_query_inputs(ql_nope, q_pe)
+        self._check_devices(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
+                            q_scale=q_scale)
         if self._rows_fit(ql_nope.shape[0], "ql_nope"):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype)
         return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
                                            neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
 
+    @call_method
     def gather_view(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                     q_scale: Tensor | None = None) -> Tensor:
         """Zero-copy: as gather, but returns a view [T, N*H_loc, nope+rope] of
@@ -140,6 +147,8 @@ class QueryWorkspace(PeerWorkspace):
         with self._call("gather_view"):
             self._check_no_open_view("gather_view")
             _check_query_inputs(ql_nope, q_pe)
+            self._check_devices(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
+                                q_scale=q_scale)
             rows = ql_nope.shape[0]
             if self._rows_fit(rows, "ql_nope"):
                 ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
@@ -147,11 +156,13 @@ class QueryWorkspace(PeerWorkspace):
                 if self._inbox_view is None:
                     self._inbox_view = self.inbox
                 view = self._inbox_view[:rows]
+                self._view_published = True
             else:
                 view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
             self._open_view = view
             return view
 
+    @call_method
     def release(self) -> None:
         """The reader of the last gather_view() is done: this rank's view rows
         are re-filled and the producers told that they may store the next view
@@ -161,10 +172,12 @@ class QueryWorkspace(PeerWorkspace):
                 raise CallRefused(f"torch_sdcp: QueryWorkspace.release on rank {self.rank}: no view is open "
                                   "(gather_view() was not called, or release() was already called)")
             view, self._open_view = self._open_view, None
-            if self.peer and self._inbox_view is not None and view.data_ptr() == self._inbox_view.data_ptr():
+            published, self._view_published = self._view_published, False
+            if published:  # a view of 0 rows too: its release is the call that pairs with the peers'
                 self._check_stream()
                 ops.query_release(view, self.handle)  # re-fills the rows the view had
 
+    @call_method
     def all_gather_heads(self, q: Tensor, out: Tensor | None = None) -> Tensor:
         """A query produced elsewhere, ``q [T, H_loc, nope+rope]`` of the
         workspace dtype on every rank -> ``[T, N*H_loc, nope+rope]``, head
@@ -181,6 +194,7 @@ class QueryWorkspace(PeerWorkspace):
                 raise arg_error("q", f"dtype {self.dtype} (the dtype of this QueryWorkspace)", f"dtype {q.dtype}")
             if out is not None and not isinstance(out, Tensor):
                 raise arg_error("out", "a Tensor or None", type(out).__name__)
+            self._check_devices(q=q, out=out)
             if self._rows_fit(q.shape[0], "q"):
                 if out is None:
                     return ops.query_all_gather_heads(q, self.handle)
