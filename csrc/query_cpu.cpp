@@ -91,6 +91,45 @@ void store_words(uint32_t* dst, const uint32_t* src, int64_t count, uint32_t can
   for (int64_t i = 0; i < count; ++i) __atomic_store_n(dst + i, canonical_word(src[i], canonical), __ATOMIC_RELAXED);
 }
 
+// Takes peer `src`'s header of this call from `p` (written back to the
+// sentinel) and compares it with `mine`. `other` is src's header entry of
+// the other kind of call (the view's for a copying call, and the reverse): a
+// header there while none arrived here means that src made the other kind of
+// call (gather against gather_view), a mismatch of the op named on both
+// ranks instead of a timeout. In step, src's header of this call is stored
+// before its header of any later call of the other kind, so it is seen first.
+void take_query_header(const Workspace& ws, int64_t src, uint64_t call, uint32_t* p, const uint32_t* other,
+                       const CallHeader& mine, uint32_t wait) {
+  auto landed = [](const uint32_t* h) {
+    for (uint32_t f = 0; f < kHeaderFields; ++f)
+      if (__atomic_load_n(h + f, __ATOMIC_ACQUIRE) == kSentinel) return false;
+    return true;
+  };
+  bool crossed = false;
+  host_spin(ws, src, call, [&] { return landed(p) || (crossed = landed(other)); }, wait);
+  if (crossed && !landed(p)) {
+    CallHeader theirs;
+    for (uint32_t f = 0; f < kHeaderFields; ++f) theirs.w[f] = __atomic_load_n(other + f, __ATOMIC_RELAXED);
+    DataFlagError e{};
+    e.state = kReasonMismatch;
+    e.block = -1;
+    e.peer = static_cast<int32_t>(src);
+    e.wait = wait;
+    e.call = call;
+    e.field = kHeaderFlags;
+    e.mine = mine.w[kHeaderFlags];
+    e.theirs = theirs.w[kHeaderFlags];
+    e.aborter = -1;
+    host_fail(ws, e);
+  }
+  CallHeader theirs;
+  for (uint32_t f = 0; f < kHeaderFields; ++f) {
+    theirs.w[f] = __atomic_load_n(p + f, __ATOMIC_RELAXED);
+    __atomic_store_n(p + f, kSentinel, __ATOMIC_RELAXED);
+  }
+  host_compare_call_header(ws, src, call, mine, theirs, wait);
+}
+
 // The items [rows][H_loc][W] of this rank, as 32-bit words, into the
 // destinations of one call (docs/PROTOCOL.md, version 4). Every destination
 // gets this rank's call header before the payload, and every peer's header is
@@ -125,7 +164,8 @@ void fan_out(const Workspace& ws, const QueryGeometry& g, const CallHeader& head
       store_words(out + (t * n + me) * row_words, src + t * row_words, row_words, g.canonical);
     for (int64_t s = 0; s < n; ++s) {
       if (s == me) continue;
-      host_check_call_header(ws, s, call, query_header(ws, g, me, s, set), header);
+      take_query_header(ws, s, call, query_header(ws, g, me, s, set), query_header(ws, g, me, s, kQueryViewHeaders),
+                        header, kWaitHeader);
       auto* entry = reinterpret_cast<uint32_t*>(query_entry(ws, g, me, s, call));
       for (int64_t t = 0; t < rows; ++t)
         host_take_payload(ws, s, call, entry + t * row_words, row_words, out + (t * n + s) * row_words);
@@ -147,15 +187,10 @@ void fan_out(const Workspace& ws, const QueryGeometry& g, const CallHeader& head
   }
   for (int64_t s = 0; s < n; ++s) {
     if (s == me) continue;
-    // The view's header, as host_check_call_header takes it, with the view's wait kinds.
-    uint32_t* h = query_header(ws, g, me, s, kQueryViewHeaders);
-    CallHeader theirs;
-    for (uint32_t f = 0; f < kHeaderFields; ++f) {
-      host_spin(ws, s, call, [&] { return __atomic_load_n(h + f, __ATOMIC_ACQUIRE) != kSentinel; }, kWaitViewHeader);
-      theirs.w[f] = __atomic_load_n(h + f, __ATOMIC_RELAXED);
-      __atomic_store_n(h + f, kSentinel, __ATOMIC_RELAXED);
-    }
-    host_compare_call_header(ws, s, call, header, theirs, kWaitViewHeader);  // names the view buffer and call
+    // The other kind: src's header of this rank's next copying call.
+    const int64_t copying = static_cast<int64_t>(host_call_index(ws) % kDataFlagBuffers);
+    take_query_header(ws, s, call, query_header(ws, g, me, s, kQueryViewHeaders), query_header(ws, g, me, s, copying),
+                      header, kWaitViewHeader);  // names the view buffer and call
     for (int64_t t = 0; t < rows; ++t) {
       const uint32_t* w = at_row(query_view(ws, g, me), t, s);
       for (int64_t i = 0; i < row_words; ++i)

@@ -96,12 +96,33 @@ static __device__ __noinline__ void record_bad_position(const DeviceWorkspace& w
 // Takes peer `src`'s call header at `h`, whose first load `hv` the caller
 // issued with its first data loads: polls it if it had not landed, writes the
 // sentinel back and compares (a mismatch is recorded and aborts the
-// workspace: every poll then gives up at once).
-template <bool kView>
+// workspace: every poll then gives up at once). `other` is src's header
+// entry of the other kind of call (the view's for a copying call, and the
+// reverse): a header there while none arrived at `h` means that src made the
+// other kind of call (gather against gather_view), a mismatch of the op
+// instead of a timeout. In step, src stores its header of this call before
+// its header of any later call of the other kind (a later kernel), so the
+// fence and second load below see it.
+template <bool kView, typename Other>
 __device__ __forceinline__ void land_header(const DeviceWorkspace& ws, uint4* h, uint4 hv, const CallHeader& mine,
-                                            int src, uint64_t call) {
+                                            int src, uint64_t call, Other other_entry) {
   constexpr uint32_t kWait = kView ? kWaitViewHeader : kWaitHeader;
-  if (has_sentinel(hv)) hv = poll_vector(ws, h, src, call, kWait);
+  if (has_sentinel(hv)) {  // the slow path only: the other entry is found and loaded here
+    const uint4* other = other_entry();
+    uint4 ov = sentinel_vector();
+    hv = poll_until(
+        ws, [&] { return ld_volatile_v4(h); },
+        [&](const uint4& v) { return !has_sentinel(v) || !has_sentinel(ov = ld_volatile_v4(other)); }, src, call,
+        kWait);
+    if (has_sentinel(hv) && !has_sentinel(ov)) {
+      __threadfence_system();
+      hv = ld_volatile_v4(h);
+      if (has_sentinel(hv)) {
+        dataflag_mismatch(ws, src, call, kHeaderFlags, mine.w[kHeaderFlags], ov.z, kWait);
+        return;
+      }
+    }
+  }
   if (has_sentinel(hv)) hv = ld_volatile_v4(h);  // gave up on an abort: the header may have landed since
   *h = sentinel_vector();
   if (has_sentinel(hv)) return;
@@ -174,6 +195,12 @@ __global__ void __launch_bounds__(kThreads)
   auto header = [&](int dst, int src) {
     const int set = kView ? static_cast<int>(kQueryViewHeaders) : static_cast<int>(call % kDataFlagBuffers);
     return reinterpret_cast<uint4*>(ws.slot_data(dst, 0) + q.header_offset) + set * (n - 1) + ws.peer_slot(src, dst);
+  };
+  auto other_header = [&](int src) {  // src's header of the other kind of call here: a view's, or the next copying one's
+    const int set = kView ? static_cast<int>(ld_volatile_u64(&ws.dataflag_control()->call_index[0]) % kDataFlagBuffers)
+                          : static_cast<int>(kQueryViewHeaders);
+    return reinterpret_cast<const uint4*>(ws.slot_data(me, 0) + q.header_offset) + set * (n - 1) +
+           ws.peer_slot(src, me);
   };
   auto begin_call = [&] {  // copying calls: the call index, then this rank's headers before any payload
     call = block_call_index(ws);
@@ -298,7 +325,7 @@ __global__ void __launch_bounds__(kThreads)
       if (header_pending) {  // its load issued beside the first data loads
         header_pending = false;
         uint4* h = header(me, lane);
-        land_header<kView>(ws, h, ld_volatile_v4(h), hdr, lane, call);
+        land_header<kView>(ws, h, ld_volatile_v4(h), hdr, lane, call, [&] { return other_header(lane); });
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -314,7 +341,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (header_pending) {  // the header warp owns no item
     uint4* h = header(me, lane);
-    land_header<kView>(ws, h, ld_volatile_v4(h), hdr, lane, call);
+    land_header<kView>(ws, h, ld_volatile_v4(h), hdr, lane, call, [&] { return other_header(lane); });
   }
   if constexpr (!kView) block_finish_call(ws, call);
 }
