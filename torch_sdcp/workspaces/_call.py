@@ -3,10 +3,17 @@ and the refusal that leaves a workspace usable."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
+from typing import TYPE_CHECKING, Callable, Concatenate, ParamSpec, TypeVar
+
+import torch
 
 if TYPE_CHECKING:
     from torch_sdcp.workspaces.base import PeerWorkspace
+
+_W = TypeVar("_W", bound="PeerWorkspace")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 class CallRefused(RuntimeError):
@@ -59,3 +66,26 @@ class _Call:
                                f"{gone[0]} (pid {gone[1]}) exited; re-create the workspace without it") from error
         if noted is not None:
             raise noted from error
+
+
+def call_method(fn: Callable[Concatenate[_W, _P], _R]) -> Callable[Concatenate[_W, _P], _R]:
+    """A public call method whose own arguments cannot bind (a misspelt
+    keyword, a missing argument) fails like any other argument error inside
+    the call: the TypeError is raised in the call guard, so the workspace is
+    poisoned and aborted on every rank, instead of this rank silently staying
+    a call behind its peers (which would pair every later call wrongly)."""
+    what = fn.__name__
+
+    @functools.wraps(fn)
+    def method(self: _W, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch.compiler.is_compiling():  # traced: nothing to pair
+            return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        except TypeError as e:
+            if e.__traceback__ is None or e.__traceback__.tb_next is not None:
+                raise  # raised inside the method, by its own guard
+            with self._call(what):  # the binding failed here, before the method ran
+                raise TypeError(f"torch_sdcp: {type(self).__name__} on rank {self.rank}: {e}") from None
+
+    return method

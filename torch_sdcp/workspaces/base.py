@@ -351,6 +351,15 @@ class PeerWorkspace:
         """The guard of the call ``what`` (a context manager, see ``_Call``)."""
         return _Call(self, what, poison)
 
+    def _check_devices(self, **tensors: Any) -> None:
+        """The call's tensors live on the workspace's device. A meta tensor
+        would otherwise run the op's fake implementation, which makes no call:
+        this rank would fall a call behind its peers."""
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor) and t.device != self.device:
+                raise arg_error(name, f"a tensor on {self.device} (the device of this {type(self).__name__})",
+                                f"a tensor on {t.device}")
+
     def _refuse_poisoned(self) -> None:
         """Before a collective-mode call's collective: a workspace poisoned by
         abort() enters none (its peers may not)."""

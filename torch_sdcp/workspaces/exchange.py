@@ -9,6 +9,7 @@ from torch import Tensor
 from torch_sdcp import ops
 from torch_sdcp._checks import arg_error
 from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._call import call_method
 from torch_sdcp.workspaces._policy import check_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
@@ -27,11 +28,13 @@ class ExchangeWorkspace(PeerWorkspace):
     def __init__(self, group: dist.ProcessGroup | None, max_bytes: int, **kwargs):
         super().__init__(group, [check_size_param(max_bytes, "max_bytes")], **kwargs)
 
+    @call_method
     def all_gather(self, x: Tensor) -> Tensor:
         """[N, *x.shape] with every rank's x, rank-major."""
         with self._call("all_gather"):
             if not isinstance(x, Tensor):
                 raise arg_error("x", "a Tensor", type(x).__name__)
+            self._check_devices(x=x)
             if not self.peer:
                 self._refuse_poisoned()
                 out = [torch.empty_like(x) for _ in range(self.world_size)]

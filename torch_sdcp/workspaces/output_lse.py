@@ -11,6 +11,7 @@ from torch import Tensor
 from torch_sdcp import collective, ops, reference
 from torch_sdcp._checks import arg_error, check
 from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._call import call_method
 from torch_sdcp.workspaces._policy import check_size_param, require_tensor, resolve_group
 from torch_sdcp.workspaces.base import PeerWorkspace
 
@@ -109,6 +110,7 @@ class OutputLSEWorkspace(PeerWorkspace):
     def local_heads(self) -> int:
         return self.total_heads // self.world_size
 
+    @call_method
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
                 return_lse: bool = False, seq_lens: Tensor | None = None, query_start_loc: Tensor | None = None):
         """partial_out [T, H, D] of the workspace dtype, partial_lse [T, H] fp32
@@ -119,6 +121,8 @@ class OutputLSEWorkspace(PeerWorkspace):
         (torch_sdcp.reference.mask_empty_shards)."""
         with self._call("combine"):
             _check_combine_inputs(self, partial_out, partial_lse)
+            self._check_devices(partial_out=partial_out, partial_lse=partial_lse, seq_lens=seq_lens,
+                                query_start_loc=query_start_loc)
             masked = _check_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             if self._rows_fit(partial_out.shape[0], "partial_out"):
@@ -131,6 +135,7 @@ class OutputLSEWorkspace(PeerWorkspace):
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group))
             return (out, lse) if return_lse else out
 
+    @call_method
     def combine_out(self, partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor, *,
                     lse_base: str = "e", seq_lens: Tensor | None = None,
                     query_start_loc: Tensor | None = None) -> None:
@@ -140,6 +145,8 @@ class OutputLSEWorkspace(PeerWorkspace):
         with self._call("combine_out"):
             _check_combine_inputs(self, partial_out, partial_lse)
             _check_combine_outputs(self, partial_out, out, out_lse)
+            self._check_devices(partial_out=partial_out, partial_lse=partial_lse, out=out, out_lse=out_lse,
+                                seq_lens=seq_lens, query_start_loc=query_start_loc)
             masked = _check_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             if self._rows_fit(partial_out.shape[0], "partial_out"):

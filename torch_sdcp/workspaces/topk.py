@@ -8,6 +8,7 @@ from torch import Tensor
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error
 from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.workspaces._call import call_method
 from torch_sdcp.workspaces._policy import check_size_param, require_tensor
 from torch_sdcp.workspaces.base import PeerWorkspace
 
@@ -44,6 +45,7 @@ class TopKWorkspace(PeerWorkspace):
                                                     "candidates_per_rank")
         super().__init__(group, [max_rows, self.candidates_per_rank, self.k], **kwargs)
 
+    @call_method
     def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
         """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
         top-k ids [T, k] int32 in selection order, identical on every rank."""
@@ -51,6 +53,7 @@ class TopKWorkspace(PeerWorkspace):
             require_tensor(scores, "scores", 2, "[T, C]")
             if not isinstance(ids, Tensor):
                 raise arg_error("ids", "a Tensor", type(ids).__name__)
+            self._check_devices(scores=scores, ids=ids)
             if self._rows_fit(scores.shape[0], "scores"):
                 return ops.topk_merge(scores, ids, self.handle, self.k)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
