@@ -695,7 +695,7 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
             want = reference.query_all_gather_heads_ref([q.cpu()])
             f = torch.compile(ws.all_gather_heads, fullgraph=True)
             assert torch.equal(f(q).cpu().view(torch.int16), want.view(torch.int16))
-            assert torch.equal(ops.query_all_gather_heads(q[:0], ws.handle).cpu(), want[:0])  # 0 rows: no call
+            assert torch.equal(ops.query_all_gather_heads(q[:0], ws.handle).cpu(), want[:0])  # 0 rows: a call
             with pytest.raises(ValueError, match="'q'.*NaN of all-ones bytes"):  # the op alone: nothing poisons
                 ops.query_all_gather_heads(q.view(torch.int16), ws.handle)
             # Above max_rows: the collective path, same result.
@@ -800,6 +800,17 @@ def _query_mismatch_worker(rank, world, device):
               (lambda: ws.all_gather_heads(ops.query_rope_quant(*q, scale, out_dtype=torch.float8_e4m3fn))))
         _expect_failure(ws, device, op, "call mismatch .*rank 0 called with query_gather \\(interleaved RoPE, with "
                         "q_scale\\), rank 1 with query_all_gather_heads")
+    # A copying call against a view call (their headers and buffers differ):
+    # named on both ranks, whichever kind each rank made, not a timeout.
+    for kinds in (("gather", "view"), ("view", "heads")):
+        with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60, **dev) as ws:
+            q = _rel_query(2, rank, where)
+            op = {"gather": lambda: ws.gather(*q, scale), "view": lambda: ws.gather_view(*q, scale),
+                  "heads": lambda: ws.all_gather_heads(ops.query_rope_quant(*q, scale, out_dtype=torch.float8_e4m3fn))}
+            named = {"gather": "query_gather \\(interleaved RoPE, with q_scale\\)", "heads": "query_all_gather_heads",
+                     "view": "query_publish \\(interleaved RoPE, with q_scale\\)"}
+            _expect_failure(ws, device, op[kinds[rank]],
+                            f"call mismatch .*rank 0 called with {named[kinds[0]]}, rank 1 with {named[kinds[1]]}")
     # The dtype: the op checks element sizes only, the header carries the dtype.
     with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=32, rope_dim=0, dtype=torch.bfloat16, timeout_s=60,
                                    **dev) as ws:
@@ -821,6 +832,49 @@ def _query_mismatch_worker(rank, world, device):
 
 def test_query_mismatched_calls_raise_on_every_rank_naming_both_sides():
     assert run_workers(_query_mismatch_worker, 2, args=("host",), timeout=240) == [True, True]
+
+
+def _query_zero_rows_worker(rank, world, device):
+    """A call of 0 rows is a call on every op: made by every rank between
+    others, it pairs (the results before and after it are right); made by one
+    rank while another has rows, it is a rows mismatch named on both ranks."""
+    import torch_sdcp
+
+    dev, where = _rel_setup(rank, device)
+    scale = torch.tensor([0.5])
+    fp8 = torch.float8_e4m3fn
+
+    def inputs(t, seed):
+        per_rank = [_rel_query(t, seed * 10 + r, "cpu") for r in range(world)]
+        for x in per_rank[1:]:
+            x[2], x[3] = per_rank[0][2], per_rank[0][3]  # positions and cache are the group's
+        return per_rank
+
+    calls = {  # op -> (make the call on this rank's inputs, its result)
+        "gather": lambda ws, x: ws.gather(*x, scale.to(where)),
+        "heads": lambda ws, x: ws.all_gather_heads(ops.query_rope_quant(*x, scale.to(where), out_dtype=fp8)),
+        "view": lambda ws, x: ws.gather_view(*x, scale.to(where)),
+    }
+    for name, call in calls.items():
+        with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60, **dev) as ws:
+            for i, t in enumerate((2, 0, 0, 3, 0, 1)):
+                x = inputs(t, 30 + i)
+                got = call(ws, [y.to(where) for y in x[rank]])
+                assert got.shape == (t, 2 * world, 32), (name, i, got.shape)
+                want = _expected(x, scale, "interleaved", fp8)
+                assert torch.equal(as_bytes(got.cpu()), as_bytes(want)), f"rank {rank} {name} call {i} ({t} rows)"
+                if name == "view":
+                    ws.release()
+            ws.check()
+            rows = (0, 3)[rank]
+            _expect_failure(ws, device, lambda: call(ws, [y.to(where) for y in inputs(rows, 40)[rank]]),
+                            "call mismatch .*rank 0 called with 0 rows, rank 1 with 3 rows")
+    return True
+
+
+@pytest.mark.parametrize("device", ["host", pytest.param("cuda_shared", marks=requires_gpus(1))])
+def test_query_zero_row_calls_pair_and_mismatch(device):
+    assert run_workers(_query_zero_rows_worker, 2, args=(device,), timeout=240) == [True, True]
 
 
 def _query_caught_error_worker(rank, world, device, mode):

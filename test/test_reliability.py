@@ -647,3 +647,57 @@ def test_every_rank_reports_its_own_argument_error_first():
     """Arguments are checked before health: the rank that makes the same bad
     call after its peer's failure reached it still names its own argument."""
     assert run_workers(_own_argument_first_worker, 2, timeout=120) == [True, True]
+
+
+def _unbound_call_worker(rank, world):
+    """A call whose arguments never reach the op (they do not bind to the
+    method, or they are meta tensors, whose op runs only its fake) fails like
+    any other argument error: rank 0 raises its own error and its workspace is
+    poisoned; rank 1, waiting in the call, raises at once naming rank 0's
+    error instead of pairing its next call with rank 0's."""
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    po, pl = rank_partials(2, seed=rank)
+    scores, ids = rank_candidates(2, 8, seed=rank)
+    fp8_q = torch.zeros(2, 2, 32, dtype=torch.float8_e4m3fn)
+    families = {
+        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=60, **HOST),
+                    lambda ws: ws.combine(po, pl), lambda ws: ws.combine(po, pl, lse_bse="e"),
+                    lambda ws: ws.combine(po.to("meta"), pl.to("meta"))),
+        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 8, 4, candidates_per_rank=8, timeout_s=60, **HOST),
+                  lambda ws: ws.merge(scores, ids), lambda ws: ws.merge(scores),
+                  lambda ws: ws.merge(scores, ids.to("meta"))),
+        "all_gather_heads": (lambda: torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60,
+                                                               **HOST),
+                             lambda ws: ws.all_gather_heads(fp8_q), lambda ws: ws.all_gather_heads(fp8_q, outt=None),
+                             lambda ws: ws.all_gather_heads(fp8_q.to("meta"))),
+        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 256, timeout_s=60, **HOST),
+                       lambda ws: ws.all_gather(po[0, 0]), lambda ws: ws.all_gather(x=po[0, 0], y=1),
+                       lambda ws: ws.all_gather(po[0, 0].to("meta"))),
+    }
+    for name, (make, good, unbound, meta) in families.items():
+        for bad, error, text in ((unbound, TypeError, "unexpected keyword argument|missing 1 required"),
+                                 (meta, ValueError, "expected a tensor on cpu .* got a tensor on meta")):
+            ws = make()
+            good(ws)  # a good call first: the workspace works
+            dist.barrier()
+            t0 = time.monotonic()
+            if rank == 0:
+                with pytest.raises(error, match=text):
+                    bad(ws)
+                assert ws.poisoned, name
+            else:
+                with pytest.raises(RuntimeError, match="peer 0 aborted") as raised:
+                    good(ws)
+                assert f"[rank 0: {error.__name__}: torch_sdcp:" in str(raised.value), (name, str(raised.value))
+                assert time.monotonic() - t0 < 30, name
+            expect_poisoned(ws, lambda: good(ws))
+            ws.close()
+            dist.barrier()
+    return True
+
+
+def test_a_call_whose_arguments_never_reach_the_op_poisons_and_aborts_the_peer():
+    assert run_workers(_unbound_call_worker, 2, timeout=240) == [True, True]
