@@ -9,6 +9,17 @@ import pytest
 import torch.distributed as dist
 
 
+def pytest_collection_modifyitems(config, items):
+    """Marks `gpu` every test that needs a GPU: skipped without one
+    (_helpers.requires_gpus), or parametrised on a CUDA device or mode."""
+    for item in items:
+        skips = any("GPU" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        spec = getattr(item, "callspec", None)
+        on_cuda = spec is not None and any(str(v).startswith("cuda") for v in spec.params.values())
+        if skips or on_cuda:
+            item.add_marker(pytest.mark.gpu)
+
+
 @pytest.fixture(scope="session")
 def world1():
     """A one-rank gloo group in this process, so peer ops can run (N = 1)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the whole test
 # suite (GPU tests included), then the boundary benchmarks. Logs go to $OUT.
-#   tools/gpu_suite.sh [build|tests|bench|all]
+#   tools/gpu_suite.sh [build|tests|gpu|bench|all]
+# gpu: only the tests that need a GPU (pytest -m gpu), JOBS (default 6) at a
+# time through pytest-xdist when it is installed: the whole suite no longer
+# fits one 10-minute call on one GPU (the DCP4/DCP8 tests spawn many ranks).
 # SDCP_GPU_WORLD=N (default 2) runs the boundary GPU tests and the benchmarks
 # at world size N (DCP4 / DCP8 on machines with 4 or 8 GPUs); the benchmarks
 # then also run the sparse decode step.
@@ -27,6 +30,11 @@ world=${SDCP_GPU_WORLD:-2}
 export SDCP_GPU_WORLD=$world
 if [[ $what == tests || $what == all ]]; then
   timeout ${TEST_TIMEOUT:-540} python3 -m pytest -q -rs --durations=15 test 2>&1 | tee "$OUT/tests.log" | tail -40
+fi
+if [[ $what == gpu ]]; then
+  par=()
+  python3 -c 'import xdist' 2>/dev/null && par=(-n "${JOBS:-6}")
+  timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -rs -m gpu "${par[@]}" test 2>&1 | tee "$OUT/tests-gpu.log" | tail -60
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 -m torch_sdcp.bench --world-size "$world" --out "$OUT/bench" ${BENCH_ARGS:-} \
