@@ -30,6 +30,25 @@ class Watch:
     def cancel(self) -> None:
         _watcher.remove(self)
 
+    def exited_now(self) -> tuple[int, int] | None:
+        """``gone``, or a peer whose process has exited by now although the
+        watcher thread has not told this watch yet (a peer's abort, sent by
+        its own watcher, can arrive first): what an error names as its cause."""
+        if self.gone is not None:
+            return self.gone
+        with _watcher._lock:
+            fds = {fd: pid for pid, fd in _watcher._pidfds.items() if pid in self.peers.values()}
+        if not fds:
+            return None
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        for fd, events in poller.poll(0):
+            if events & select.POLLIN and fd in fds:  # (a descriptor closed meanwhile reports POLLNVAL)
+                pid = fds[fd]
+                return next(r for r, p in self.peers.items() if p == pid), pid
+        return None
+
 
 class _Watcher:
     def __init__(self) -> None:
