@@ -269,13 +269,26 @@ static __device__ __noinline__ void dataflag_mismatch(const DeviceWorkspace& ws,
   dataflag_record(ws, e, true);
 }
 
+// A peer's header of a void call: the first one met stays in the void word
+// until the host takes it (the kernel goes on: the placeholder's data lands
+// like any other). A plain 64-bit store: two voids in flight at once leave
+// one of them, whole.
+static __device__ __noinline__ void dataflag_void(const DeviceWorkspace& ws, int src, uint64_t call) {
+  if (ws.voided == nullptr || ld_volatile_u64(ws.voided) != 0) return;
+  st_volatile_u64(ws.voided, void_word(src, call));
+  __threadfence_system();
+}
+
 // True when the peer's header `v` (landed) matches `mine`; else records the
 // mismatch and aborts the workspace on every rank.
 __device__ __forceinline__ bool header_matches(const DeviceWorkspace& ws, uint4 v, const CallHeader& mine, int src,
                                                uint64_t call) {
   const CallHeader theirs{{v.x, v.y, v.z, v.w}};
   const uint32_t f = call_header_mismatch(mine, theirs);
-  if (f == kHeaderFields) return true;
+  if (f == kHeaderFields) {
+    if (header_is_void(theirs)) dataflag_void(ws, src, call);
+    return true;
+  }
   dataflag_mismatch(ws, src, call, f, mine.w[f], theirs.w[f]);
   return false;
 }

@@ -132,6 +132,21 @@ struct CallHeader {
   uint32_t w[kHeaderFields];
 };
 
+// A void call (docs/PROTOCOL.md "Void calls"): a rank whose call failed its
+// argument checks before anything was published makes the call anyway, with
+// placeholder inputs and this bit in its dtype word (a c10::ScalarType never
+// has it), so that every rank stays in step; a consumer that meets it
+// records the void (below) and the call raises there without poisoning.
+constexpr uint32_t kHeaderVoidBit = 0x80000000u;
+
+SDCP_DATAFLAG_HD bool header_is_void(const CallHeader& h) { return (h.w[kHeaderDtype] & kHeaderVoidBit) != 0; }
+
+// The void word a consumer stores (the first void it meets, until the host
+// takes it): the voiding rank plus one, and the low 32 bits of the call.
+SDCP_DATAFLAG_HD uint64_t void_word(int64_t src, uint64_t call) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(call)) << 32) | static_cast<uint32_t>(src + 1);
+}
+
 
 SDCP_DATAFLAG_HD uint32_t canonical_payload_word(uint32_t w) { return w == kSentinel ? kCanonicalNaNPair : w; }
 
@@ -163,10 +178,11 @@ SDCP_DATAFLAG_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32
   return h;
 }
 
-// The first field in which two headers differ, or kHeaderFields.
+// The first field in which two headers differ, or kHeaderFields (the void
+// bit is not a difference: a void call is otherwise the same call).
 SDCP_DATAFLAG_HD uint32_t call_header_mismatch(const CallHeader& mine, const CallHeader& theirs) {
   for (uint32_t f = 0; f < kHeaderFields; ++f)
-    if (mine.w[f] != theirs.w[f]) return f;
+    if ((mine.w[f] ^ theirs.w[f]) & (f == kHeaderDtype ? ~kHeaderVoidBit : ~0u)) return f;
   return kHeaderFields;
 }
 

@@ -28,7 +28,7 @@ __global__ void store_abort_kernel(DeviceWorkspace ws, uint64_t word) {
 std::shared_ptr<void> alloc_error(const c10::Device& device, DataFlagError** host, DataFlagError** dev) {
   const c10::cuda::CUDAGuard guard(device);
   void* h = nullptr;
-  if (cudaHostAlloc(&h, sizeof(DataFlagError), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+  if (cudaHostAlloc(&h, sizeof(DataFlagRecords), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
     (void)cudaGetLastError();
     return nullptr;
   }
@@ -38,7 +38,7 @@ std::shared_ptr<void> alloc_error(const c10::Device& device, DataFlagError** hos
     cudaFreeHost(h);
     return nullptr;
   }
-  std::memset(h, 0, sizeof(DataFlagError));
+  std::memset(h, 0, sizeof(DataFlagRecords));
   // Load the abort kernel (and make the side streams) now: under lazy loading
   // (the default since CUDA 12.2) its first launch waits for this context to
   // go idle, which never happens while a kernel of this workspace waits for a

@@ -23,6 +23,8 @@ struct DeviceWorkspace {
   // Data-as-flag workspaces: this rank's error record in host-mapped memory
   // (dataflag.h), or null (a timeout then traps).
   DataFlagError* error;
+  // This rank's void word (dataflag.h void_word) in the same memory, or null.
+  uint64_t* voided;
 
   __device__ __forceinline__ uint8_t* region(int r) const { return base + r * stride; }
   __device__ __forceinline__ uint8_t* slot_data(int r, int slot) const {
@@ -54,6 +56,7 @@ inline DeviceWorkspace device_workspace(const Workspace& ws) {
   d.rank = static_cast<int32_t>(ws.rank);
   d.world = static_cast<int32_t>(ws.world_size);
   d.error = ws.error_device;
+  d.voided = ws.void_device;
   return d;
 }
 

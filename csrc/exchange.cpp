@@ -36,7 +36,7 @@ AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
   // The header: bytes, dtype, a hash of the shape, the geometry.
   uint32_t shape_hash = 2166136261u;
   for (auto s : x.sizes()) shape_hash = (shape_hash ^ static_cast<uint32_t>(s)) * 16777619u;
-  c.header = make_call_header(c.nbytes, static_cast<int64_t>(x.scalar_type()), shape_hash, c.ws->geometry_hash);
+  c.header = call_header(*c.ws, c.nbytes, static_cast<int64_t>(x.scalar_type()), shape_hash);
   check_workspace_health(*c.ws);
   return c;
 }

@@ -26,6 +26,7 @@ std::string header_value(const Workspace& ws, uint32_t field, uint32_t v) {
     case kHeaderRows:
       return cat(v, f.rows_unit);
     case kHeaderDtype:
+      v &= ~kHeaderVoidBit;  // a void call's placeholder: the dtype it stands for
       if (v < static_cast<uint32_t>(c10::ScalarType::NumOptions))
         return cat("dtype ", c10::toString(static_cast<c10::ScalarType>(v)));
       return cat("dtype code ", v);

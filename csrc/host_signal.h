@@ -95,7 +95,14 @@ inline void host_store_call_header(uint32_t* dst, const CallHeader& h) {
 inline void host_compare_call_header(const Workspace& ws, int64_t src, uint64_t call, const CallHeader& mine,
                                      const CallHeader& theirs, uint32_t wait = kWaitHeader) {
   const uint32_t f = call_header_mismatch(mine, theirs);
-  if (f == kHeaderFields) return;
+  if (f == kHeaderFields) {
+    if (header_is_void(theirs)) {  // the first void met stays until the host takes it
+      uint64_t none = 0;
+      __atomic_compare_exchange_n(ws.void_host, &none, void_word(src, call), false, __ATOMIC_RELEASE,
+                                  __ATOMIC_RELAXED);
+    }
+    return;
+  }
   DataFlagError e{};
   e.state = kReasonMismatch;
   e.block = -1;

@@ -118,8 +118,7 @@ void output_lse_combine_out_op(const at::Tensor& partial_out, const at::Tensor& 
   CombineCall c = prepare_combine_out(partial_out, partial_lse, workspace, out, out_lse);
   c.mask = check_row_mask(seq_lens, query_start_loc, partial_out);
   check_workspace_health(*c.ws);
-  c.header = make_call_header(c.rows, static_cast<int64_t>(partial_out.scalar_type()), base2 ? 1u : 0u,
-                              c.ws->geometry_hash);
+  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(partial_out.scalar_type()), base2 ? 1u : 0u);
   CombineLaunch(c, partial_out, partial_lse, base2, out, out_lse);
 }
 

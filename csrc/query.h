@@ -146,8 +146,8 @@ at::Tensor query_gather_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
                            const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
                            int64_t workspace, bool neox, at::ScalarType out_dtype) {
   QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, true);
-  c.header = make_call_header(c.shape.rows, static_cast<int64_t>(out_dtype),
-                              query_call_flags(kQueryGatherOp, neox, q_scale.has_value()), c.ws->geometry_hash);
+  c.header = call_header(*c.ws, c.shape.rows, static_cast<int64_t>(out_dtype),
+                              query_call_flags(kQueryGatherOp, neox, q_scale.has_value()));
   GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, false);
   return *c.out;
 }
@@ -157,16 +157,15 @@ void query_publish_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const a
                       const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
                       bool neox, at::ScalarType out_dtype) {
   QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, false);
-  c.header = make_call_header(c.shape.rows, static_cast<int64_t>(out_dtype),
-                              query_call_flags(kQueryPublishOp, neox, q_scale.has_value()), c.ws->geometry_hash);
+  c.header = call_header(*c.ws, c.shape.rows, static_cast<int64_t>(out_dtype),
+                              query_call_flags(kQueryPublishOp, neox, q_scale.has_value()));
   GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, true);
 }
 
 template <auto HeadsLaunch>
 void query_all_gather_heads_out_op(const at::Tensor& q, int64_t workspace, at::Tensor& out) {
   HeadsCall c = prepare_all_gather_heads(q, workspace, out);
-  c.header = make_call_header(c.rows, static_cast<int64_t>(q.scalar_type()), query_call_flags(kQueryHeadsOp),
-                              c.ws->geometry_hash);
+  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(q.scalar_type()), query_call_flags(kQueryHeadsOp));
   HeadsLaunch(c, q, out);
 }
 

@@ -128,7 +128,10 @@ __device__ __forceinline__ void land_header(const DeviceWorkspace& ws, uint4* h,
   if (has_sentinel(hv)) return;
   const CallHeader theirs{{hv.x, hv.y, hv.z, hv.w}};
   const uint32_t f = call_header_mismatch(mine, theirs);
-  if (f == kHeaderFields) return;
+  if (f == kHeaderFields) {
+    if (header_is_void(theirs)) dataflag_void(ws, src, call);
+    return;
+  }
   // Words selected, not indexed by f: an indexed header would live in local memory.
   auto word = [f](const CallHeader& c) { return f == 0 ? c.w[0] : f == 1 ? c.w[1] : f == 2 ? c.w[2] : c.w[3]; };
   dataflag_mismatch(ws, src, call, f, word(mine), word(theirs), kWait);

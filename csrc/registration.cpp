@@ -86,4 +86,9 @@ TORCH_LIBRARY(sdcp, m) {
   // A call raised after it was entered: poison the workspace on this rank and
   // store this rank's abort word into every rank's control region.
   m.def("workspace_abort(int handle) -> ()");
+  // Void calls (docs/PROTOCOL.md): mark the headers of the placeholder call,
+  // take the first void met (0: none), and the host address of that word.
+  m.def("workspace_void_next(int handle, bool on) -> ()");
+  m.def("workspace_take_void(int handle) -> int");
+  m.def("workspace_void_address(int handle) -> int");
 }

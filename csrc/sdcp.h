@@ -176,6 +176,15 @@ struct Workspace {
   DataFlagError* error = nullptr;
   DataFlagError* error_device = nullptr;
   std::shared_ptr<void> error_storage;
+  // The void word (dataflag.h void_word), right after the error record in
+  // the same memory: 0, or the first void call a consumer met here. The host
+  // takes it (workspace_take_void); kernels store it through void_device.
+  uint64_t* void_host = nullptr;
+  uint64_t* void_device = nullptr;
+  // Set by workspace_void_next around the placeholder call of a void call:
+  // the headers made meanwhile carry kHeaderVoidBit. Calls on one workspace
+  // are ordered (one caller at a time), so nothing else reads it meanwhile.
+  mutable std::atomic<bool> void_next{false};
 
   uint8_t* region(int64_t r) const {
     return reinterpret_cast<uint8_t*>(base + static_cast<uintptr_t>(r * stride));
@@ -185,6 +194,20 @@ struct Workspace {
     return region(r) + layout.data_offset + slot * layout.slot_bytes;
   }
 };
+
+// What a workspace's error memory holds (host memory, or host-mapped pinned
+// memory on CUDA): the error record, then the void word.
+struct DataFlagRecords {
+  DataFlagError error;
+  uint64_t void_word;
+};
+
+// A call's header, with kHeaderVoidBit when it is the placeholder of a void call.
+inline CallHeader call_header(const Workspace& ws, int64_t rows, int64_t dtype, uint32_t flags) {
+  CallHeader h = make_call_header(rows, dtype, flags, ws.geometry_hash);
+  if (ws.void_next.load(std::memory_order_relaxed)) h.w[kHeaderDtype] |= kHeaderVoidBit;
+  return h;
+}
 
 // Where rank `dst` keeps what rank `src` sends it in a data-as-flag
 // buffer: one entry per peer, none for itself (0 .. N-2).

@@ -56,7 +56,7 @@ TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids
                  "candidates_per_rank = " << c.geo.candidates_per_rank << " columns", scores.size(1));
   SDCP_CHECK_ARG(k == c.geo.k, "k", "the workspace's k = " << c.geo.k, k);
   // The flags word is unused: k and C are parameters, in the geometry hash.
-  c.header = make_call_header(c.rows, static_cast<int64_t>(scores.scalar_type()), 0u, c.ws->geometry_hash);
+  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(scores.scalar_type()), 0u);
   check_workspace_health(*c.ws);
   return c;
 }

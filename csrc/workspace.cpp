@@ -93,12 +93,14 @@ void workspace_register(int64_t handle, int64_t kind, c10::IntArrayRef params, i
   if (device.is_cuda() && dataflag_device_hooks().alloc_error != nullptr)
     ws->error_storage = dataflag_device_hooks().alloc_error(device, &ws->error, &ws->error_device);
   if (ws->error == nullptr) {  // host backend, or no mapped memory: the kernels trap on a timeout
-    auto record = std::make_shared<DataFlagError>();
-    std::memset(static_cast<void*>(record.get()), 0, sizeof(DataFlagError));
-    ws->error = record.get();
+    auto record = std::make_shared<DataFlagRecords>();
+    std::memset(static_cast<void*>(record.get()), 0, sizeof(DataFlagRecords));
+    ws->error = &record->error;
     ws->error_device = nullptr;
     ws->error_storage = record;
   }
+  ws->void_host = &reinterpret_cast<DataFlagRecords*>(ws->error)->void_word;
+  if (ws->error_device != nullptr) ws->void_device = &reinterpret_cast<DataFlagRecords*>(ws->error_device)->void_word;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto& r = registry();
   TORCH_CHECK_VALUE(r.find(handle) == r.end(), cat("torch_sdcp: argument 'handle': expected an unused handle, got ",
@@ -137,6 +139,20 @@ void workspace_abort(int64_t handle) {
                : ~uint64_t{0};
   dataflag_abort(*ws, e);
 }
+
+// A void call's placeholder is being made (on) or is done (off): see call_header.
+void workspace_void_next(int64_t handle, bool on) { lookup(handle)->void_next.store(on, std::memory_order_relaxed); }
+
+// The first void call met since the last take, as void_word (0: none), and
+// clears it. A read of host memory: no synchronisation, capturable.
+int64_t workspace_take_void(int64_t handle) {
+  const auto ws = lookup(handle);
+  return static_cast<int64_t>(__atomic_exchange_n(ws->void_host, uint64_t{0}, __ATOMIC_ACQ_REL));
+}
+
+// Where the void word lives in host memory: the Python layer reads it after
+// every call without an op call (a plain load; the take above clears it).
+int64_t workspace_void_address(int64_t handle) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(lookup(handle)->void_host)); }
 
 std::vector<int64_t> workspace_handles() {
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -178,6 +194,9 @@ TORCH_LIBRARY_IMPL(sdcp, CompositeExplicitAutograd, m) {
   m.impl("workspace_handles", &workspace_handles);
   m.impl("workspace_check", &workspace_check);
   m.impl("workspace_abort", &workspace_abort);
+  m.impl("workspace_void_next", &workspace_void_next);
+  m.impl("workspace_take_void", &workspace_take_void);
+  m.impl("workspace_void_address", &workspace_void_address);
 }
 
 }  // namespace sdcp

@@ -33,7 +33,10 @@ sdcp::workspace_handles() -> int[]
 sdcp::workspace_layout(int kind, int[] params, int world_size) -> int[]
 sdcp::workspace_nbytes(int kind, int[] params, int world_size) -> int
 sdcp::workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, int world_size, Device device, int timeout_ns) -> ()
-sdcp::workspace_unregister(int handle) -> ()""")
+sdcp::workspace_take_void(int handle) -> int
+sdcp::workspace_unregister(int handle) -> ()
+sdcp::workspace_void_address(int handle) -> int
+sdcp::workspace_void_next(int handle, bool on) -> ()""")
 
     def test_every_peer_op_is_kept_by_the_compiler(self):
         # An op whose schema takes `int workspace` stores into peers' memory: a
