@@ -25,7 +25,7 @@ _LAZY = {
     "GroupOutOfStepError": "torch_sdcp.peer", "PeerArena": "torch_sdcp.peer",
     "ExchangeWorkspace": "torch_sdcp.workspaces", "OutputLSEWorkspace": "torch_sdcp.workspaces",
     "PeerWorkspace": "torch_sdcp.workspaces", "QueryWorkspace": "torch_sdcp.workspaces",
-    "TopKWorkspace": "torch_sdcp.workspaces",
+    "TopKWorkspace": "torch_sdcp.workspaces", "VoidedCallError": "torch_sdcp.workspaces",
 }
 _LAZY_MODULES = ("collective", "inputs", "reference")
 
@@ -40,5 +40,5 @@ def __getattr__(name):
 
 __all__ = [
     "ExchangeWorkspace", "GroupOutOfStepError", "OutputLSEWorkspace", "PeerArena", "PeerWorkspace", "QueryWorkspace",
-    "TopKWorkspace", "__version__", "collective", "inputs", "ops", "reference",
+    "TopKWorkspace", "VoidedCallError", "__version__", "collective", "inputs", "ops", "reference",
 ]

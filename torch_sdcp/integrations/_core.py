@@ -470,7 +470,8 @@ class Face:
 
 def check_live_workspaces(face: str | None = None) -> None:
     """Raise if a live peer workspace (of ``face``, or of every face) recorded
-    a failure on this rank: a timed-out or mismatched call, or a peer's abort.
+    a failure on this rank: a timed-out or mismatched call, a peer's abort, or
+    a call that a peer voided (its result is not valid: VoidedCallError).
     Reads host memory only (``check()`` never synchronises), so an engine
     calls it once per step, after the step's own synchronisation, to stop a
     step whose kernels ran after a failure ("undefined output") from

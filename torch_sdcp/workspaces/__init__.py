@@ -31,7 +31,7 @@ test/test_<family>.py), ``_layout`` (WorkspaceKind, WorkspaceLayout) and
 
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._policy import DEFAULT_TIMEOUT_S, MAX_REGION_BYTES, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_ENV
-from torch_sdcp.workspaces.base import PeerWorkspace
+from torch_sdcp.workspaces.base import PeerWorkspace, VoidedCallError
 from torch_sdcp.workspaces.exchange import ExchangeWorkspace
 from torch_sdcp.workspaces.output_lse import OutputLSEWorkspace
 from torch_sdcp.workspaces.query import QueryWorkspace
@@ -40,5 +40,5 @@ from torch_sdcp.workspaces.topk import TopKWorkspace
 __all__ = [
     "DEFAULT_TIMEOUT_S", "MAX_REGION_BYTES", "MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "TIMEOUT_ENV",
     "ExchangeWorkspace", "OutputLSEWorkspace", "PeerWorkspace", "QueryWorkspace", "TopKWorkspace",
-    "WorkspaceKind", "WorkspaceLayout", "workspace_layout",
+    "VoidedCallError", "WorkspaceKind", "WorkspaceLayout", "workspace_layout",
 ]

@@ -97,6 +97,16 @@ def require_tensor(t: object, arg: str, dims: int, names: str) -> None:
         raise arg_error(arg, f"{dims} dimensions {names}", f"{t.dim()} (shape {list(t.shape)})")
 
 
+def leading_rows(*candidates: tuple[object, int]) -> int | None:
+    """The rows (dim 0) of the first of a call's ``(tensor, dims)`` that is a
+    tensor of those dimensions, or None: what a void call's placeholder needs
+    to stand for the call (a tensor of other dimensions says nothing)."""
+    for t, dims in candidates:
+        if isinstance(t, Tensor) and t.dim() == dims:
+            return int(t.shape[0])
+    return None
+
+
 #: Calls whose collective paths run the same collectives: alike for the agreement on that path.
 _SAME_COLLECTIVES = {"combine_out": "combine", "gather_view": "gather"}
 

@@ -5,13 +5,14 @@ stream policy of a call."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
 import re
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from torch_sdcp._checks import arg_error, check_bool
 from torch_sdcp.peer import PeerArena, liveness
 from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
-from torch_sdcp.workspaces._call import CallRefused, _Call
+from torch_sdcp.workspaces._call import CallRefused, VoidedCallError, _Call
 from torch_sdcp.workspaces._lifetime import _Built, _owned, _release_dropped, _tell_exited
 from torch_sdcp.workspaces._policy import (agree_collective_path, check_size_param, check_timeout, default_timeout_s,
                                            resolve_group)
@@ -31,7 +32,7 @@ logger = logging.getLogger("torch_sdcp")
 # How the C++ error of a call that met a peer's abort word names the peer.
 _PEER_ABORTED = re.compile(r"peer (\d+) aborted")
 
-__all__ = ["CallRefused", "PeerWorkspace"]
+__all__ = ["CallRefused", "PeerWorkspace", "VoidedCallError"]
 
 
 class PeerWorkspace:
@@ -72,6 +73,9 @@ class PeerWorkspace:
         self.arena: PeerArena | None = None
         self._finalizer: weakref.finalize | None = None
         self._watch: liveness.Watch | None = None  # the peers' processes, while the workspace has memory
+        self._void_word: ctypes.c_uint64 | None = None  # the C++ void word, read after every call
+        self._call_args: tuple[int, tuple, dict] | None = None  # thread and arguments of the call (call_method)
+        self._committed = False  # the call in progress reached its op or collective (no void call after that)
         group, self.rank, self.world_size = resolve_group(group)
         self.timeout_s = default_timeout_s() if timeout_s is None else check_timeout(timeout_s, "timeout_s")
         check_bool(fallback, "fallback")
@@ -141,6 +145,7 @@ class PeerWorkspace:
         if built.handle is not None:
             assert built.arena is not None
             _registry.add(built.handle, self)
+            self._void_word = ctypes.c_uint64.from_address(torch.ops.sdcp.workspace_void_address(built.handle))
             # Weakly: the watcher must not keep a dropped workspace alive.
             self._watch = liveness.watch(built.arena.peer_pids, functools.partial(_tell_exited, weakref.ref(self)))
             self._finalizer = weakref.finalize(self, _release_dropped, type(self).__name__, self.rank,
@@ -214,6 +219,71 @@ class PeerWorkspace:
                 self._poisoned = self._with_peer_note(str(e))
         if self._poisoned is not None:
             raise RuntimeError(self._poisoned_message("check"))
+        voided = self._voided_error("check")
+        if voided is not None:
+            raise voided
+
+    # -- void calls (docs/PROTOCOL.md "Void calls") ---------------------------------------------
+
+    def _placeholder(self, what: str, args: tuple, kwargs: dict) -> Callable[[], object] | None:
+        """The family's stand-in for the call ``what`` whose arguments
+        ``args``/``kwargs`` failed the checks: the same call (rows, dtype,
+        options, as the peers make it) on placeholder inputs, or None when the
+        arguments do not say what the call would have been."""
+        return None
+
+    def _void_call(self, what: str, error: BaseException) -> bool:
+        """The call failed its argument checks before it reached its op: make
+        its placeholder, marked void, so that every rank stays in step and the
+        peers learn of this rank's error for that call only. True when done
+        (the workspace is not poisoned); False to poison as before."""
+        if (not self.peer or not self.POISON_ON_ERROR or self.handle is None or self._call_args is None
+                or self._call_args[0] != threading.get_ident() or self._committed):
+            return False
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # a graph would replay the void mark
+        try:
+            placeholder = self._placeholder(what, *self._call_args[1:])
+        except Exception:  # noqa: BLE001  (arguments too broken to tell: poison)
+            return False
+        if placeholder is None:
+            return False
+        self._leave_note(f"{type(error).__name__}: {error}")  # before the void header goes out
+        torch.ops.sdcp.workspace_void_next(self.handle, True)
+        try:
+            placeholder()
+            if self.device.type == "cuda":  # its kernel's outcome, before this rank says it is usable
+                torch.cuda.current_stream(self.device).synchronize()
+            torch.ops.sdcp.workspace_check(self.handle)
+        except Exception as e:  # noqa: BLE001  (a peer's mismatch or abort: the call fails as before)
+            logger.info("torch_sdcp %s workspace, rank %d: the void call of %s() failed (%s)",
+                        type(self).__name__, self.rank, what, e)
+            return False
+        finally:
+            torch.ops.sdcp.workspace_void_next(self.handle, False)
+        torch.ops.sdcp.workspace_take_void(self.handle)  # a peer voided it too: this rank reports its own error
+        return True
+
+    def _voided_error(self, what: str) -> VoidedCallError | None:
+        """The error of the first void call that this rank's calls met since
+        the last report (taken: reported once), or None."""
+        if self._void_word is None or not self._void_word.value:
+            return None
+        word = int(torch.ops.sdcp.workspace_take_void(self.handle))
+        if word == 0:
+            return None
+        src, call = (word & 0xFFFFFFFF) - 1, word >> 32
+        note = None
+        if self.arena is not None:
+            try:
+                note = self.arena.peer_note(src)
+            except Exception:  # noqa: BLE001  (the store may be gone with the peer)
+                note = None
+        return VoidedCallError(
+            f"torch_sdcp: {type(self).__name__} on rank {self.rank}: {what}(): rank {src} voided call {call} "
+            "(its arguments failed their checks before it sent anything, so it took part with a placeholder): "
+            "that call's result is not valid on this rank; the workspace stays usable"
+            + ("" if note is None else f" [rank {src}: {note}]"))
 
     def _poisoned_message(self, what: str) -> str:
         reason = self._poisoned or ""
@@ -296,8 +366,8 @@ class PeerWorkspace:
                 try:
                     torch.ops.sdcp.workspace_check(self.handle)
                     self._poisoned = f"peer {rank} (pid {pid}) exited"
-                except RuntimeError as e:  # it failed before: that is what its calls report
-                    self._poisoned = str(e)
+                except RuntimeError as e:  # it failed before (maybe a peer's abort for this exit): both
+                    self._poisoned = f"{e}; peer {rank} (pid {pid}) exited"
             torch.ops.sdcp.workspace_abort(self.handle)
 
     # -- one caller at a time -------------------------------------------------------------------
@@ -340,6 +410,7 @@ class PeerWorkspace:
             raise
         me = threading.current_thread()
         self._caller = (me.ident, me.name, what)
+        self._committed = False
         return True
 
     def _leave(self, held: bool) -> None:
@@ -367,7 +438,9 @@ class PeerWorkspace:
             raise RuntimeError(self._poisoned_message(self._caller[2] if self._caller is not None else "call"))
 
     def _rows_fit(self, rows: int, arg: str) -> bool:
-        """True when this call takes the peer path (and may use the workspace)."""
+        """True when this call takes the peer path (and may use the workspace).
+        The call's argument checks are over: an error from here on poisons."""
+        self._committed = True
         if not self.peer:
             self._refuse_poisoned()
             return False
@@ -445,6 +518,7 @@ class PeerWorkspace:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             with self._abort_lock:  # no abort() stores into memory about to be unmapped
+                self._void_word = None  # its memory goes with the registration
                 torch.ops.sdcp.workspace_unregister(self.handle)
                 _registry.remove(self.handle)
                 self.handle = None

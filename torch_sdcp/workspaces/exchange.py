@@ -28,6 +28,14 @@ class ExchangeWorkspace(PeerWorkspace):
     def __init__(self, group: dist.ProcessGroup | None, max_bytes: int, **kwargs):
         super().__init__(group, [check_size_param(max_bytes, "max_bytes")], **kwargs)
 
+    def _placeholder(self, what, args, kwargs):
+        """A void all_gather: zeros of ``x``'s shape and dtype."""
+        x = args[0] if args else kwargs.get("x")
+        if not isinstance(x, Tensor) or x.nbytes > self.params[0]:
+            return None
+        zeros = torch.zeros(x.shape, dtype=x.dtype, device=self.device)
+        return lambda: ops.peer_all_gather(zeros, self.handle)
+
     @call_method
     def all_gather(self, x: Tensor) -> Tensor:
         """[N, *x.shape] with every rank's x, rank-major."""
@@ -35,6 +43,7 @@ class ExchangeWorkspace(PeerWorkspace):
             if not isinstance(x, Tensor):
                 raise arg_error("x", "a Tensor", type(x).__name__)
             self._check_devices(x=x)
+            self._committed = True
             if not self.peer:
                 self._refuse_poisoned()
                 out = [torch.empty_like(x) for _ in range(self.world_size)]

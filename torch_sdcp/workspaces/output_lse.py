@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -12,7 +14,7 @@ from torch_sdcp import collective, ops, reference
 from torch_sdcp._checks import arg_error, check
 from torch_sdcp.workspaces._layout import WorkspaceKind
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import check_size_param, require_tensor, resolve_group
+from torch_sdcp.workspaces._policy import check_size_param, leading_rows, require_tensor, resolve_group
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -109,6 +111,19 @@ class OutputLSEWorkspace(PeerWorkspace):
     @property
     def local_heads(self) -> int:
         return self.total_heads // self.world_size
+
+    def _placeholder(self, what, args, kwargs):
+        """A void combine: the rows of ``partial_out``, every shard empty
+        (LSE -inf), the call's LSE base."""
+        partial_out = args[0] if args else kwargs.get("partial_out")
+        partial_lse = args[1] if len(args) > 1 else kwargs.get("partial_lse")
+        rows = leading_rows((partial_out, 3), (partial_lse, 2))
+        base = kwargs.get("lse_base", "e")
+        if rows is None or rows > self.max_rows or base not in ops.LSE_BASES:
+            return None
+        out = torch.zeros(rows, self.total_heads, self.head_dim, dtype=self.dtype, device=self.device)
+        lse = torch.full((rows, self.total_heads), -math.inf, device=self.device)
+        return lambda: ops.output_lse_combine(out, lse, self.handle, lse_base=base)
 
     @call_method
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",

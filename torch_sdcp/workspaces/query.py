@@ -11,8 +11,8 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check
 from torch_sdcp.workspaces._layout import WorkspaceKind
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import check_size_param, require_tensor
-from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace
+from torch_sdcp.workspaces._policy import check_size_param, leading_rows, require_tensor
+from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace, VoidedCallError
 
 
 def _check_query_inputs(ql_nope: object, q_pe: object) -> None:
@@ -111,6 +111,39 @@ class QueryWorkspace(PeerWorkspace):
                               "the last gather_view() is still open; call release() once its reader is done, "
                               "before producing the next query")
 
+    def _placeholder(self, what, args, kwargs):
+        """A void gather, gather_view or all_gather_heads: the rows of the
+        call's query, zeros (a void view is published and released at once:
+        the caller never got it)."""
+        rows = leading_rows((args[0] if args else kwargs.get("q" if what == "all_gather_heads" else "ql_nope"), 3))
+        if rows is None or rows > self.max_rows:
+            return None
+        device, heads = self.device, self.local_heads
+        if what == "all_gather_heads":
+            q = torch.zeros(rows, heads, self.nope_dim + self.rope_dim, dtype=self.dtype, device=device)
+            return lambda: ops.query_all_gather_heads(q, self.handle)
+        if what not in ("gather", "gather_view") or self.rope_dim == 0:
+            return None
+        scaled = (args[4] if len(args) > 4 else kwargs.get("q_scale")) is not None
+        if scaled and self.dtype != torch.float8_e4m3fn:
+            return None  # no such call: the peers' op refuses it too
+        nope = torch.zeros(rows, heads, self.nope_dim, dtype=torch.bfloat16, device=device)
+        pe = torch.zeros(rows, heads, self.rope_dim, dtype=torch.bfloat16, device=device)
+        positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        cache = torch.zeros(1, self.rope_dim, device=device)
+        scale = torch.ones(1, device=device) if scaled else None
+        if what == "gather":
+            return lambda: ops.query_gather(nope, pe, positions, cache, scale, self.handle,
+                                            rope_style=self.rope_style, out_dtype=self.dtype)
+        inbox = self._inbox_view if self._inbox_view is not None else self.inbox
+
+        def publish_and_release() -> None:
+            ops.query_publish(nope, pe, positions, cache, scale, self.handle, rope_style=self.rope_style,
+                              out_dtype=self.dtype)
+            ops.query_release(inbox[:rows], self.handle)
+
+        return publish_and_release
+
     @call_method
     def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                q_scale: Tensor | None = None) -> Tensor:
@@ -144,6 +177,14 @@ class QueryWorkspace(PeerWorkspace):
         if torch.compiler.is_compiling():
             raise RuntimeError("torch_sdcp: QueryWorkspace.gather_view is not traceable by torch.compile (its "
                                "result aliases workspace memory); use gather() inside compiled regions")
+        try:
+            return self._gather_view(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+        except VoidedCallError:  # the caller never gets this view: release it, as every peer releases its own
+            if self._open_view is not None:
+                self.release()
+            raise
+
+    def _gather_view(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
         with self._call("gather_view"):
             self._check_no_open_view("gather_view")
             _check_query_inputs(ql_nope, q_pe)

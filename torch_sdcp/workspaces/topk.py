@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -9,7 +12,7 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error
 from torch_sdcp.workspaces._layout import WorkspaceKind
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import check_size_param, require_tensor
+from torch_sdcp.workspaces._policy import check_size_param, leading_rows, require_tensor
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -44,6 +47,16 @@ class TopKWorkspace(PeerWorkspace):
         self.candidates_per_rank = check_size_param(k if candidates_per_rank is None else candidates_per_rank,
                                                     "candidates_per_rank")
         super().__init__(group, [max_rows, self.candidates_per_rank, self.k], **kwargs)
+
+    def _placeholder(self, what, args, kwargs):
+        """A void merge: the rows of ``scores``, no candidate (score -inf, id -1)."""
+        rows = leading_rows((args[0] if args else kwargs.get("scores"), 2),
+                            (args[1] if len(args) > 1 else kwargs.get("ids"), 2))
+        if rows is None or rows > self.max_rows:
+            return None
+        scores = torch.full((rows, self.candidates_per_rank), -math.inf, device=self.device)
+        ids = torch.full((rows, self.candidates_per_rank), -1, dtype=torch.int32, device=self.device)
+        return lambda: ops.topk_merge(scores, ids, self.handle, self.k)
 
     @call_method
     def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
