@@ -701,16 +701,21 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
             # Above max_rows: the collective path, same result.
             (big,) = _poisoned_queries(1, 9, 4, 64, torch.bfloat16, seed=3)
             assert torch.equal(ws.all_gather_heads(big.to(device)).cpu().view(torch.int16), big.view(torch.int16))
-        # An argument error inside a call poisons the workspace (a peer may already wait in the call).
-        for bad, match in ((lambda ws: ws.all_gather_heads(q.half()), "'q'.*dtype torch.bfloat16"),
-                           (lambda ws: ws.all_gather_heads(q[:, :2]), "'q'.*size 4 at dim 1"),
-                           (lambda ws: ws.all_gather_heads(q, out=out[:2]), "'out'.*shape")):
+        # An argument error found by the op poisons the workspace (a peer may
+        # already wait in the call); one found by the Python checks before the
+        # op is a void call, which leaves the workspace usable.
+        for bad, match, void in ((lambda ws: ws.all_gather_heads(q.half()), "'q'.*dtype torch.bfloat16", True),
+                                 (lambda ws: ws.all_gather_heads(q[:, :2]), "'q'.*size 4 at dim 1", False),
+                                 (lambda ws: ws.all_gather_heads(q, out=out[:2]), "'out'.*shape", False)):
             with torch_sdcp.QueryWorkspace(world1, 8, 4, nope_dim=64, rope_dim=0, dtype=torch.bfloat16,
                                            device=torch.device(device),
                                            backend="cuda" if device == "cuda" else "host") as ws:
                 with pytest.raises(ValueError, match=match):
                     bad(ws)
-                assert ws.poisoned
+                assert ws.poisoned != void
+                if void:
+                    assert torch.equal(ws.all_gather_heads(q).cpu().view(torch.int16), want.view(torch.int16))
+                    continue
                 with pytest.raises(RuntimeError, match="is poisoned"):
                     ws.all_gather_heads(q)
     with pytest.raises(ValueError, match="'dtype'"):
@@ -906,7 +911,12 @@ def _query_caught_error_worker(rank, world, device, mode):
     dist.barrier()
     if rank == 0:
         time.sleep(1.0)  # rank 1 is waiting in its call by now
-        bad = [q[0], q[1].float(), q[2], q[3]]  # q_pe of the wrong dtype: raised inside the call
+        # Found by the op, after the call's argument checks (a Python-found
+        # error would be a void call instead): q_pe of the wrong dtype; for
+        # all_gather_heads, a query of 3 heads, not the workspace's 2.
+        bad = [q[0], q[1].float(), q[2], q[3]]
+        if mode == "heads":
+            bad[0] = torch.zeros(2, 3, 32, dtype=torch.float8_e4m3fn, device=where)
         with pytest.raises((ValueError, RuntimeError), match="'q_pe'|'q'"):
             call(bad)
         with pytest.raises(RuntimeError, match="on rank 0 is poisoned"):

@@ -144,13 +144,20 @@ def _calls_worker(rank, world):
     outs, lses = torch.randn(world, 4, 8, 64, generator=g).bfloat16(), torch.randn(world, 4, 8, generator=g)
     ws = torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, **HOST)  # bf16; rows 4 > max_rows take the collective path
 
-    # Inputs, on the peer path (2 rows) and the collective path (4 rows). An
-    # error inside a call poisons the workspace on every rank (a peer may wait
-    # in the call): each is followed by a re-creation (resize, collective).
+    # Inputs, on the peer path (2 rows) and the collective path (4 rows), every
+    # rank making the same bad call. On the peer path each is a void call (each
+    # rank raises its own error, nothing is poisoned) when its leading tensor
+    # tells the placeholder; otherwise (and on the collective path, where no
+    # placeholder exists) it poisons the workspace on every rank (a peer may
+    # wait in the call) and is followed by a re-creation (resize, collective).
     @contextlib.contextmanager
     def poisons(match):
         with pytest.raises(ValueError, match=match):
             yield
+        if rows <= 2:
+            assert not ws.poisoned
+            ws.check()
+            return
         assert ws.poisoned
         with pytest.raises(RuntimeError, match=f"OutputLSEWorkspace on rank {rank} is poisoned: combine\\(\\) after a "
                                                "failed call \\(ValueError: .*re-create the workspace"):
@@ -161,7 +168,7 @@ def _calls_worker(rank, world):
     for rows in (2, 4):
         po, pl = outs[rank, :rows].contiguous(), lses[rank, :rows].contiguous()
         with poisons(match="argument 'partial_out': expected a Tensor, got NoneType"):
-            ws.combine(None, pl)
+            ws.combine(None, pl)  # the placeholder takes the rows of partial_lse
         with poisons(match="argument 'partial_lse': expected a Tensor, got list"):
             ws.combine(po, [1.0])
         with poisons(match=r"argument 'partial_out': expected dtype torch.bfloat16 \(the dtype of "
@@ -599,12 +606,12 @@ def _abort_note_worker(rank, world):
             time.sleep(0.5)  # the peers wait in their call by now
             if how == "abort":
                 ws.abort("drained by the watchdog")
-            else:
-                with pytest.raises(ValueError, match="'partial_out'"):
-                    ws.combine(po.half(), pl)
+            else:  # found by the op (a Python-found error would be a void call instead)
+                with pytest.raises(ValueError, match="'partial_lse'"):
+                    ws.combine(po, pl.t().contiguous().t())
         else:
             want = ("[rank 0: abort(): drained by the watchdog]" if how == "abort"
-                    else "[rank 0: ValueError: torch_sdcp: argument 'partial_out'")
+                    else "[rank 0: ValueError: torch_sdcp: argument 'partial_lse'")
             with pytest.raises(RuntimeError, match="peer 0 aborted") as raised:
                 ws.combine(po, pl)
             assert want in str(raised.value), str(raised.value)
@@ -634,8 +641,10 @@ def _own_argument_first_worker(rank, world):
     dist.barrier()
     if rank == 1:
         time.sleep(0.5)  # rank 0's failure (its abort words) is here first
-    with pytest.raises(ValueError, match="argument 'partial_out': expected dtype torch.bfloat16"):
-        ws.combine(po.half(), pl)  # every rank makes the same bad call: each reports its own argument
+    # Every rank makes the same bad call, found by the op (a Python-found error
+    # would be a void call): each reports its own argument, not rank 0's abort.
+    with pytest.raises(ValueError, match="argument 'partial_lse': expected a contiguous tensor"):
+        ws.combine(po, pl.t().contiguous().t())
     dist.barrier()
     assert ws.poisoned
     expect_poisoned(ws, lambda: ws.combine(po, pl))  # a good call on the poisoned workspace
@@ -649,55 +658,92 @@ def test_every_rank_reports_its_own_argument_error_first():
     assert run_workers(_own_argument_first_worker, 2, timeout=120) == [True, True]
 
 
-def _unbound_call_worker(rank, world):
-    """A call whose arguments never reach the op (they do not bind to the
-    method, or they are meta tensors, whose op runs only its fake) fails like
-    any other argument error: rank 0 raises its own error and its workspace is
-    poisoned; rank 1, waiting in the call, raises at once naming rank 0's
-    error instead of pairing its next call with rank 0's."""
+def _void_call_worker(rank, world, mode):
+    """A call that fails its argument checks before it reaches its op (a
+    wrong dtype, arguments that do not bind to the method, meta tensors) is
+    a void call: rank 0 raises its own error and its workspace stays usable;
+    every peer's same call raises VoidedCallError naming rank 0 and its
+    error; the next calls pair as before (the same inputs give the same
+    results on every rank). When every rank makes a bad call, each raises
+    its own error and nothing is poisoned. On CUDA the peers' error comes at
+    the end of a later call or from check(), once the kernel ran."""
     import torch.distributed as dist
 
     import torch_sdcp
 
-    po, pl = rank_partials(2, seed=rank)
-    scores, ids = rank_candidates(2, 8, seed=rank)
-    fp8_q = torch.zeros(2, 2, 32, dtype=torch.float8_e4m3fn)
-    families = {
-        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=60, **HOST),
-                    lambda ws: ws.combine(po, pl), lambda ws: ws.combine(po, pl, lse_bse="e"),
-                    lambda ws: ws.combine(po.to("meta"), pl.to("meta"))),
-        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 8, 4, candidates_per_rank=8, timeout_s=60, **HOST),
-                  lambda ws: ws.merge(scores, ids), lambda ws: ws.merge(scores),
-                  lambda ws: ws.merge(scores, ids.to("meta"))),
+    dev = rank_workspace_args(rank, mode)
+    where = dev.get("device", torch.device("cpu"))
+    po, pl = (t.to(where) for t in rank_partials(2, seed=rank))
+    scores, ids = (t.to(where) for t in rank_candidates(2, 8, seed=rank))
+    fp8_q = torch.full((2, 2, 32), 0.5 * (rank + 1)).to(torch.float8_e4m3fn).to(where)
+    query = [t.to(where) for t in make_query(2, 2, nope=28, rope=4, max_pos=16, seed=rank)]
+
+    def view(ws, *args, **kwargs):
+        out = ws.gather_view(*args, **kwargs).clone()
+        ws.release()
+        return out
+
+    families = {  # name: (create, good call, bad calls (call, error, text))
+        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=60, **dev),
+                    lambda ws: ws.combine(po, pl),
+                    [(lambda ws: ws.combine(po, pl, lse_bse="e"), TypeError, "unexpected keyword argument"),
+                     (lambda ws: ws.combine(po.to("meta"), pl.to("meta")), ValueError, "got a tensor on meta"),
+                     (lambda ws: ws.combine(po.half(), pl), ValueError, "'partial_out': expected dtype")]),
+        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 8, 4, candidates_per_rank=8, timeout_s=60, **dev),
+                  lambda ws: ws.merge(scores, ids),
+                  [(lambda ws: ws.merge(scores), TypeError, "missing 1 required"),
+                   (lambda ws: ws.merge(scores, ids.to("meta")), ValueError, "got a tensor on meta")]),
         "all_gather_heads": (lambda: torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60,
-                                                               **HOST),
-                             lambda ws: ws.all_gather_heads(fp8_q), lambda ws: ws.all_gather_heads(fp8_q, outt=None),
-                             lambda ws: ws.all_gather_heads(fp8_q.to("meta"))),
-        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 256, timeout_s=60, **HOST),
-                       lambda ws: ws.all_gather(po[0, 0]), lambda ws: ws.all_gather(x=po[0, 0], y=1),
-                       lambda ws: ws.all_gather(po[0, 0].to("meta"))),
+                                                               **dev),
+                             lambda ws: ws.all_gather_heads(fp8_q),
+                             [(lambda ws: ws.all_gather_heads(fp8_q, outt=None), TypeError, "unexpected keyword"),
+                              (lambda ws: ws.all_gather_heads(fp8_q.float()), ValueError, "'q': expected dtype")]),
+        "gather": (lambda: torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60, **dev),
+                   lambda ws: ws.gather(*query),
+                   [(lambda ws: ws.gather(*query, scale=None), TypeError, "unexpected keyword"),
+                    (lambda ws: ws.gather(query[0].to("meta"), *query[1:]), ValueError, "got a tensor on meta")]),
+        "gather_view": (lambda: torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=60,
+                                                          **dev),
+                        lambda ws: view(ws, *query),
+                        [(lambda ws: view(ws, *query, scale=None), TypeError, "unexpected keyword")]),
+        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 256, timeout_s=60, **dev),
+                       lambda ws: ws.all_gather(po[0, 0]),
+                       [(lambda ws: ws.all_gather(x=po[0, 0], y=1), TypeError, "unexpected keyword"),
+                        (lambda ws: ws.all_gather(po[0, 0].to("meta")), ValueError, "got a tensor on meta")]),
     }
-    for name, (make, good, unbound, meta) in families.items():
-        for bad, error, text in ((unbound, TypeError, "unexpected keyword argument|missing 1 required"),
-                                 (meta, ValueError, "expected a tensor on cpu .* got a tensor on meta")):
-            ws = make()
-            good(ws)  # a good call first: the workspace works
+    for name, (make, good, bad_calls) in families.items():
+        ws = make()
+        want = good(ws)  # the same inputs give this result again on every rank while the ranks pair
+        for bad, error, text in bad_calls:
             dist.barrier()
             t0 = time.monotonic()
             if rank == 0:
                 with pytest.raises(error, match=text):
                     bad(ws)
-                assert ws.poisoned, name
             else:
-                with pytest.raises(RuntimeError, match="peer 0 aborted") as raised:
+                with pytest.raises(torch_sdcp.VoidedCallError, match="rank 0 voided call") as raised:
                     good(ws)
+                    if mode != "host":  # the kernel records the void; a later call's end or check() says so
+                        torch.cuda.synchronize()
+                        ws.check()
                 assert f"[rank 0: {error.__name__}: torch_sdcp:" in str(raised.value), (name, str(raised.value))
-                assert time.monotonic() - t0 < 30, name
-            expect_poisoned(ws, lambda: good(ws))
-            ws.close()
-            dist.barrier()
+            assert time.monotonic() - t0 < 30, name
+            assert not ws.poisoned, name
+            ws.check()
+            assert torch.equal(good(ws).cpu(), want.cpu()), name
+        # Every rank's call is bad: each reports its own error, nothing is poisoned.
+        bad, error, text = bad_calls[0]
+        with pytest.raises(error, match=text):
+            bad(ws)
+        if mode != "host":
+            torch.cuda.synchronize()
+        ws.check()
+        assert torch.equal(good(ws).cpu(), want.cpu()), name
+        ws.close()
+        dist.barrier()
     return True
 
 
-def test_a_call_whose_arguments_never_reach_the_op_poisons_and_aborts_the_peer():
-    assert run_workers(_unbound_call_worker, 2, timeout=240) == [True, True]
+@pytest.mark.parametrize("mode,world", [("host", 4), pytest.param("cuda_shared", 2, marks=requires_gpus(1))])
+def test_a_call_that_fails_its_checks_is_void_on_every_rank(mode, world):
+    assert run_workers(_void_call_worker, world, args=(mode,), timeout=300) == [True] * world
