@@ -344,7 +344,10 @@ __device__ __forceinline__ bool check_call_header_tagged(const DeviceWorkspace& 
     word[f] = static_cast<uint32_t>(first[f] >> 32) == tag ? static_cast<uint32_t>(first[f])
                                                            : poll_tagged(ws, p + f, tag, src, call, kWaitHeader);
   const CallHeader theirs{{word[0], word[1], word[2], word[3]}};
-  if (call_header_mismatch(mine, theirs) == kHeaderFields) return true;
+  if (call_header_mismatch(mine, theirs) == kHeaderFields) {
+    if (header_is_void(theirs)) dataflag_void(ws, src, call);
+    return true;
+  }
   // A poll that gave up (a peer's abort) returns a stale word: compare only a
   // header that has landed whole by now. One that has is compared even after
   // an abort, so a rank that meets a mismatching peer's abort first still
