@@ -89,6 +89,23 @@ inline void host_store_call_header(uint32_t* dst, const CallHeader& h) {
   for (uint32_t f = 0; f < kHeaderFields; ++f) __atomic_store_n(dst + f, h.w[f], __ATOMIC_RELAXED);
 }
 
+// Fails the call (and aborts the workspace on every rank) with a call
+// mismatch in header field `field`: this rank's word and peer `src`'s.
+[[noreturn]] inline void host_fail_mismatch(const Workspace& ws, int64_t src, uint64_t call, uint32_t field,
+                                            uint32_t mine, uint32_t theirs, uint32_t wait) {
+  DataFlagError e{};
+  e.state = kReasonMismatch;
+  e.block = -1;
+  e.peer = static_cast<int32_t>(src);
+  e.wait = wait;
+  e.call = call;
+  e.field = field;
+  e.mine = mine;
+  e.theirs = theirs;
+  e.aborter = -1;
+  host_fail(ws, e);
+}
+
 // Fails the call (and aborts the workspace on every rank) when `theirs`
 // differs from `mine`, naming both sides; `wait` says which header (the
 // call's, or the query view's).
@@ -103,17 +120,7 @@ inline void host_compare_call_header(const Workspace& ws, int64_t src, uint64_t 
     }
     return;
   }
-  DataFlagError e{};
-  e.state = kReasonMismatch;
-  e.block = -1;
-  e.peer = static_cast<int32_t>(src);
-  e.wait = wait;
-  e.call = call;
-  e.field = f;
-  e.mine = mine.w[f];
-  e.theirs = theirs.w[f];
-  e.aborter = -1;
-  host_fail(ws, e);
+  host_fail_mismatch(ws, src, call, f, mine.w[f], theirs.w[f], wait);
 }
 
 // Sentinel buffers: waits for peer `src`'s header of this call, writes the

@@ -107,21 +107,9 @@ void take_query_header(const Workspace& ws, int64_t src, uint64_t call, uint32_t
   };
   bool crossed = false;
   host_spin(ws, src, call, [&] { return landed(p) || (crossed = landed(other)); }, wait);
-  if (crossed && !landed(p)) {
-    CallHeader theirs;
-    for (uint32_t f = 0; f < kHeaderFields; ++f) theirs.w[f] = __atomic_load_n(other + f, __ATOMIC_RELAXED);
-    DataFlagError e{};
-    e.state = kReasonMismatch;
-    e.block = -1;
-    e.peer = static_cast<int32_t>(src);
-    e.wait = wait;
-    e.call = call;
-    e.field = kHeaderFlags;
-    e.mine = mine.w[kHeaderFlags];
-    e.theirs = theirs.w[kHeaderFlags];
-    e.aborter = -1;
-    host_fail(ws, e);
-  }
+  if (crossed && !landed(p))  // the op of the other kind, in its flags word
+    host_fail_mismatch(ws, src, call, kHeaderFlags, mine.w[kHeaderFlags],
+                       __atomic_load_n(other + kHeaderFlags, __ATOMIC_RELAXED), wait);
   CallHeader theirs;
   for (uint32_t f = 0; f < kHeaderFields; ++f) {
     theirs.w[f] = __atomic_load_n(p + f, __ATOMIC_RELAXED);
