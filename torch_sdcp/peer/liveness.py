@@ -34,20 +34,18 @@ class Watch:
         """``gone``, or a peer whose process has exited by now although the
         watcher thread has not told this watch yet (a peer's abort, sent by
         its own watcher, can arrive first): what an error names as its cause."""
-        if self.gone is not None:
-            return self.gone
-        with _watcher._lock:
+        with _watcher._lock:  # the watcher sets gone under it before it closes the pidfd
+            if self.gone is not None:
+                return self.gone
             fds = {fd: pid for pid, fd in _watcher._pidfds.items() if pid in self.peers.values()}
-        if not fds:
-            return None
         poller = select.poll()
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        for fd, events in poller.poll(0):
-            if events & select.POLLIN and fd in fds:  # (a descriptor closed meanwhile reports POLLNVAL)
+        for fd, events in poller.poll(0) if fds else ():
+            if events & select.POLLIN and fd in fds:
                 pid = fds[fd]
                 return next(r for r, p in self.peers.items() if p == pid), pid
-        return None
+        return self.gone  # closed meanwhile (POLLNVAL): by the watcher, which set gone first
 
 
 class _Watcher:
@@ -118,14 +116,15 @@ class _Watcher:
         with self._lock:
             if fd is not None and self._pidfds.get(pid) != fd:
                 return  # no longer watched (closed by remove() while polled)
+            told = [w for w in self._watches if pid in w.peers.values()]
+            for w in told:  # before the pidfd goes: Watch.exited_now() sees one or the other
+                if w.gone is None:
+                    w.gone = (next(r for r, p in w.peers.items() if p == pid), pid)
             fd = self._pidfds.pop(pid, None)
             if fd is not None:
                 os.close(fd)
-            told = [w for w in self._watches if pid in w.peers.values()]
         for w in told:
             rank = next(r for r, p in w.peers.items() if p == pid)
-            if w.gone is None:
-                w.gone = (rank, pid)
             try:
                 w.on_exit(rank, pid)
             except Exception as e:  # noqa: BLE001  (the watcher must go on for the other workspaces)
