@@ -1,0 +1,55 @@
+"""The one fallback decision of a call: peer memory or the collective path,
+and why. The workspaces and the engine faces both ask it and act on its
+answer (the workspace runs ``torch_sdcp.collective``, a face runs the
+engine's own function); nothing else decides.
+
+Nothing falls back as error recovery: the reasons below are the only ones.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NamedTuple, Protocol
+
+
+class Why(str, enum.Enum):
+    """Why a call does not take peer memory."""
+
+    #: No workspace exists for the call (a face only: not prepared).
+    NO_WORKSPACE = "no-workspace"
+    #: The workspace is in collective mode (its group failed the peer-memory gate at creation).
+    PEER_UNAVAILABLE = "peer-unavailable"
+    #: The call has more rows than the workspace's ``max_rows``.
+    ROWS_OVER_BOUND = "rows-over-bound"
+
+
+class Route(NamedTuple):
+    """``peer`` True: the call takes peer memory (``why`` None). False: it
+    takes the collective path for ``why``."""
+
+    peer: bool
+    why: Why | None = None
+
+
+class Routed(Protocol):
+    """What the decision reads of a workspace."""
+
+    @property
+    def peer(self) -> bool: ...
+
+    @property
+    def max_rows(self) -> int: ...
+
+
+PEER = Route(True)
+
+
+def route(workspace: Routed | None, rows: int) -> Route:
+    """The path of a call of ``rows`` rows on ``workspace`` (None: none exists)."""
+    if workspace is None:
+        return Route(False, Why.NO_WORKSPACE)
+    if not workspace.peer:
+        return Route(False, Why.PEER_UNAVAILABLE)
+    if rows > workspace.max_rows:
+        return Route(False, Why.ROWS_OVER_BOUND)
+    return PEER
