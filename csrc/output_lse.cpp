@@ -57,13 +57,13 @@ void check_partial_inputs(const at::Tensor& partial_out, const at::Tensor& parti
 void check_stacked_partials(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t max_shards) {
   check_payload_and_lse(partial_out, partial_lse, "partial_lse", 4, 0);
   const int64_t n = partial_out.size(0);
-  SDCP_CHECK_ARG(n >= 1 && n <= max_shards, "partial_out", "1.." << max_shards << " shards in dim 0", n);
+  SDCP_CHECK_ARG(n >= 1 && n <= max_shards, "partial_out", "1.." << max_shards << " shards at dim 0", n);
 }
 
 void check_lse_correct_inputs(const at::Tensor& partial_out, const at::Tensor& gathered_lse, int64_t rank) {
   check_payload_and_lse(partial_out, gathered_lse, "gathered_lse", 3, 1);
   const int64_t n = gathered_lse.size(0);
-  SDCP_CHECK_ARG(n >= 1, "gathered_lse", "at least one shard in dimension 0", n);
+  SDCP_CHECK_ARG(n >= 1, "gathered_lse", "at least one shard at dim 0", n);
   SDCP_CHECK_ARG(rank >= 0 && rank < n, "rank", "a rank in [0, " << n << ")", rank);
 }
 

@@ -311,9 +311,9 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   // One warp per item; at least one block, even for 0 rows (it advances the call index).
   const int grid = dataflag_grid(c.rows * c.geo.local_heads, kWarps, partial_out.get_device());
   // Items and vector offsets fit in 32 bits (the kernel's index arithmetic).
-  TORCH_CHECK(c.rows * c.geo.local_heads * c.geo.head_dim < (int64_t{1} << 31),
-              "torch_sdcp: output_lse_combine: ", c.rows, " rows x ", c.geo.local_heads, " heads x ", c.geo.head_dim,
-              " elements exceed the CUDA kernel's 32-bit indexing");
+  SDCP_CHECK_ARG(c.rows * c.geo.local_heads * c.geo.head_dim < (int64_t{1} << 31), "partial_out",
+                 "fewer than 2**31 elements of this rank's heads (the CUDA kernel's 32-bit indexing)",
+                 c.rows << " rows x " << c.geo.local_heads << " heads x " << c.geo.head_dim << " elements");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
     auto launch = [&](auto kernel) {
       launch_dataflag(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws), c.geo,

@@ -147,14 +147,40 @@ def check_validation(rank, n):
         collective.query_all_gather(torch.zeros(1, 1, 8, dtype=torch.bfloat16),
                                     torch.zeros(1, 1, 2, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long),
                                     torch.zeros(1, 2), out_dtype=torch.float32)
+    # A flag is a bool: "no" is truthy, and would have returned a pair.
+    for fn in (collective.lse_all_gather_reduce_scatter, collective.lse_all_gather_correct_reduce_scatter):
+        with pytest.raises(ValueError, match=r"argument 'return_lse': expected a bool, got 'no'"):
+            fn(torch.zeros(2, n, 8), torch.zeros(2, n), return_lse="no")
+        with pytest.raises(ValueError, match=r"argument 'base2': expected a bool, got 1"):
+            fn(torch.zeros(2, n, 8), torch.zeros(2, n), base2=1)
+    # all_gather_heads names a wrong out (not torch's size message), before anything is sent.
+    q = torch.zeros(3, 2, 4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"argument 'out': expected shape \[3, {2 * n}, 4\], got shape \[3, 2, 4\]"):
+        collective.all_gather_heads(q, None, torch.empty(3, 2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"argument 'out': expected dtype torch.bfloat16, got dtype torch.float32"):
+        collective.all_gather_heads(q, None, torch.empty(3, 2 * n, 4))
+    with pytest.raises(ValueError, match=r"argument 'out': expected a contiguous tensor, got strides"):
+        collective.all_gather_heads(q, None, torch.empty(3, 4, 2 * n, dtype=torch.bfloat16).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"argument 'out': expected a Tensor, got list"):
+        collective.all_gather_heads(q, None, [])
+    with pytest.raises(ValueError, match=r"argument 'q': expected 3 dimensions, got 2 \(shape \[3, 8\]\)"):
+        collective.all_gather_heads(q.view(3, 8), None)
+
+
+def check_all_gather_heads(rank, n):
+    q = (torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4) + 100 * rank).to(torch.bfloat16)
+    want = torch.cat([(q.float() - 100 * rank + 100 * r).to(torch.bfloat16) for r in range(n)], dim=1)
+    assert torch.equal(collective.all_gather_heads(q, None), want)
+    out = torch.empty(3, 2 * n, 4, dtype=torch.bfloat16)
+    assert collective.all_gather_heads(q, None, out) is out and torch.equal(out, want)
 
 
 def check_gather_fallback(rank, n):
     # The list all_gather (fallback for gloo builds without the single-tensor
     # form) stacks exactly like the single-tensor collective.
     x = torch.arange(6, dtype=torch.int32).reshape(2, 3) + 100 * rank
-    a = collective._all_gather_stack(x, None)
-    b = collective._all_gather_stack(x, None, use_list=True)
+    a = collective.all_gather_stack(x, None)
+    b = collective.all_gather_stack(x, None, use_list=True)
     assert torch.equal(a, b) and torch.equal(a, torch.stack([x - 100 * rank + 100 * r for r in range(n)]))
 
 
@@ -165,6 +191,7 @@ def _worker(rank, world_size, init_file):
     try:
         check_validation(rank, world_size)
         check_gather_fallback(rank, world_size)
+        check_all_gather_heads(rank, world_size)
         check_query(rank, world_size)
         check_topk(rank, world_size)
         check_lse(rank, world_size)

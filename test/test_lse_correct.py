@@ -69,7 +69,7 @@ def test_corrected_shards_sum_to_the_exact_combine(device, dtype, base2, n, t, h
 def test_zero_weight_is_exactly_zero_and_weights_match(device, base2):
     n, t, h, d = 3, 5, 4, 16
     out, lse = poisoned_partials(n, t, h, d, torch.float32, seed=3)
-    w, big_l = reference._lse_weights(lse.double(), base2)  # [N, T, H] fp64
+    w, big_l = reference.lse_weights(lse.double(), base2)  # [N, T, H] fp64
     for r in range(n):
         scaled, got_l = ops.lse_correct(out[r].to(device), lse.to(device), r, lse_base="2" if base2 else "e")
         scaled = scaled.cpu().transpose(0, 1)  # [T, H, D]

@@ -2,14 +2,19 @@
 force (Python sorted(), complex numbers, float64 softmax) and against the CPU
 operators (bit for bit where the contract says so)."""
 
+import ast
 import itertools
 import math
+import pathlib
+import re
 
 import pytest
 import torch
 
-import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
+import torch_sdcp
+from torch_sdcp import _checks, semantics
 from torch_sdcp import reference as ref
+from torch_sdcp._checks import check_contiguous, check_dim, check_same_device, check_size
 
 NOPE, ROPE = 512, 64
 INF, NAN = math.inf, math.nan
@@ -390,7 +395,7 @@ def test_topk_validation():
         ref.topk_select_ref(s, i, 0)
     with pytest.raises(ValueError, match=r"argument 'ids': expected dtype torch.int32, got dtype torch.int64"):
         ref.topk_select_ref(s, i.long(), 1)
-    with pytest.raises(ValueError, match=r"argument 'ids': expected size 4 in dimension 1, got shape \[2, 3\]"):
+    with pytest.raises(ValueError, match=r"argument 'ids': expected size 4 at dim 1, got 3 \(shape \[2, 3\]\)"):
         ref.topk_select_ref(s, i[:, :3], 1)
     with pytest.raises(ValueError, match=r"argument 'shards': expected at least one"):
         ref.topk_merge_ref([], 1)
@@ -536,7 +541,61 @@ def test_output_lse_shard():
 
 
 def test_lse_validation():
-    with pytest.raises(ValueError, match=r"argument 'partial_lse': expected size 3 in dimension 2"):
+    with pytest.raises(ValueError, match=r"argument 'partial_lse': expected size 3 at dim 2, got"):
         ref.lse_combine_ref(torch.zeros(2, 1, 3, 4), torch.zeros(2, 1, 2))
-    with pytest.raises(ValueError, match=r"argument 'partial_out': expected a 4-D tensor, got shape \[1, 3, 4\]"):
+    with pytest.raises(ValueError, match=r"argument 'partial_out': expected 4 dimensions, got 3 \(shape \[1, 3, 4\]\)"):
         ref.lse_combine_ref(torch.zeros(1, 3, 4), torch.zeros(1, 3))
+
+
+def _message(call):
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("no ValueError")
+
+
+def test_python_checks_word_errors_as_the_ops_do():
+    # One wording (csrc/checks.cpp): the references, the collective paths and
+    # the ops refuse the same bad input with the same text.
+    s, i = torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.int32)
+    for bad in ((s, i[:, :3]), (s[0], i), (s, i[0])):
+        python = _message(lambda: ref.topk_select_ref(*bad, 1))
+        assert python == _message(lambda: torch.ops.sdcp.topk_select(*bad, 1))
+        assert re.search(r"expected (size 4 at dim 1, got 3 \(shape \[2, 3\]\)|2 dimensions, got 1 \(shape \[4\]\))$",
+                         python), python
+    out, lse = torch.zeros(2, 3, 8), torch.zeros(2, 3)
+    for bad in ((out, lse[:, :2].contiguous()), (out[0], lse)):
+        assert (_message(lambda: ref.lse_combine_ref(bad[0][None], bad[1][None]))
+                == _message(lambda: torch.ops.sdcp.lse_combine(bad[0][None], bad[1][None], False)))
+    nope, pe = torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 3, 4, dtype=torch.bfloat16)
+    args = (nope, pe, torch.zeros(1, dtype=torch.long), torch.zeros(4, 4))
+    assert (_message(lambda: ref.query_rope_quant_ref(*args))
+            == _message(lambda: torch.ops.sdcp.query_rope_quant(*args, None, False, torch.bfloat16))
+            == "torch_sdcp: argument 'q_pe': expected size 2 at dim 1, got 3 (shape [1, 3, 4])")
+    strided = torch.zeros(4, 2).t()
+    with pytest.raises(ValueError, match=r"^torch_sdcp: argument 'x': expected a contiguous tensor, got strides "
+                                         r"\[1, 2\] for shape \[2, 4\]$"):
+        check_contiguous(strided, "x")
+    with pytest.raises(ValueError, match=r"argument 'b': expected device cpu \(that of 'a'\), got device meta$"):
+        check_same_device(torch.zeros(1, device="meta"), "b", torch.zeros(1), "a")
+    with pytest.raises(ValueError, match=r"argument 'scores': expected 2 dimensions \[T, C\], got 1 \(shape \[4\]\)"):
+        check_dim(s[0], "scores", 2, "[T, C]")
+    with pytest.raises(ValueError, match=r"argument 'x': expected 3 or 4 dimensions, got 2"):
+        check_dim(s, "x", (3, 4))
+    with pytest.raises(ValueError, match=r"argument 'o': expected size 5 at dim 2 \(head_dim\), got 8 \(shape"):
+        check_size(out, "o", 2, 5, "head_dim")
+
+
+def test_production_modules_do_not_import_the_oracle():
+    # reference is the test oracle: what production computes in PyTorch lives
+    # in torch_sdcp.semantics, its checks in torch_sdcp._checks.
+    root = pathlib.Path(torch_sdcp.__file__).parent
+    for name in ("_checks.py", "ops.py", "collective.py", "semantics.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {f"{n.module}.{a.name}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+                     for a in n.names}
+        assert not any("reference" in m for m in imported), (name, sorted(imported))
+    assert ref.token_owner is semantics.token_owner and ref.mask_empty_shards is semantics.mask_empty_shards
+    assert ref.check_mask_args is _checks.check_mask_args

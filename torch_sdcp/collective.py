@@ -9,7 +9,10 @@ or a group without peer memory) and the benchmark baseline.
   baseline) and ``lse_all_gather_reduce_scatter`` (the same in eager ops).
 
 Every rank of ``group`` calls them in the same order. Their inputs are checked
-as the references in :mod:`torch_sdcp.reference` check theirs.
+before any collective, with the helpers of :mod:`torch_sdcp._checks` (as the
+ops check theirs), so that a bad argument is raised before this rank sends
+anything. ``all_gather_stack`` is the rank-major all_gather the engine faces
+use too.
 """
 
 from __future__ import annotations
@@ -20,13 +23,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp import reference
-from torch_sdcp._checks import check, check_dtype, check_tensor
+from torch_sdcp._checks import (check, check_bool, check_contiguous, check_dim, check_dtype, check_partials,
+                                check_query_inputs, check_same_device, check_tensor, check_topk_inputs)
+from torch_sdcp.semantics import lse_weights
 
 __all__ = [
+    "all_gather_stack",
     "query_all_gather",
+    "all_gather_heads",
     "topk_all_gather_merge",
     "lse_all_gather_reduce_scatter",
+    "lse_all_gather_correct_reduce_scatter",
 ]
 
 # torch >= 2.12 names the tensor collectives *_single and deprecates the old
@@ -40,8 +47,10 @@ def _unsupported_on_gloo(error: Exception, group: Optional[dist.ProcessGroup]) -
     return "gloo" in str(dist.get_backend(group)) and "support" in str(error).lower()
 
 
-def _all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: bool = False) -> Tensor:
-    """``[N, *x.shape]`` rank-major stack of every rank's ``x``."""
+def all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: bool = False) -> Tensor:
+    """``[N, *x.shape]`` rank-major stack of every rank's ``x`` (at least 1-D;
+    raw bytes through gloo need ``x.view(torch.uint8)`` for dtypes it lacks).
+    ``use_list`` forces the list form of all_gather (tests cover both)."""
     n = dist.get_world_size(group)
     x = x.contiguous()  # x.dim() >= 1 for every caller
     out = x.new_empty((n,) + tuple(x.shape))
@@ -61,6 +70,9 @@ def _all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: b
     return out
 
 
+_all_gather_stack = all_gather_stack  # the former private name, kept for callers that still use it
+
+
 def _reduce_scatter_dim0(x: Tensor, group: Optional[dist.ProcessGroup], use_all_reduce: bool = False) -> Tensor:
     """Sum of every rank's ``x`` (in ``x.dtype``), keeping this rank's
     ``1/N`` slice of dim 0."""
@@ -73,7 +85,7 @@ def _reduce_scatter_dim0(x: Tensor, group: Optional[dist.ProcessGroup], use_all_
             _reduce_scatter_tensor(out, x, group=group)
             return out
         except (RuntimeError, NotImplementedError) as e:
-            if not _unsupported_on_gloo(e, group):  # see _all_gather_stack
+            if not _unsupported_on_gloo(e, group):  # see all_gather_stack
                 raise
     x = x.clone()
     dist.all_reduce(x, group=group)
@@ -86,11 +98,11 @@ def query_all_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_c
                      group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """Collective query path: the local producer kernel, then all_gather on heads.
     Returns ``[T, N*H_loc, Dn + R]`` in ``out_dtype``."""
-    reference._check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype, allow_fp32=False)
+    check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype)
     local = torch.ops.sdcp.query_rope_quant(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype)
     rows, hl, width = local.shape
     # Gather raw bytes: gloo has no float8 (and not every build has bf16).
-    stacked = _all_gather_stack(local.view(torch.uint8), group)  # [N, T, H_loc, W*eb]
+    stacked = all_gather_stack(local.view(torch.uint8), group)  # [N, T, H_loc, W*eb]
     n = stacked.size(0)
     gathered = stacked.permute(1, 0, 2, 3).reshape(rows, n * hl, -1)
     return gathered.view(out_dtype)
@@ -99,12 +111,21 @@ def query_all_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_c
 def all_gather_heads(q: Tensor, group: Optional[dist.ProcessGroup] = None, out: Optional[Tensor] = None) -> Tensor:
     """Collective all_gather on heads of a query produced elsewhere:
     ``q [T, H_loc, W]`` on every rank -> ``[T, N*H_loc, W]`` (into ``out`` when
-    given), raw bytes (gloo has no float8)."""
-    rows, hl, _ = q.shape
-    stacked = _all_gather_stack(q.contiguous().view(torch.uint8), group)  # [N, T, H_loc, W*eb]
-    n = stacked.size(0)
+    given: contiguous, that shape, ``q``'s dtype and device), raw bytes (gloo
+    has no float8). ``out`` is checked before anything is sent."""
+    check_dim(q, "q", 3)
+    rows, hl, width = q.shape
+    n = dist.get_world_size(group)
+    if out is not None:
+        check_tensor(out, "out")
+        check(tuple(out.shape) == (rows, n * hl, width), "out", f"shape {[rows, n * hl, width]}",
+              f"shape {list(out.shape)}")
+        check_dtype(out, "out", q.dtype)
+        check_contiguous(out, "out")
+        check_same_device(out, "out", q, "q")
+    stacked = all_gather_stack(q.contiguous().view(torch.uint8), group)  # [N, T, H_loc, W*eb]
     if out is None:
-        out = q.new_empty((rows, n * hl, q.shape[2]))
+        out = q.new_empty((rows, n * hl, width))
     out.view(torch.uint8).view(rows, n, hl, -1).copy_(stacked.permute(1, 0, 2, 3))
     return out
 
@@ -114,16 +135,22 @@ def topk_all_gather_merge(scores: Tensor, ids: Tensor, k: int,
     """Collective top-K path: all_gather of the ``(score, id)`` pairs, then
     ``torch.ops.sdcp.topk_select`` over the ``N*C`` gathered candidates.
     Returns ``[T, k]`` int32 global ids."""
-    reference._check_topk_inputs(scores, ids, k)
+    check_topk_inputs(scores, ids, k)
     rows, c = scores.shape
     # One packed tensor, one collective: [T, C, 2] int32 of (score bits, id).
     packed = torch.stack([scores.contiguous().view(torch.int32), ids], dim=-1)
-    stacked = _all_gather_stack(packed, group)  # [N, T, C, 2]
+    stacked = all_gather_stack(packed, group)  # [N, T, C, 2]
     n = stacked.size(0)
     merged = stacked.permute(1, 0, 2, 3).reshape(rows, n * c, 2)
     all_scores = merged[..., 0].contiguous().view(torch.float32)
     all_ids = merged[..., 1].contiguous()
     return torch.ops.sdcp.topk_select(all_scores, all_ids, k)
+
+
+def _check_lse_options(base2: object, return_lse: object) -> None:
+    """Flags are bools: ``return_lse="no"`` is truthy and would return a pair."""
+    check_bool(base2, "base2")
+    check_bool(return_lse, "return_lse")
 
 
 def lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool = False,
@@ -144,12 +171,13 @@ def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, bas
                                    group: Optional[dist.ProcessGroup], use_all_reduce: bool = False,
                                    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
-    reference._check_partials(partial_out, partial_lse, 2, torch.float32)
+    _check_lse_options(base2, return_lse)
+    check_partials(partial_out, partial_lse, 2, torch.float32)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     heads = partial_out.size(1)
     check(heads % n == 0, "partial_out", f"heads divisible by the world size {n}", heads)
-    lses = _all_gather_stack(partial_lse, group)  # [N, T, H] fp32
-    w, big_l = reference._lse_weights(lses, base2)
+    lses = all_gather_stack(partial_lse, group)  # [N, T, H] fp32
+    w, big_l = lse_weights(lses, base2)
     wr = w[rank].unsqueeze(-1)
     # where, not a product: a zero-weight payload (possibly NaN) must add 0.
     scaled = torch.where(wr != 0, partial_out.float() * wr, 0.0).to(partial_out.dtype)
@@ -189,7 +217,8 @@ def _lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Ten
                                            out_lse: Optional[Tensor] = None, use_all_reduce: bool = False,
                                            ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
-    reference._check_partials(partial_out, partial_lse, 2, torch.float32)
+    _check_lse_options(base2, return_lse)
+    check_partials(partial_out, partial_lse, 2, torch.float32)
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     rows, heads, dim = partial_out.shape
     check(heads % n == 0, "partial_out", f"heads divisible by the world size {n}", heads)
@@ -202,7 +231,7 @@ def _lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Ten
         check_tensor(out_lse, "out_lse")
         check(tuple(out_lse.shape) == (rows, hl), "out_lse", f"shape {[rows, hl]}", f"shape {list(out_lse.shape)}")
         check_dtype(out_lse, "out_lse", torch.float32)
-    lses = _all_gather_stack(partial_lse, group)  # [N, T, H] fp32
+    lses = all_gather_stack(partial_lse, group)  # [N, T, H] fp32
     scaled, big_l = torch.ops.sdcp.lse_correct(partial_out.contiguous(), lses, rank, base2)  # [H, T, D], [T, H]
     shard = _reduce_scatter_dim0(scaled, group, use_all_reduce).transpose(0, 1)  # [T, H/N, D] view
     if out is not None:

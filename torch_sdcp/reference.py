@@ -5,13 +5,20 @@ specification the kernels are tested against (docs/DESIGN.md section 2). The
 collective paths engines run today (the fallback and the benchmark baseline)
 are in :mod:`torch_sdcp.collective`.
 
-- Token ownership: ``token_owner``, ``token_local_index``, ``token_global_index``.
+- Token ownership: ``token_owner``, ``token_local_index``, ``token_global_index``
+  (defined in :mod:`torch_sdcp.semantics`, which production code imports).
 - Query: ``query_rope_quant_ref`` (bit-identical to ``torch.ops.sdcp.query_rope_quant``),
   ``query_gathered_layout`` and ``query_all_gather_heads_ref``.
 - Top-K: ``topk_select_ref`` (bit-identical to ``torch.ops.sdcp.topk_select``, order
   included) and ``topk_merge_ref``.
 - Output/LSE: ``lse_combine_ref`` (fp32), ``lse_combine_ref64`` (fp64) and
-  ``output_lse_shard``.
+  ``output_lse_shard``; ``lse_weights`` and ``mask_empty_shards`` (from
+  :mod:`torch_sdcp.semantics`).
+
+Inputs are checked with the public helpers of :mod:`torch_sdcp._checks`, as
+the ops check theirs: the references keep only what an oracle needs (its
+own options, the stacked and per-shard forms the ops never see). Nothing in
+production imports this module.
 
 The reference functions must run eagerly: a compiler is free to fuse a product
 and a sum into one FMA, which would break the bit-exactness they promise.
@@ -19,14 +26,15 @@ and a sum into one FMA, which would break the bit-exactness they promise.
 
 from __future__ import annotations
 
-import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-from torch_sdcp._checks import (arg_error, check, check_dim, check_dtype, check_int, check_positive_int,
-                                check_same_device, check_size, check_tensor)
+from torch_sdcp._checks import (check, check_dim, check_dtype, check_mask_args, check_partials, check_positive_int,
+                                check_query_inputs, check_size, check_topk_inputs)
+from torch_sdcp.semantics import (lse_weights, mask_empty_shards, token_global_index, token_local_index,
+                                  token_owner)
 
 __all__ = [
     "token_owner",
@@ -42,88 +50,22 @@ __all__ = [
     "output_lse_shard",
     "check_mask_args",
     "mask_empty_shards",
+    "lse_weights",
 ]
 
-IntOrTensor = Union[int, Tensor]
+# The names the collective paths used before the public helpers existed
+# (torch_sdcp._checks, torch_sdcp.semantics); kept for code that still calls them.
+_check_query_inputs = check_query_inputs
+_check_topk_inputs = check_topk_inputs
+_check_partials = check_partials
+_lse_weights = lse_weights
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-
-
-def _check_index(value: IntOrTensor, arg: str) -> None:
-    # Python ints are checked eagerly. Tensors only have their dtype checked:
-    # a value check would read device memory (a host sync, and impossible
-    # inside CUDA graph capture).
-    if isinstance(value, Tensor):
-        check(not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool,
-              arg, "an integer tensor", f"dtype {value.dtype}")
-    else:
-        check_int(value, arg, 0, expected="an int or an integer tensor", bound=arg)
-
-
-# ---------------------------------------------------------------------------
-# Token ownership (docs/DESIGN.md section 2): one helper, used everywhere.
-# ---------------------------------------------------------------------------
-
-
-def token_owner(g: IntOrTensor, world_size: int, interleave: int = 1) -> IntOrTensor:
-    """Rank that owns global token ``g``: ``(g // I) % N``."""
-    n = check_positive_int(world_size, "world_size", named=True)
-    i = check_positive_int(interleave, "interleave", named=True)
-    _check_index(g, "g")
-    return (g // i) % n
-
-
-def token_local_index(g: IntOrTensor, world_size: int, interleave: int = 1) -> IntOrTensor:
-    """Index of global token ``g`` in its owner's shard: ``(g // (I*N))*I + g % I``."""
-    n = check_positive_int(world_size, "world_size", named=True)
-    i = check_positive_int(interleave, "interleave", named=True)
-    _check_index(g, "g")
-    return (g // (i * n)) * i + g % i
-
-
-def token_global_index(j: IntOrTensor, rank: IntOrTensor, world_size: int, interleave: int = 1) -> IntOrTensor:
-    """Global token of local index ``j`` on ``rank``: ``(j // I)*N*I + rank*I + j % I``."""
-    n = check_positive_int(world_size, "world_size", named=True)
-    i = check_positive_int(interleave, "interleave", named=True)
-    _check_index(j, "j")
-    _check_index(rank, "rank")
-    if not isinstance(rank, Tensor):
-        check(rank < n, "rank", f"rank < world_size = {n}", rank)
-    return (j // i) * n * i + rank * i + j % i
 
 
 # ---------------------------------------------------------------------------
 # Query boundary.
 # ---------------------------------------------------------------------------
-
-
-def _check_query_inputs(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                        q_scale: Optional[Tensor], out_dtype: torch.dtype, allow_fp32: bool) -> None:
-    check_dim(ql_nope, "ql_nope", 3)
-    check_dim(q_pe, "q_pe", 3)
-    check_dtype(ql_nope, "ql_nope", torch.bfloat16)
-    check_dtype(q_pe, "q_pe", torch.bfloat16)
-    check_size(q_pe, "q_pe", 0, ql_nope.size(0))
-    check_size(q_pe, "q_pe", 1, ql_nope.size(1))
-    rope = q_pe.size(2)
-    check(rope > 0 and rope % 2 == 0, "q_pe", "an even, positive last dimension", rope)
-    check_dim(positions, "positions", 1)
-    check_size(positions, "positions", 0, ql_nope.size(0))
-    check_dtype(positions, "positions", torch.int64, torch.int32)
-    check_dim(cos_sin_cache, "cos_sin_cache", 2)
-    check_size(cos_sin_cache, "cos_sin_cache", 1, rope)
-    check_dtype(cos_sin_cache, "cos_sin_cache", torch.float32, torch.bfloat16)
-    check_same_device(q_pe, "q_pe", ql_nope, "ql_nope")
-    check_same_device(positions, "positions", ql_nope, "ql_nope")
-    check_same_device(cos_sin_cache, "cos_sin_cache", ql_nope, "ql_nope")
-    allowed = (torch.bfloat16, torch.float8_e4m3fn) + ((torch.float32,) if allow_fp32 else ())
-    check(out_dtype in allowed, "out_dtype", " or ".join(str(d) for d in allowed), out_dtype)
-    if q_scale is not None:
-        check_tensor(q_scale, "q_scale")
-        check(q_scale.numel() == 1, "q_scale", "one element", f"shape {list(q_scale.shape)}")
-        check_dtype(q_scale, "q_scale", torch.float32)
-        check_same_device(q_scale, "q_scale", ql_nope, "ql_nope")
-        check(out_dtype == torch.float8_e4m3fn, "q_scale", "None for a non-fp8 output", "a scale tensor")
 
 
 def query_rope_quant_ref(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
@@ -136,7 +78,7 @@ def query_rope_quant_ref(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_s
     ``torch.ops.sdcp.query_rope_quant``. ``out_dtype=torch.float32`` (reference
     only) returns the fp32 values before the final rounding.
     """
-    _check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype, allow_fp32=True)
+    check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype, allow_fp32=True)
     rows, rope = q_pe.size(0), q_pe.size(2)
     half = rope // 2
     pos = positions.long()
@@ -220,18 +162,6 @@ def query_all_gather_heads_ref(per_rank_queries: Sequence[Tensor]) -> Tensor:
 # ---------------------------------------------------------------------------
 
 
-def _check_topk_inputs(scores: Tensor, ids: Tensor, k: int, scores_arg: str = "scores",
-                       ids_arg: str = "ids") -> None:
-    check_dim(scores, scores_arg, 2)
-    check_dim(ids, ids_arg, 2)
-    check_dtype(scores, scores_arg, torch.float32)
-    check_dtype(ids, ids_arg, torch.int32)
-    check_size(ids, ids_arg, 0, scores.size(0))
-    check_size(ids, ids_arg, 1, scores.size(1))
-    check_same_device(ids, ids_arg, scores, scores_arg)
-    check_int(k, "k", 1, bound="k")
-
-
 def topk_select_ref(scores: Tensor, ids: Tensor, k: int) -> Tensor:
     """Stable top-k over candidate pairs ``(scores [T, M] fp32, ids [T, M] int32)``.
 
@@ -240,7 +170,7 @@ def topk_select_ref(scores: Tensor, ids: Tensor, k: int) -> Tensor:
     Returns the first k ids ``[T, k]`` int32 in that order, -1 where fewer than
     k valid candidates exist.
     """
-    _check_topk_inputs(scores, ids, k)
+    check_topk_inputs(scores, ids, k)
     rows, m = scores.shape
     valid = ids >= 0
     is_nan = torch.isnan(scores)
@@ -273,7 +203,7 @@ def topk_merge_ref(shards: Sequence[Tuple[Tensor, Tensor]], k: int) -> Tensor:
     for r, shard in enumerate(shards):
         check(isinstance(shard, (tuple, list)) and len(shard) == 2, f"shards[{r}]", "a (scores, ids) pair",
               type(shard).__name__)
-        _check_topk_inputs(shard[0], shard[1], k, f"shards[{r}].scores", f"shards[{r}].ids")
+        check_topk_inputs(shard[0], shard[1], k, f"shards[{r}].scores", f"shards[{r}].ids")
         check_size(shard[0], f"shards[{r}].scores", 0, shards[0][0].size(0))
     scores = torch.cat([s for s, _ in shards], dim=1)
     ids = torch.cat([i for _, i in shards], dim=1)
@@ -283,27 +213,6 @@ def topk_merge_ref(shards: Sequence[Tuple[Tensor, Tensor]], k: int) -> Tensor:
 # ---------------------------------------------------------------------------
 # Output/LSE boundary.
 # ---------------------------------------------------------------------------
-
-
-def _lse_weights(lse: Tensor, base2: bool) -> Tuple[Tensor, Tensor]:
-    """Combine weights ``w [N, ...]`` and global LSE ``L [...]`` of stacked shard
-    LSEs ``lse [N, ...]``, computed in ``lse.dtype`` (docs/DESIGN.md section 2)."""
-    exp = torch.exp2 if base2 else torch.exp
-    log = torch.log2 if base2 else torch.log
-    inf = math.inf
-    # NaN and +inf mean "empty shard".
-    l = torch.where(torch.isnan(lse) | (lse == inf), -inf, lse)
-    m = l.amax(dim=0)
-    m = torch.where(m == -inf, 0.0, m)  # every shard empty: keep exp(l - m) at 0, not NaN
-    e = exp(l - m)
-    s = e[0]
-    for i in range(1, e.size(0)):  # in shard order, like the kernels
-        s = s + e[i]
-    empty = s == 0
-    big_l = torch.where(empty, -inf, m + log(s))
-    # When every shard is empty, l - L is (-inf) - (-inf) = NaN: the weights are 0.
-    w = torch.where(empty, 0.0, exp(l - big_l))
-    return w, big_l
 
 
 def _weighted_sum(partial_out: Tensor, w: Tensor) -> Tensor:
@@ -316,22 +225,9 @@ def _weighted_sum(partial_out: Tensor, w: Tensor) -> Tensor:
     return acc
 
 
-def _check_partials(partial_out: Tensor, partial_lse: Tensor, lse_dim: int, *lse_dtypes: torch.dtype) -> None:
-    """Partial outputs ``[..., T, H, D]`` and their LSEs ``[..., T, H]`` of
-    ``lse_dim`` dimensions (``[N, T, H]`` stacked, ``[T, H]`` for one rank)."""
-    check_dim(partial_out, "partial_out", lse_dim + 1)
-    check_dim(partial_lse, "partial_lse", lse_dim)
-    check(partial_out.is_floating_point() and partial_out.element_size() >= 2, "partial_out",
-          "a float32, float16 or bfloat16 tensor", f"dtype {partial_out.dtype}")
-    check_dtype(partial_lse, "partial_lse", *lse_dtypes)
-    for d in range(lse_dim):
-        check_size(partial_lse, "partial_lse", d, partial_out.size(d))
-    check_same_device(partial_lse, "partial_lse", partial_out, "partial_out")
-
-
 def _check_lse_stack(partial_out: Tensor, partial_lse: Tensor) -> None:
-    _check_partials(partial_out, partial_lse, 3, torch.float32, torch.float64)
-    check(partial_out.size(0) >= 1, "partial_out", "at least one shard in dimension 0", partial_out.size(0))
+    check_partials(partial_out, partial_lse, 3, torch.float32, torch.float64)
+    check(partial_out.size(0) >= 1, "partial_out", "at least one shard at dim 0", partial_out.size(0))
 
 
 def lse_combine_ref(partial_out: Tensor, partial_lse: Tensor, base2: bool = False) -> Tuple[Tensor, Tensor]:
@@ -341,14 +237,14 @@ def lse_combine_ref(partial_out: Tensor, partial_lse: Tensor, base2: bool = Fals
     Returns ``(out [T, H, D], lse [T, H] fp32)``; ``base2`` uses exp2/log2.
     """
     _check_lse_stack(partial_out, partial_lse)
-    w, big_l = _lse_weights(partial_lse.float(), base2)
+    w, big_l = lse_weights(partial_lse.float(), base2)
     return _weighted_sum(partial_out, w).to(partial_out.dtype), big_l
 
 
 def lse_combine_ref64(partial_out: Tensor, partial_lse: Tensor, base2: bool = False) -> Tuple[Tensor, Tensor]:
     """``lse_combine_ref`` in float64 (for tests): returns float64 ``(out, lse)``."""
     _check_lse_stack(partial_out, partial_lse)
-    w, big_l = _lse_weights(partial_lse.double(), base2)
+    w, big_l = lse_weights(partial_lse.double(), base2)
     return _weighted_sum(partial_out, w), big_l
 
 
@@ -370,44 +266,3 @@ def output_lse_shard(out: Tensor, lse: Optional[Tensor], rank: int, world_size: 
     return out[:, sl], None
 
 
-def check_mask_args(seq_lens: Optional[Tensor], query_start_loc: Optional[Tensor]) -> bool:
-    """True when the empty-shard mask is asked for: ``seq_lens [R]`` and
-    ``query_start_loc [R + 1]``, both or neither, 1-D int32 or int64 (the
-    checks of csrc/output_lse.cpp, in its order). Shapes only: no device work."""
-    if seq_lens is None and query_start_loc is None:
-        return False
-    if seq_lens is None or query_start_loc is None:
-        missing = "seq_lens" if seq_lens is None else "query_start_loc"
-        given = "query_start_loc" if seq_lens is None else "seq_lens"
-        raise arg_error(missing, "a tensor, as 'seq_lens' and 'query_start_loc' are given both or neither",
-                        f"None beside a given '{given}'")
-    check_tensor(seq_lens, "seq_lens")
-    check_tensor(query_start_loc, "query_start_loc")
-    check_dim(seq_lens, "seq_lens", 1)
-    check_dim(query_start_loc, "query_start_loc", 1)
-    check(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc",
-          f"{seq_lens.numel() + 1} entries (len(seq_lens) + 1)", query_start_loc.numel())
-    for t, arg in ((seq_lens, "seq_lens"), (query_start_loc, "query_start_loc")):
-        check(t.dtype in (torch.int32, torch.int64), arg, "dtype int32 or int64", f"dtype {t.dtype}")
-    return True
-
-
-def mask_empty_shards(lse: Tensor, seq_lens: Optional[Tensor], query_start_loc: Optional[Tensor]) -> Tensor:
-    """vLLM's empty-shard mask (``mask_dcp_empty_shards_``), out of place:
-    ``lse [T, H]`` with -inf in every row that must get no weight, rows at or
-    past ``query_start_loc[-1]`` (CUDA-graph padding) and rows of requests
-    whose local ``seq_len`` is 0 (an empty KV shard). The request of row t is
-    the number of request ends ``query_start_loc[1:]`` at or before t, clamped
-    to the last request; with no request every row is empty. No host
-    synchronisation, no data-dependent shape (it can be captured). Without
-    ``seq_lens`` / ``query_start_loc`` returns ``lse`` itself."""
-    if not check_mask_args(seq_lens, query_start_loc):
-        return lse
-    assert seq_lens is not None and query_start_loc is not None
-    if seq_lens.numel() == 0:  # no local request at all (warm-up): every row is empty
-        return torch.full_like(lse, -math.inf)
-    qsl = query_start_loc.to(lse.device)
-    row = torch.arange(lse.shape[0], device=lse.device, dtype=qsl.dtype)
-    request = torch.bucketize(row, qsl[1:], right=True).clamp_max(seq_lens.numel() - 1)
-    empty = (row >= qsl[-1]) | (seq_lens.to(lse.device).index_select(0, request) == 0)
-    return lse.masked_fill(empty.unsqueeze(-1), -math.inf)
