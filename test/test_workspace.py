@@ -480,3 +480,35 @@ def test_rows_fallback_is_agreed_before_any_collective():
 def test_cuda_rows_fallback_is_agreed_on_an_nccl_group():
     results = run_workers(_rows_fallback_worker, 2, args=(200, "cuda"), timeout=300, backend="nccl")
     _check_rows_fallback(results, 200, "cuda, nccl, FileStore")
+
+
+def test_route_is_the_one_decision_of_a_call():
+    import types
+
+    from torch_sdcp.route import PEER, Route, Why, route, route_without_rows
+
+    assert route(None, 1) == Route(False, Why.NO_WORKSPACE)
+    assert route(types.SimpleNamespace(peer=False, max_rows=4), 1) == Route(False, Why.PEER_UNAVAILABLE)
+    assert route(types.SimpleNamespace(peer=True, max_rows=4), 5) == Route(False, Why.ROWS_OVER_BOUND)
+    assert route(types.SimpleNamespace(peer=True, max_rows=4), 4) == PEER == Route(True, None)
+    # Bounded in bytes (the exchange): no rows bound is read, only the mode decides.
+    assert route_without_rows(types.SimpleNamespace(peer=True)) == PEER
+    assert route_without_rows(types.SimpleNamespace(peer=False)) == Route(False, Why.PEER_UNAVAILABLE)
+    assert route_without_rows(None) == Route(False, Why.NO_WORKSPACE)
+
+
+def test_void_placeholders_get_the_arguments_by_name():
+    import inspect
+
+    from torch_sdcp.workspaces._call import named_arguments
+
+    def gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale=None, *, lse_base="e"):
+        pass
+
+    sig = inspect.signature(gather)
+    assert named_arguments(sig, (1, 2, 3, 4, 5), {}) == dict(ql_nope=1, q_pe=2, positions=3, cos_sin_cache=4,
+                                                             q_scale=5, lse_base="e")
+    assert named_arguments(sig, (1,), dict(q_pe=2, positions=3, cos_sin_cache=4, lse_base="2")) == dict(
+        ql_nope=1, q_pe=2, positions=3, cos_sin_cache=4, q_scale=None, lse_base="2")
+    # Arguments that do not bind (a misspelt keyword, one missing): those that name a parameter.
+    assert named_arguments(sig, (1, 2), dict(scale=5)) == dict(ql_nope=1, q_pe=2, q_scale=None, lse_base="e")

@@ -22,7 +22,7 @@ from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._call import CallRefused, CallState, VoidedCallError, _Call
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._lifetime import _Built, _owned, _release_dropped, _tell_exited
-from torch_sdcp.workspaces._policy import validate_size_param, validate_timeout, default_timeout_s, resolve_group
+from torch_sdcp.workspaces._policy import default_timeout_s, resolve_group, validate_size_param, validate_timeout
 
 logger = logging.getLogger("torch_sdcp")
 

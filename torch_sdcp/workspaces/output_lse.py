@@ -14,7 +14,7 @@ from torch_sdcp import collective, ops, reference
 from torch_sdcp._checks import arg_error, check
 from torch_sdcp.families import OUTPUT_LSE
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import validate_size_param, leading_rows, require_tensor, resolve_group
+from torch_sdcp.workspaces._policy import leading_rows, require_tensor, resolve_group, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 

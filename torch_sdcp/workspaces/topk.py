@@ -12,7 +12,7 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error
 from torch_sdcp.families import TOPK
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import validate_size_param, leading_rows, require_tensor
+from torch_sdcp.workspaces._policy import leading_rows, require_tensor, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
