@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -90,8 +91,9 @@ def make_query(t, h, *, nope=512, rope=64, max_pos=4096, seed=0, cache_dtype=tor
     return [x.to(device) for x in (ql_nope, q_pe, positions, cache)]
 
 
-# The failure tests of several files: one rank's inputs, and the check that a
-# workspace refuses calls after a failed one.
+# The failure tests of several files: one rank's inputs, the check that a
+# workspace refuses calls after a failed one, and the check that a call fails
+# (on the host backend and on CUDA alike).
 
 
 def rank_partials(rows, seed, dtype=torch.bfloat16, heads=8, dim=64):
@@ -110,3 +112,21 @@ def expect_poisoned(ws, call):
     """call() raises because an earlier call of ws failed and poisoned it."""
     with pytest.raises(RuntimeError, match=f"on rank {ws.rank} is poisoned: .*re-create the workspace"):
         call()
+
+
+def expect_failure(ws, mode, call, match, *, within=30.0):
+    """call() fails on this rank with `match` within `within` seconds and
+    leaves ws poisoned: at once on the host backend (mode "host"), at the
+    next check() on CUDA (the kernel records the failure and returns)."""
+    t0 = time.monotonic()
+    if mode != "host":
+        call()
+        torch.cuda.synchronize()  # the kernels end at once: nobody waits out the timeout
+        with pytest.raises(RuntimeError, match=match):
+            ws.check()
+    else:
+        with pytest.raises(RuntimeError, match=match):
+            call()
+    assert time.monotonic() - t0 < within
+    assert ws.poisoned
+    expect_poisoned(ws, ws.check)

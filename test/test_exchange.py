@@ -1,7 +1,9 @@
 """The signalling primitive (peer_all_gather through an ExchangeWorkspace):
-epochs, two slots, publish/wait and bounded waits, on the host backend at
-world sizes 2-4 and on CUDA (2 GPUs, 4 ranks on 2 GPUs, and 4 and 8 ranks on
-one GPU)."""
+thousands of calls in a row (the payload's size changing every call, the two
+buffers in turn, tagged words: nothing is re-filled), bounded waits, a rank
+that stops or is killed, CUDA graphs and arbitrary bytes, on the host backend
+at world sizes 2-4 and on CUDA (2 GPUs, 4 ranks on 2 GPUs, and 4 and 8 ranks
+on one GPU). A test's "epochs" are its calls."""
 
 from __future__ import annotations
 
@@ -152,7 +154,7 @@ def _graph_worker(rank, world, replays):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             a = ws.all_gather(x)
-            b = ws.all_gather(x + 1)  # two calls per replay: both slots in use
+            b = ws.all_gather(x + 1)  # two calls per replay: both buffers in use
         base = torch.arange(1000, device=device)
         for r in range(replays):
             x.copy_(base * 7 + r * 100 + rank)

@@ -392,7 +392,7 @@ def _threads_worker(rank, world):
                                       name="decode-worker")
             worker.start()  # blocks inside merge() until rank 1 calls
             deadline = time.monotonic() + 30
-            while ws._caller is None and time.monotonic() < deadline:
+            while ws._calls.caller is None and time.monotonic() < deadline:
                 time.sleep(0.005)
             with pytest.raises(RuntimeError, match=r"TopKWorkspace on rank 0: merge\(\) from thread 'MainThread' "
                                                    r"\(id \d+\) while thread 'decode-worker' \(id \d+\) is inside "

@@ -91,11 +91,29 @@ def test_workspace_argument_errors_and_teardown():
 
 
 def test_layout_names_the_cpp_layout():
-    import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
+    import torch_sdcp
     from torch_sdcp.workspaces import (ExchangeWorkspace, OutputLSEWorkspace, QueryWorkspace, TopKWorkspace,
                                        WorkspaceKind, WorkspaceLayout, workspace_layout)
 
-    assert {k.name: int(k) for k in WorkspaceKind} == {"EXCHANGE": 0, "OUTPUT_LSE": 1, "TOPK": 2, "QUERY": 3}
+    from torch_sdcp.families import FAMILIES
+
+    # The family records are the Python side's one list of families: kinds
+    # 0..n-1 in order, as the C++ table (kFamilies) numbers them, each class
+    # defined where its record says and reading its kind, parameters and
+    # parts from it.
+    assert [f.kind for f in FAMILIES] == list(WorkspaceKind) and [int(k) for k in WorkspaceKind] == [
+        *range(len(FAMILIES))]
+    with pytest.raises(ValueError, match=rf"argument 'kind': expected 0\.\.{len(FAMILIES) - 1}, got {len(FAMILIES)}"):
+        torch.ops.sdcp.workspace_layout(len(FAMILIES), [1], 2)
+    for family in FAMILIES:
+        cls = family.load()
+        assert (cls.__name__, cls.__module__, cls.family) == (family.workspace, family.module, family)
+        assert (cls.kind, cls.PARAMS, cls.PARTS) == (family.kind, family.params, family.parts)
+        with pytest.raises(ValueError, match=f"expected {len(family.params)} values"):
+            torch.ops.sdcp.workspace_layout(int(family.kind), [1] * (len(family.params) + 1), 2)
+        assert getattr(torch_sdcp, family.workspace) is cls and family.workspace in torch_sdcp.__all__
+        for op in family.peer_ops:
+            assert getattr(torch.ops.sdcp, op).default in torch_sdcp.fake.PEER_OPS
     world = 2
     params = {ExchangeWorkspace: [100], OutputLSEWorkspace: [8, 8, 128, 2], TopKWorkspace: [8, 32, 16],
               QueryWorkspace: [8, 4, 576, 1]}
@@ -104,17 +122,17 @@ def test_layout_names_the_cpp_layout():
         assert len(p) == len(cls.PARAMS)  # the C++ side checks the count per kind
         layout = layouts[cls] = workspace_layout(cls.kind, p, world)
         assert layout.region_bytes == torch.ops.sdcp.workspace_nbytes(int(cls.kind), p, world)
-        assert layout.data_offset == layout.control_bytes and len(layout.part_offsets) == 4
+        assert layout.data_offset == layout.control_bytes and len(layout.part_values) == 4
         # The op's flat list, in the field order of WorkspaceLayout (the C++ side's
-        # [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_offset x 4]).
+        # [control_bytes, data_offset, slots, slot_bytes, region_bytes, part_values x 4]).
         flat = torch.ops.sdcp.workspace_layout(int(cls.kind), p, world)
         assert flat == [layout.control_bytes, layout.data_offset, layout.slots, layout.slot_bytes,
-                        layout.region_bytes, *layout.part_offsets]
+                        layout.region_bytes, *layout.part_values]
     assert WorkspaceLayout._fields == ("control_bytes", "data_offset", "slots", "slot_bytes", "region_bytes",
-                                       "part_offsets")
+                                       "part_values")
 
     def part(cls, name):
-        return layouts[cls].part_offsets[cls.PARTS.index(name)]
+        return layouts[cls].part_values[cls.PARTS.index(name)]
 
     # Data-as-flag buffers hold one entry per peer (world - 1): the exchange's
     # 100 bytes are 25 tagged 64-bit words (200 bytes, aligned to 256).
@@ -462,3 +480,35 @@ def test_rows_fallback_is_agreed_before_any_collective():
 def test_cuda_rows_fallback_is_agreed_on_an_nccl_group():
     results = run_workers(_rows_fallback_worker, 2, args=(200, "cuda"), timeout=300, backend="nccl")
     _check_rows_fallback(results, 200, "cuda, nccl, FileStore")
+
+
+def test_route_is_the_one_decision_of_a_call():
+    import types
+
+    from torch_sdcp.route import PEER, Route, Why, route, route_without_rows
+
+    assert route(None, 1) == Route(False, Why.NO_WORKSPACE)
+    assert route(types.SimpleNamespace(peer=False, max_rows=4), 1) == Route(False, Why.PEER_UNAVAILABLE)
+    assert route(types.SimpleNamespace(peer=True, max_rows=4), 5) == Route(False, Why.ROWS_OVER_BOUND)
+    assert route(types.SimpleNamespace(peer=True, max_rows=4), 4) == PEER == Route(True, None)
+    # Bounded in bytes (the exchange): no rows bound is read, only the mode decides.
+    assert route_without_rows(types.SimpleNamespace(peer=True)) == PEER
+    assert route_without_rows(types.SimpleNamespace(peer=False)) == Route(False, Why.PEER_UNAVAILABLE)
+    assert route_without_rows(None) == Route(False, Why.NO_WORKSPACE)
+
+
+def test_void_placeholders_get_the_arguments_by_name():
+    import inspect
+
+    from torch_sdcp.workspaces._call import named_arguments
+
+    def gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale=None, *, lse_base="e"):
+        pass
+
+    sig = inspect.signature(gather)
+    assert named_arguments(sig, (1, 2, 3, 4, 5), {}) == dict(ql_nope=1, q_pe=2, positions=3, cos_sin_cache=4,
+                                                             q_scale=5, lse_base="e")
+    assert named_arguments(sig, (1,), dict(q_pe=2, positions=3, cos_sin_cache=4, lse_base="2")) == dict(
+        ql_nope=1, q_pe=2, positions=3, cos_sin_cache=4, q_scale=None, lse_base="2")
+    # Arguments that do not bind (a misspelt keyword, one missing): those that name a parameter.
+    assert named_arguments(sig, (1, 2), dict(scale=5)) == dict(ql_nope=1, q_pe=2, q_scale=None, lse_base="e")

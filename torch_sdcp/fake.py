@@ -9,6 +9,7 @@ import torch
 from torch.library import register_fake
 
 from torch_sdcp import _registry
+from torch_sdcp.families import FAMILIES
 
 
 @register_fake("sdcp::query_rope_quant")
@@ -88,17 +89,7 @@ def _query_all_gather_heads_out(q, workspace, out):
 
 
 # Peer ops publish into other ranks' memory: never dead code, even when the
-# caller drops the result on this rank.
-PEER_OPS = (
-    torch.ops.sdcp.peer_all_gather.default,
-    torch.ops.sdcp.output_lse_combine.default,
-    torch.ops.sdcp.output_lse_combine_out.default,
-    torch.ops.sdcp.topk_merge.default,
-    torch.ops.sdcp.query_gather.default,
-    torch.ops.sdcp.query_publish.default,
-    torch.ops.sdcp.query_release.default,
-    torch.ops.sdcp.query_all_gather_heads.default,
-    torch.ops.sdcp.query_all_gather_heads_out.default,
-)
+# caller drops the result on this rank. Every family's record names its own.
+PEER_OPS = tuple(getattr(torch.ops.sdcp, op).default for family in FAMILIES for op in family.peer_ops)
 for _op in PEER_OPS:
     torch.fx.node.has_side_effect(_op)

@@ -31,11 +31,15 @@ class Route(NamedTuple):
     why: Why | None = None
 
 
-class Routed(Protocol):
-    """What the decision reads of a workspace."""
+class Moded(Protocol):
+    """What the decision reads of a workspace bounded in bytes (the exchange)."""
 
     @property
     def peer(self) -> bool: ...
+
+
+class Routed(Moded, Protocol):
+    """What the decision reads of a workspace bounded in rows."""
 
     @property
     def max_rows(self) -> int: ...
@@ -44,12 +48,20 @@ class Routed(Protocol):
 PEER = Route(True)
 
 
-def route(workspace: Routed | None, rows: int) -> Route:
-    """The path of a call of ``rows`` rows on ``workspace`` (None: none exists)."""
+def route_without_rows(workspace: Moded | None) -> Route:
+    """The path of a call that no rows bound applies to: the exchange's, whose
+    bound is in bytes (a call over its ``max_bytes`` is an argument error of
+    its op, never a reason to fall back), so only the workspace's mode decides."""
     if workspace is None:
         return Route(False, Why.NO_WORKSPACE)
     if not workspace.peer:
         return Route(False, Why.PEER_UNAVAILABLE)
-    if rows > workspace.max_rows:
-        return Route(False, Why.ROWS_OVER_BOUND)
     return PEER
+
+
+def route(workspace: Routed | None, rows: int) -> Route:
+    """The path of a call of ``rows`` rows on ``workspace`` (None: none exists)."""
+    decision = route_without_rows(workspace)
+    if decision.peer and rows > workspace.max_rows:
+        return Route(False, Why.ROWS_OVER_BOUND)
+    return decision

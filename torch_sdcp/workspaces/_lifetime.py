@@ -54,9 +54,7 @@ def _forget_inherited() -> None:
     descriptors belong to the parent's rank, and CUDA does not survive a fork;
     they go with the child."""
     for ws in list(_owned):
-        finalizer, ws._finalizer, ws._watch = ws._finalizer, None, None
-        if finalizer is not None:
-            finalizer.detach()
+        ws._forget_inherited()
     _owned.clear()
 
 

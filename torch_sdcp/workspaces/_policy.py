@@ -1,24 +1,18 @@
 """The policies and argument checks that every workspace family shares: the
-timeout of a wait on a peer, the bound of a size parameter, the process group,
-the tensors a call takes, and the agreement of the ranks on the collective
-path of a call with more rows than ``max_rows``."""
+timeout of a wait on a peer, the bound of a size parameter, the process group
+and the tensors a call takes."""
 
 from __future__ import annotations
 
 import math
 import numbers
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp._checks import arg_error, check, check_positive_int
-from torch_sdcp.peer.collectives import AgreementAbandoned
-
-if TYPE_CHECKING:
-    from torch_sdcp.workspaces.base import PeerWorkspace
 
 #: Bound of every wait on a peer when neither ``timeout_s`` nor
 #: ``SDCP_TIMEOUT_S`` says otherwise: minutes, because engines skew by many
@@ -33,7 +27,7 @@ MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 86400.0
 MAX_REGION_BYTES = 1 << 40
 
 
-def check_timeout(value: Any, arg: str = "timeout_s") -> float:
+def validate_timeout(value: Any, arg: str = "timeout_s") -> float:
     """``value`` as a float number of seconds in [MIN_TIMEOUT_S, MAX_TIMEOUT_S]:
     a real number (not a string, not a bool), finite."""
     check(isinstance(value, numbers.Real) and not isinstance(value, bool), arg,
@@ -52,13 +46,13 @@ def default_timeout_s() -> float:
     if raw is None or not raw.strip():
         return DEFAULT_TIMEOUT_S
     try:
-        return check_timeout(float(raw), TIMEOUT_ENV)
+        return validate_timeout(float(raw), TIMEOUT_ENV)
     except ValueError:
         raise ValueError(f"torch_sdcp: environment variable {TIMEOUT_ENV}: expected a finite number of seconds "
                          f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], got {raw!r}") from None
 
 
-def check_size_param(value: Any, arg: str) -> int:
+def validate_size_param(value: Any, arg: str) -> int:
     """A size parameter of a workspace: an int (not a bool), >= 1 and at most
     MAX_REGION_BYTES (a larger one cannot fit in a region, and larger than
     int64 cannot reach the C++ layout)."""
@@ -105,61 +99,3 @@ def leading_rows(*candidates: tuple[object, int]) -> int | None:
         if isinstance(t, Tensor) and t.dim() == dims:
             return int(t.shape[0])
     return None
-
-
-#: Calls whose collective paths run the same collectives: alike for the agreement on that path.
-_SAME_COLLECTIVES = {"combine_out": "combine", "gather_view": "gather"}
-
-
-def _ranks(ranks: list[int]) -> str:
-    if not ranks:
-        return "the peers"
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _peer_failure(ws: PeerWorkspace) -> str | None:
-    """Why the peers of ``ws`` will not come (a peer aborted it, or exited), or None."""
-    if ws.handle is None:
-        return None
-    try:
-        torch.ops.sdcp.workspace_check(ws.handle)
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-def agree_collective_path(ws: PeerWorkspace, rows: int) -> None:
-    """Before the collectives of a call with more rows than max_rows, every
-    rank says on the group's store that it takes the collective path (with
-    which call and how many rows) and waits, within timeout_s, for every peer
-    to say the same: a rank that took the peer path, or a different call, is
-    named on every rank and no rank enters a collective, so none is left
-    waiting in one (docs/PROTOCOL.md "Failure behaviour")."""
-    arena = ws.arena
-    if arena is None or ws.world_size == 1 or torch.compiler.is_compiling():
-        return
-    what = ws._caller[2] if ws._caller is not None else "call"
-    ws._collective_calls += 1
-    where = (f"torch_sdcp: {type(ws).__name__} on rank {ws.rank}: {what}() has {rows} rows > max_rows = "
-             f"{ws.max_rows} on this rank and takes the collective path")
-    mine = f"{_SAME_COLLECTIVES.get(what, what)}() with {rows} rows"
-    try:
-        got = arena.agree_call(f"collective{ws._collective_calls}", mine.encode(), ws.timeout_s,
-                               lambda: _peer_failure(ws))
-    except AgreementAbandoned as e:
-        missing = _ranks(e.missing)
-        if not e.mine:
-            late = " before this rank came" if ws.rank in e.missing else ""
-            why = f": {e.reason}" if e.reason else ""
-            raise RuntimeError(f"{where}, but rank {e.by_rank} gave up on this call after {e.waited_s:.3g} s "
-                               f"waiting for {missing}{late}{why}; no rank entered a collective") from None
-        if e.reason is not None:
-            raise RuntimeError(f"{where}; it stopped waiting for {missing} to take it: {e.reason}; no rank "
-                               "entered a collective") from None
-        raise RuntimeError(f"{where}, but {missing} did not take the collective path within timeout_s = "
-                           f"{ws.timeout_s:g} s (took the peer path for this call, or did not call); no rank "
-                           "entered a collective") from None
-    if any(g != got[0] for g in got):
-        sides = ", ".join(f"rank {r}: {g.decode()}" for r, g in enumerate(got))
-        raise RuntimeError(f"torch_sdcp: {type(ws).__name__} on rank {ws.rank}: call mismatch on the collective "
-                           f"path (more rows than max_rows = {ws.max_rows}): {sides}; no rank entered a collective")

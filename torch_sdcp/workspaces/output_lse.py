@@ -12,13 +12,13 @@ from torch import Tensor
 
 from torch_sdcp import collective, ops, reference
 from torch_sdcp._checks import arg_error, check
-from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.families import OUTPUT_LSE
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import check_size_param, leading_rows, require_tensor, resolve_group
+from torch_sdcp.workspaces._policy import leading_rows, require_tensor, resolve_group, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
-def _check_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_lse: Any) -> None:
+def _validate_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_lse: Any) -> None:
     """The inputs of combine and combine_out, checked alike on the peer and the
     collective path (the C++ op checks the same, but cannot tell two dtypes of
     one element size apart)."""
@@ -43,7 +43,7 @@ def _check_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_lse:
                         f"device {partial_lse.device}")
 
 
-def _check_mask(partial_out: Tensor, seq_lens: Any, query_start_loc: Any) -> bool:
+def _validate_mask(partial_out: Tensor, seq_lens: Any, query_start_loc: Any) -> bool:
     """The empty-shard mask's arguments, checked alike on both paths (as
     csrc/output_lse.cpp checks them); True when a mask is asked for."""
     if not reference.check_mask_args(seq_lens, query_start_loc):
@@ -56,7 +56,7 @@ def _check_mask(partial_out: Tensor, seq_lens: Any, query_start_loc: Any) -> boo
     return True
 
 
-def _check_combine_outputs(ws: OutputLSEWorkspace, partial_out: Tensor, out: object, out_lse: object) -> None:
+def _validate_combine_outputs(ws: OutputLSEWorkspace, partial_out: Tensor, out: object, out_lse: object) -> None:
     """combine_out's caller-owned outputs, checked alike on both paths (as
     csrc/output_lse.cpp checks them): exact shape, dtype, contiguous, device."""
     rows, hl, d = partial_out.shape[0], ws.local_heads, ws.head_dim
@@ -87,10 +87,7 @@ class OutputLSEWorkspace(PeerWorkspace):
     H/N x (head_dim x element size + 4) bytes + 64 KiB tail, granularity-rounded.
     """
 
-    kind = WorkspaceKind.OUTPUT_LSE
-    PARAMS = ("max_rows", "total_heads", "head_dim", "elem_bytes")
-    # One entry per peer: out [peer][row][h_loc][d]; lse [peer][row][h_loc] fp32; call headers [peer][16 bytes]
-    PARTS = ("out_inbox", "lse_inbox", "headers")
+    family = OUTPUT_LSE
     SENTINEL_FILLED = True
     POISON_ON_ERROR = True
 
@@ -99,10 +96,10 @@ class OutputLSEWorkspace(PeerWorkspace):
         check(dtype in (torch.bfloat16, torch.float16, torch.float32), "dtype", "bfloat16, float16 or float32",
               dtype)
         _, _, world = resolve_group(group)
-        check_size_param(max_rows, "max_rows")
-        check(check_size_param(total_heads, "total_heads") % world == 0, "total_heads",
+        validate_size_param(max_rows, "max_rows")
+        check(validate_size_param(total_heads, "total_heads") % world == 0, "total_heads",
               f"a multiple of the world size {world}", total_heads)
-        check_size_param(head_dim, "head_dim")
+        validate_size_param(head_dim, "head_dim")
         self.dtype = dtype
         self.total_heads, self.head_dim = total_heads, head_dim
         elem = torch.empty((), dtype=dtype).element_size()
@@ -112,13 +109,11 @@ class OutputLSEWorkspace(PeerWorkspace):
     def local_heads(self) -> int:
         return self.total_heads // self.world_size
 
-    def _placeholder(self, what, args, kwargs):
+    def void_placeholder(self, what, arguments):
         """A void combine: the rows of ``partial_out``, every shard empty
         (LSE -inf), the call's LSE base."""
-        partial_out = args[0] if args else kwargs.get("partial_out")
-        partial_lse = args[1] if len(args) > 1 else kwargs.get("partial_lse")
-        rows = leading_rows((partial_out, 3), (partial_lse, 2))
-        base = kwargs.get("lse_base", "e")
+        rows = leading_rows((arguments.get("partial_out"), 3), (arguments.get("partial_lse"), 2))
+        base = arguments.get("lse_base", "e")
         if rows is None or rows > self.max_rows or base not in ops.LSE_BASES:
             return None
         out = torch.zeros(rows, self.total_heads, self.head_dim, dtype=self.dtype, device=self.device)
@@ -135,12 +130,12 @@ class OutputLSEWorkspace(PeerWorkspace):
         rows of empty shards get no weight, inside the one combine kernel
         (torch_sdcp.reference.mask_empty_shards)."""
         with self._call("combine"):
-            _check_combine_inputs(self, partial_out, partial_lse)
-            self._check_devices(partial_out=partial_out, partial_lse=partial_lse, seq_lens=seq_lens,
+            _validate_combine_inputs(self, partial_out, partial_lse)
+            self._require_on_device(partial_out=partial_out, partial_lse=partial_lse, seq_lens=seq_lens,
                                 query_start_loc=query_start_loc)
-            masked = _check_mask(partial_out, seq_lens, query_start_loc)
+            masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
-            if self._rows_fit(partial_out.shape[0], "partial_out"):
+            if self._take_path(partial_out.shape[0], "partial_out"):
                 out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base,
                                                   seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:  # the fused collective path, made contiguous like the peer path's output
@@ -158,13 +153,13 @@ class OutputLSEWorkspace(PeerWorkspace):
         dtype) and out_lse [T, H/N] fp32, both contiguous, on the inputs'
         device; the same checks on the peer and the collective path."""
         with self._call("combine_out"):
-            _check_combine_inputs(self, partial_out, partial_lse)
-            _check_combine_outputs(self, partial_out, out, out_lse)
-            self._check_devices(partial_out=partial_out, partial_lse=partial_lse, out=out, out_lse=out_lse,
+            _validate_combine_inputs(self, partial_out, partial_lse)
+            _validate_combine_outputs(self, partial_out, out, out_lse)
+            self._require_on_device(partial_out=partial_out, partial_lse=partial_lse, out=out, out_lse=out_lse,
                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
-            masked = _check_mask(partial_out, seq_lens, query_start_loc)
+            masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
-            if self._rows_fit(partial_out.shape[0], "partial_out"):
+            if self._take_path(partial_out.shape[0], "partial_out"):
                 ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base,
                                            seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:

@@ -9,13 +9,13 @@ from torch import Tensor
 
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check
-from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.families import QUERY
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import check_size_param, leading_rows, require_tensor
+from torch_sdcp.workspaces._policy import leading_rows, require_tensor, validate_size_param
 from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace, VoidedCallError
 
 
-def _check_query_inputs(ql_nope: object, q_pe: object) -> None:
+def _validate_query_inputs(ql_nope: object, q_pe: object) -> None:
     require_tensor(ql_nope, "ql_nope", 3, "[T, H, nope]")
     if not isinstance(q_pe, Tensor):
         raise arg_error("q_pe", "a Tensor", type(q_pe).__name__)
@@ -53,11 +53,7 @@ class QueryWorkspace(PeerWorkspace):
     granularity-rounded.
     """
 
-    kind = WorkspaceKind.QUERY
-    PARAMS = ("max_rows", "local_heads", "head_dim", "elem_bytes")
-    # the view [row][src*H_loc + h][nope + rope]; buffer 0 [peer][row][h][nope + rope] (buffer 1 follows);
-    # bytes of one buffer; call headers [buffer 0, buffer 1, view][peer][16 bytes]
-    PARTS = ("inbox", "buffers", "buffer_bytes", "headers")
+    family = QUERY
     SENTINEL_FILLED = True
     POISON_ON_ERROR = True
 
@@ -66,11 +62,11 @@ class QueryWorkspace(PeerWorkspace):
                  **kwargs):
         check(dtype in ops.QUERY_GATHER_DTYPES, "dtype", f"one of {ops.QUERY_GATHER_DTYPES}", dtype)
         ops.rope_is_neox(rope_style)
-        check_size_param(max_rows, "max_rows")
-        check_size_param(local_heads, "local_heads")
-        check_size_param(nope_dim, "nope_dim")
+        validate_size_param(max_rows, "max_rows")
+        validate_size_param(local_heads, "local_heads")
+        validate_size_param(nope_dim, "nope_dim")
         if not (type(rope_dim) is int and rope_dim == 0):  # 0: a workspace for all_gather_heads only
-            check(check_size_param(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
+            check(validate_size_param(rope_dim, "rope_dim") % 2 == 0, "rope_dim", "an even value", rope_dim)
         self.dtype, self.rope_style = dtype, rope_style
         self.local_heads = local_heads
         self.nope_dim, self.rope_dim = nope_dim, rope_dim
@@ -94,7 +90,7 @@ class QueryWorkspace(PeerWorkspace):
                                     self.layout.data_offset + self.part("inbox"))
         return raw.view(self.dtype)
 
-    def _check_resizable(self) -> None:
+    def _require_resizable(self) -> None:
         if self._open_view is not None:
             raise RuntimeError("torch_sdcp: QueryWorkspace.resize: a view from gather_view() is still open; "
                                "release() it first")
@@ -105,17 +101,17 @@ class QueryWorkspace(PeerWorkspace):
         self._view_published = False
         super()._release(barrier)
 
-    def _check_no_open_view(self, what: str) -> None:
+    def _require_no_open_view(self, what: str) -> None:
         if self._open_view is not None:
             raise CallRefused(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by "
                               "the last gather_view() is still open; call release() once its reader is done, "
                               "before producing the next query")
 
-    def _placeholder(self, what, args, kwargs):
+    def void_placeholder(self, what, arguments):
         """A void gather, gather_view or all_gather_heads: the rows of the
         call's query, zeros (a void view is published and released at once:
         the caller never got it)."""
-        rows = leading_rows((args[0] if args else kwargs.get("q" if what == "all_gather_heads" else "ql_nope"), 3))
+        rows = leading_rows((arguments.get("q" if what == "all_gather_heads" else "ql_nope"), 3))
         if rows is None or rows > self.max_rows:
             return None
         device, heads = self.device, self.local_heads
@@ -124,7 +120,7 @@ class QueryWorkspace(PeerWorkspace):
             return lambda: ops.query_all_gather_heads(q, self.handle)
         if what not in ("gather", "gather_view") or self.rope_dim == 0:
             return None
-        scaled = (args[4] if len(args) > 4 else kwargs.get("q_scale")) is not None
+        scaled = arguments.get("q_scale") is not None
         if scaled and self.dtype != torch.float8_e4m3fn:
             return None  # no such call: the peers' op refuses it too
         nope = torch.zeros(rows, heads, self.nope_dim, dtype=torch.bfloat16, device=device)
@@ -151,14 +147,14 @@ class QueryWorkspace(PeerWorkspace):
         bit-identical to producing locally then all_gather on heads."""
         with self._call("gather"):
             if not torch.compiler.is_compiling():
-                self._check_no_open_view("gather")
+                self._require_no_open_view("gather")
             return self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
 
     def _gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
-        _check_query_inputs(ql_nope, q_pe)
-        self._check_devices(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
+        _validate_query_inputs(ql_nope, q_pe)
+        self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                             q_scale=q_scale)
-        if self._rows_fit(ql_nope.shape[0], "ql_nope"):
+        if self._take_path(ql_nope.shape[0], "ql_nope"):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype)
         return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
@@ -186,12 +182,12 @@ class QueryWorkspace(PeerWorkspace):
 
     def _gather_view(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
         with self._call("gather_view"):
-            self._check_no_open_view("gather_view")
-            _check_query_inputs(ql_nope, q_pe)
-            self._check_devices(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
+            self._require_no_open_view("gather_view")
+            _validate_query_inputs(ql_nope, q_pe)
+            self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                                 q_scale=q_scale)
             rows = ql_nope.shape[0]
-            if self._rows_fit(rows, "ql_nope"):
+            if self._take_path(rows, "ql_nope"):
                 ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
                                   rope_style=self.rope_style, out_dtype=self.dtype)
                 if self._inbox_view is None:
@@ -215,7 +211,7 @@ class QueryWorkspace(PeerWorkspace):
             view, self._open_view = self._open_view, None
             published, self._view_published = self._view_published, False
             if published:  # a view of 0 rows too: its release is the call that pairs with the peers'
-                self._check_stream()
+                self._calls.require_ordered_stream(self)
                 ops.query_release(view, self.handle)  # re-fills the rows the view had
 
     @call_method
@@ -229,14 +225,14 @@ class QueryWorkspace(PeerWorkspace):
         returned. Rows above max_rows take the collective path."""
         with self._call("all_gather_heads"):
             if not torch.compiler.is_compiling():
-                self._check_no_open_view("all_gather_heads")
+                self._require_no_open_view("all_gather_heads")
             require_tensor(q, "q", 3, "[T, H_loc, W]")
             if q.dtype != self.dtype:
                 raise arg_error("q", f"dtype {self.dtype} (the dtype of this QueryWorkspace)", f"dtype {q.dtype}")
             if out is not None and not isinstance(out, Tensor):
                 raise arg_error("out", "a Tensor or None", type(out).__name__)
-            self._check_devices(q=q, out=out)
-            if self._rows_fit(q.shape[0], "q"):
+            self._require_on_device(q=q, out=out)
+            if self._take_path(q.shape[0], "q"):
                 if out is None:
                     return ops.query_all_gather_heads(q, self.handle)
                 ops.query_all_gather_heads_out(q, self.handle, out)

@@ -10,9 +10,9 @@ from torch import Tensor
 
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error
-from torch_sdcp.workspaces._layout import WorkspaceKind
+from torch_sdcp.families import TOPK
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import check_size_param, leading_rows, require_tensor
+from torch_sdcp.workspaces._policy import leading_rows, require_tensor, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -32,26 +32,21 @@ class TopKWorkspace(PeerWorkspace):
     (DCP2, 128 rows, C = k = 2048: 6 MiB with a 2 MiB granularity).
     """
 
-    kind = WorkspaceKind.TOPK
-    PARAMS = ("max_rows", "candidates_per_rank", "k")
-    # One entry per peer: a peer's sorted best keys [peer][row][min(C, k)]; min(C, k);
-    # call headers [peer][16 bytes]
-    PARTS = ("keys", "keys_per_row", "headers")
+    family = TOPK
     SENTINEL_FILLED = True
     POISON_ON_ERROR = True
 
     def __init__(self, group: dist.ProcessGroup | None, max_rows: int, k: int,
                  candidates_per_rank: int | None = None, **kwargs):
-        check_size_param(max_rows, "max_rows")
-        self.k = check_size_param(k, "k")
-        self.candidates_per_rank = check_size_param(k if candidates_per_rank is None else candidates_per_rank,
+        validate_size_param(max_rows, "max_rows")
+        self.k = validate_size_param(k, "k")
+        self.candidates_per_rank = validate_size_param(k if candidates_per_rank is None else candidates_per_rank,
                                                     "candidates_per_rank")
         super().__init__(group, [max_rows, self.candidates_per_rank, self.k], **kwargs)
 
-    def _placeholder(self, what, args, kwargs):
+    def void_placeholder(self, what, arguments):
         """A void merge: the rows of ``scores``, no candidate (score -inf, id -1)."""
-        rows = leading_rows((args[0] if args else kwargs.get("scores"), 2),
-                            (args[1] if len(args) > 1 else kwargs.get("ids"), 2))
+        rows = leading_rows((arguments.get("scores"), 2), (arguments.get("ids"), 2))
         if rows is None or rows > self.max_rows:
             return None
         scores = torch.full((rows, self.candidates_per_rank), -math.inf, device=self.device)
@@ -66,8 +61,8 @@ class TopKWorkspace(PeerWorkspace):
             require_tensor(scores, "scores", 2, "[T, C]")
             if not isinstance(ids, Tensor):
                 raise arg_error("ids", "a Tensor", type(ids).__name__)
-            self._check_devices(scores=scores, ids=ids)
-            if self._rows_fit(scores.shape[0], "scores"):
+            self._require_on_device(scores=scores, ids=ids)
+            if self._take_path(scores.shape[0], "scores"):
                 return ops.topk_merge(scores, ids, self.handle, self.k)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
 
