@@ -78,6 +78,40 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
   }
 }
 
+// RowMask::row_empty with the whole warp: a 32-way search over the request
+// ends (one round of loads for up to 32 requests, two up to 1024), the last
+// round also loading the candidate requests' seq_lens, so a row's lookup is
+// one or two dependent loads instead of a binary search's log2(R) + 2.
+// A = the number of ends query_start_loc[1..R] <= t (ascending ends); the row
+// is padding when A == R, else it belongs to request A.
+__device__ __forceinline__ bool warp_row_empty(const RowMask& m, int64_t t) {
+  const int lane = threadIdx.x & 31;
+  const int64_t requests = m.requests;
+  if (requests == 0) return true;
+  int64_t lo = 0, hi = requests;  // A in [lo, hi]
+  while (true) {
+    const bool last = hi - lo <= 32;  // then step 1: A = lo + (the count below)
+    const int64_t step = last ? 1 : (hi - lo + 31) / 32;
+    const int64_t e = lo + (lane + 1) * step;
+    // The last round: lane j also loads request lo + j's length (a candidate for A).
+    const int64_t cand = lo + lane;
+    int64_t len = 1;
+    if (last && cand < requests) len = m.seq_len(cand);
+    const bool below = e <= hi && m.boundary(e) <= t;
+    const int c = __popc(__ballot_sync(0xffffffffu, below));
+    if (last) {
+      const int64_t a = lo + c;
+      if (a >= requests) return true;  // padding
+      // a - lo = c <= 31 here unless every lane's end was <= t (then a == lo + 32).
+      const int64_t got = __shfl_sync(0xffffffffu, len, c & 31);
+      return (c < 32 ? got : m.seq_len(a)) == 0;
+    }
+    const int64_t next_lo = lo + c * step;
+    hi = min(hi, lo + (c + 1) * step - 1);
+    lo = next_lo;
+  }
+}
+
 // Data-as-flag (dataflag.h). Block b owns the same items (row, local head) on
 // every rank: it stores its items' head shards for every peer into that
 // peer's buffer, then, for its own heads, polls each peer's LSE and payload
@@ -118,13 +152,14 @@ __global__ void __launch_bounds__(kThreads)
   uint64_t call = 0;
   bool have_call = false;
   // The warp's last looked-up row (items of one row are often the same warp's).
+  // Called by the whole warp (the lookup is a warp-wide search).
   int mask_row = -1;
   bool mask_row_empty = false;
   auto row_empty = [&](int t) {
     if (!mask.enabled) return false;
     if (t != mask_row) {
       mask_row = t;
-      mask_row_empty = mask.row_empty(t);
+      mask_row_empty = warp_row_empty(mask, t);
     }
     return mask_row_empty;
   };
@@ -157,8 +192,9 @@ __global__ void __launch_bounds__(kThreads)
   const int pairs = (n - 1) * nvec;
   for (int i = begin + warp; i < end; i += kWarps) {
     const int t = i / hl, h = i - t * hl;
-    const bool sends_lse = lane < n && lane != me, empty = row_empty(t);
-    const float lse = !sends_lse ? 0.0f : empty ? -INFINITY : pl[static_cast<int64_t>(t) * heads + lane * hl + h];
+    const bool sends_lse = lane < n && lane != me;
+    // Loaded before the row lookup, whose loads then overlap it and the payload's.
+    const float raw_lse = sends_lse ? pl[static_cast<int64_t>(t) * heads + lane * hl + h] : 0.0f;
     for (int base = 0; base < pairs; base += 32 * kUnroll) {
       uint4 buf[kUnroll];
       int dst[kUnroll], vec[kUnroll];
@@ -170,8 +206,12 @@ __global__ void __launch_bounds__(kThreads)
         if (x < pairs) buf[u] = shard(t, h, dst[u])[vec[u]];
       }
       if (!have_call) begin_call();  // while the first inputs are in flight
-      // The LSE first: the owner needs it before any payload vector.
-      if (base == 0 && sends_lse) inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(lse));
+      // The LSE first: the owner needs it before any payload vector. An empty
+      // row sends -inf (base == 0 is warp-uniform: the lookup is warp-wide).
+      if (base == 0) {
+        const float lse = row_empty(t) ? -INFINITY : raw_lse;
+        if (sends_lse) inbox_lse(lane, me)[i] = canonical_lse_word(__float_as_uint(lse));
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (base + u * 32 + lane < pairs) inbox_out(dst[u], me)[static_cast<int64_t>(i) * nvec + vec[u]] = canonical_payload(buf[u]);
@@ -183,9 +223,25 @@ __global__ void __launch_bounds__(kThreads)
   //    payload vectors in shard order, each polled, re-filled and weighed.
   const uint4 sentinel4 = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
   const int first_peer = me == 0 ? 1 : 0;
+  // This rank's own shard of an item (chunk 0) and its own LSE are loaded one
+  // item ahead: a warp keeps two items' loads in flight, which is what the
+  // large-row regime needs (the grid is capped near 2 blocks per SM).
+  const bool two0 = lane + 32 < nvec;
+  uint4 next0 = make_uint4(0, 0, 0, 0), next1 = next0;
+  float next_lse = 0.0f;
+  auto load_own = [&](int i) {
+    const int t = i / hl, h = i - t * hl;
+    const uint4* own = shard(t, h, me);
+    if (lane < nvec) next0 = own[lane];
+    if (two0) next1 = own[lane + 32];
+    if (lane == me) next_lse = pl[static_cast<int64_t>(t) * heads + me * hl + h];
+  };
+  if (begin + warp < end) load_own(begin + warp);
   for (int i = begin + warp; i < end; i += kWarps) {
     const int t = i / hl, h = i - t * hl;
     const uint4* own = shard(t, h, me);
+    uint4 own0 = next0, own1 = next1;
+    const float own_raw_lse = next_lse;
     uint4* const inbox = reinterpret_cast<uint4*>(ws.buffer(me, call) + g.out_inbox_offset) + static_cast<int64_t>(i) * nvec;
     auto peer_vec = [&](int s, int v) { return inbox + ws.peer_slot(s, me) * entry_vecs + v; };
     uint32_t* lse_at = inbox_lse(me, lane) + i;
@@ -195,15 +251,13 @@ __global__ void __launch_bounds__(kThreads)
     uint4* const header_at = header(me, lane);
     const uint4 header_word = checks_header ? ld_volatile_v4(header_at) : sentinel4;
     uint32_t lse_word = polls_lse ? ld_volatile_u32(lse_at) : 0u;
-    const float own_lse = lane != me ? 0.0f : row_empty(t) ? -INFINITY : pl[static_cast<int64_t>(t) * heads + me * hl + h];
-    // Chunk 0's vectors: this rank's own (no wait) and the first peer's.
-    const bool two0 = lane + 32 < nvec;
-    uint4 own0 = make_uint4(0, 0, 0, 0), own1 = own0, a0 = sentinel4, a1 = sentinel4;
-    if (lane < nvec) own0 = own[lane];
-    if (two0) own1 = own[lane + 32];
+    // Chunk 0's vectors: this rank's own (loaded one item ahead) and the first peer's.
+    uint4 a0 = sentinel4, a1 = sentinel4;
     if (first_peer < n && lane < nvec) a0 = ld_volatile_v4(peer_vec(first_peer, lane));
     if (first_peer < n && two0) a1 = ld_volatile_v4(peer_vec(first_peer, lane + 32));
-    float mine = own_lse;
+    if (i + kWarps < end) load_own(i + kWarps);
+    const bool empty = row_empty(t);  // the whole warp, after its loads are in flight
+    float mine = lane != me ? 0.0f : empty ? -INFINITY : own_raw_lse;
     if (polls_lse) {
       if (checks_header) lse_word = land_word_with_header(ws, lse_at, lse_word, header_at, header_word, hdr, lane, call);
       else if (lse_word == kSentinel) lse_word = poll_word(ws, lse_at, lane, call);
@@ -320,7 +374,8 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
                      partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
                      out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header, c.mask);
     };
-    switch (ws.world_size) {  // DCP2, 4 and 8 keep their weights in registers
+    switch (ws.world_size) {  // one rank, DCP2, 4 and 8 keep their weights in registers
+      case 1: launch(output_lse_kernel<scalar_t, 1>); break;
       case 2: launch(output_lse_kernel<scalar_t, 2>); break;
       case 4: launch(output_lse_kernel<scalar_t, 4>); break;
       case 8: launch(output_lse_kernel<scalar_t, 8>); break;

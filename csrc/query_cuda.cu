@@ -462,7 +462,7 @@ void rope_quant_cuda(const QueryShape& s, const at::Tensor& ql_nope, const at::T
 }
 
 // Launches query_kernel<Items, kView, kN> with the world size as a template
-// parameter where it is 2, 4 or 8 (0: any), programmatically (launch_dataflag).
+// parameter where it is 1, 2, 4 or 8 (0: any), programmatically (launch_dataflag).
 template <typename Items, bool kView>
 void launch_query(const Workspace& ws, int grid, size_t shared_bytes, int device, const DeviceQuery& dq,
                   const Items& items, uint4* out, const CallHeader& header) {
@@ -471,6 +471,7 @@ void launch_query(const Workspace& ws, int grid, size_t shared_bytes, int device
     launch_dataflag(kernel, grid, kThreads, shared_bytes, stream, device, device_workspace(ws), dq, items, out, header);
   };
   switch (ws.world_size) {
+    case 1: go(query_kernel<Items, kView, 1>); break;
     case 2: go(query_kernel<Items, kView, 2>); break;
     case 4: go(query_kernel<Items, kView, 4>); break;
     case 8: go(query_kernel<Items, kView, 8>); break;

@@ -56,6 +56,18 @@ __device__ __forceinline__ void store8(out_t* dst, const out_t (&v)[8]) {
 // cache row, which depends on the position, is loaded after. A position
 // outside the cache goes to `bad_position(pos)` (warp-uniform) and the item is
 // produced unrotated (no row of the cache is read).
+// Nope vectors per lane loaded together before any is converted: 2 cover
+// MLA's 512 (32 lanes x 8 elements x 2); a wider nope loads the rest in the loop.
+constexpr int kNopePrefetch = 2;
+
+// Produces item (t, h) into `dst` (its first element). Called by a whole warp
+// (convergent). Every input that does not depend on the position is loaded
+// first, in one round (the position, this lane's nope vectors, its first
+// rope pair, the scale), then `loaded()` runs (the call index: its load
+// overlaps theirs); the cache row, which depends on the position, is loaded
+// next and lands while the nope part is converted. A position outside the
+// cache goes to `bad_position(pos)` (warp-uniform) and the item is produced
+// unrotated (no row of the cache is read).
 template <typename out_t, typename Loaded, typename BadPosition>
 __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h, out_t* dst, Loaded&& loaded,
                                              BadPosition&& bad_position) {
@@ -64,13 +76,57 @@ __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h
                               : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
   const int d0 = lane * 8;
-  uint4 first = make_uint4(0, 0, 0, 0);
-  if (a.vec_nope && d0 < a.nope_dim) first = *reinterpret_cast<const uint4*>(n + d0);
+  uint4 first[kNopePrefetch];
+#pragma unroll
+  for (int u = 0; u < kNopePrefetch; ++u) {
+    const int d = d0 + u * 32 * 8;
+    first[u] = make_uint4(0, 0, 0, 0);
+    if (a.vec_nope && d < a.nope_dim) first[u] = *reinterpret_cast<const uint4*>(n + d);
+  }
+  const int half = a.rope_dim / 2;
+  const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
+  auto pair_index = [&](int j, int& i0, int& i1) {
+    i0 = a.neox ? j : 2 * j;
+    i1 = a.neox ? j + half : 2 * j + 1;
+  };
+  float x00 = 0.0f, x01 = 0.0f;  // this lane's first rope pair (j = lane)
+  if (lane < half) {
+    int i0, i1;
+    pair_index(lane, i0, i1);
+    x00 = static_cast<float>(q[i0]);
+    x01 = static_cast<float>(q[i1]);
+  }
   const float scale = a.scale ? *a.scale : 1.0f;
   loaded();
+  const bool good = pos >= 0 && pos < a.max_pos;
+  auto cos_sin = [&](int j, float& co, float& si) {
+    co = 1.0f;
+    si = 0.0f;
+    if (!good) return;
+    if (a.cache_f32) {
+      const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
+      co = c[j];
+      si = c[half + j];
+    } else {
+      const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
+      co = static_cast<float>(c[j]);
+      si = static_cast<float>(c[half + j]);
+    }
+  };
+  float co0 = 1.0f, si0 = 0.0f;
+  if (lane < half) cos_sin(lane, co0, si0);  // in flight while the nope part is converted
   if (a.vec_nope) {  // 8 elements per lane step: one 16-byte load, one 8- or 16-byte shared store
-    for (int d = d0; d < a.nope_dim; d += 32 * 8) {
-      const uint4 raw = d == d0 ? first : *reinterpret_cast<const uint4*>(n + d);
+    int u = 0;
+    for (int d = d0; d < a.nope_dim; d += 32 * 8, ++u) {
+      uint4 raw;
+      if (u < kNopePrefetch) {
+        raw = first[0];
+#pragma unroll
+        for (int k = 1; k < kNopePrefetch; ++k)
+          if (u == k) raw = first[k];  // selected, not indexed: an indexed array would live in local memory
+      } else {
+        raw = *reinterpret_cast<const uint4*>(n + d);
+      }
       const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(&raw);
       out_t v[8];
 #pragma unroll
@@ -80,25 +136,16 @@ __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h
   } else {
     for (int d = lane; d < a.nope_dim; d += 32) dst[d] = convert_out<out_t>(static_cast<float>(n[d]), scale);
   }
-  const bool good = pos >= 0 && pos < a.max_pos;
   if (!good) bad_position(pos);
-  const int half = a.rope_dim / 2;
-  const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
   for (int j = lane; j < half; j += 32) {
-    float co = 1.0f, si = 0.0f;
-    if (good) {
-      if (a.cache_f32) {
-        const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
-        co = c[j];
-        si = c[half + j];
-      } else {
-        const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
-        co = static_cast<float>(c[j]);
-        si = static_cast<float>(c[half + j]);
-      }
+    float co = co0, si = si0, x0 = x00, x1 = x01;
+    int i0, i1;
+    pair_index(j, i0, i1);
+    if (j != lane) {
+      cos_sin(j, co, si);
+      x0 = static_cast<float>(q[i0]);
+      x1 = static_cast<float>(q[i1]);
     }
-    const int i0 = a.neox ? j : 2 * j, i1 = a.neox ? j + half : 2 * j + 1;
-    const float x0 = static_cast<float>(q[i0]), x1 = static_cast<float>(q[i1]);
     dst[a.nope_dim + i0] = convert_out<out_t>(rope_first(x0, x1, co, si), scale);
     dst[a.nope_dim + i1] = convert_out<out_t>(rope_second(x0, x1, co, si), scale);
   }

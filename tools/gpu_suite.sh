@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the whole test
 # suite (GPU tests included), then the boundary benchmarks. Logs go to $OUT.
-#   tools/gpu_suite.sh [build|tests|gpu|bench|all]
+#   tools/gpu_suite.sh [build|tests|gpu|check|bench|all]
 # gpu: only the tests that need a GPU (pytest -m gpu), JOBS (default 6) at a
 # time through pytest-xdist when it is installed: the whole suite no longer
 # fits one 10-minute call on one GPU (the DCP4/DCP8 tests spawn many ranks).
+# check: the one-rank check of the peer kernels (python -m
+# torch_sdcp.bench.kernel_check), then the same under compute-sanitizer
+# memcheck (host API results of cuda-python's symbol lookup not reported).
+# bench at SDCP_GPU_WORLD=1 is the kernel side alone (no peer): rows 1 to
+# 4096 by default. There is no one-GPU world-N bench yet (docs/NOTES.md,
+# version 5): ranks sharing one GPU are time-sliced, correct but not timed.
 # SDCP_GPU_WORLD=N (default 2) runs the boundary GPU tests and the benchmarks
 # at world size N (DCP4 / DCP8 on machines with 4 or 8 GPUs); the benchmarks
 # then also run the sparse decode step.
@@ -35,6 +41,11 @@ if [[ $what == gpu ]]; then
   par=()
   python3 -c 'import xdist' 2>/dev/null && par=(-n "${JOBS:-6}")
   timeout ${TEST_TIMEOUT:-540} python3 -m pytest -v -rs -m gpu "${par[@]}" test 2>&1 | tee "$OUT/tests-gpu.log" | tail -60
+fi
+if [[ $what == check ]]; then
+  timeout ${CHECK_TIMEOUT:-150} python3 -m torch_sdcp.bench.kernel_check 2>&1 | tee "$OUT/check.log" | tail -3
+  timeout ${CHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 \
+    python3 -m torch_sdcp.bench.kernel_check 2>&1 | tee "$OUT/memcheck.log" | tail -3
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 -m torch_sdcp.bench --world-size "$world" --out "$OUT/bench" ${BENCH_ARGS:-} \

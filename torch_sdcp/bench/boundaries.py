@@ -62,6 +62,9 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
         for name in ("symm_mem", "vllm_a2a"):
             row[name] = guarded(ctx.timer, comp_fn(name))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.combine(po, pl, return_lse=True))
+        # The least a rank's memory must move: its partials and LSEs read once, its heads' result written once.
+        hl = h // ctx.world
+        row["bytes"] = t * h * (d * po.element_size() + 4) + t * hl * (d * po.element_size() + 4)
         # vLLM's metadata at decode: one request per row, some shards empty, the last row padding.
         seq_lens = torch.where(torch.arange(t) % 8 == 7, 0, 100 + torch.arange(t)).to(torch.int32).to(dev)
         qsl = torch.arange(t + 1, dtype=torch.int32).clamp_max(max(t - 1, 1)).to(dev)
@@ -88,6 +91,7 @@ def bench_topk(ctx, rows_list, out: list) -> None:
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.topk_all_gather_merge(scores, ids, k))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.merge(scores, ids))
+        row["bytes"] = t * k * (4 + 4) + t * k * 4  # scores and ids read once, k ids written
         # The selection kernel alone: over the gathered N*C candidates (the
         # collective path's share), and over C (an owner's sort).
         gathered_s, gathered_i = scores.repeat(1, n), ids.repeat(1, n)
@@ -125,6 +129,10 @@ def bench_query(ctx, rows_list, out: list) -> None:
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.query_all_gather(
             nope, pe, pos, cache, scale, out_dtype=dtype))
         row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.gather(nope, pe, pos, cache, scale))
+        # Inputs read once (nope, rope part, positions, one cache row per row), the gathered query written once.
+        out_elem = torch.tensor([], dtype=dtype).element_size()
+        row["bytes"] = (t * hl * (ctx.head_dim + ctx.rope_dim) * 2 + t * (pos.element_size() + ctx.rope_dim *
+                        cache.element_size()) + t * ctx.heads * (ctx.head_dim + ctx.rope_dim) * out_elem)
 
         def view_and_release():  # zero-copy: the reader would sit between the two
             ws.gather_view(nope, pe, pos, cache, scale)

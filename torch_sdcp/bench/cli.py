@@ -125,8 +125,9 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm-5", help="model geometry (default glm-5)")
     p.add_argument("--heads", type=int, default=0, help="total heads (overrides the preset)")
     p.add_argument("--k", type=int, default=0, help="index_topk (overrides the preset)")
-    p.add_argument("--rows", default=None, help="decode rows, comma separated (default 1,8,16,32,64,128 on CUDA, "
-                                                "1,8,32 on the host backend)")
+    p.add_argument("--rows", default=None, help="decode rows, comma separated (default 1,32,128,512,1024,4096 on "
+                                                "CUDA: up to vLLM's default bound and its MTP regime; 1,8,32 on the "
+                                                "host backend)")
     p.add_argument("--boundaries", default=",".join(BOUNDARIES))
     p.add_argument("--query-dtype", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--requests", type=int, default=None,
@@ -146,7 +147,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")
     args = p.parse_args(argv)
     host = choose_backend(args.backend, args.world_size) == "host"
-    args.rows = [int(x) for x in (args.rows or ("1,8,32" if host else "1,8,16,32,64,128")).split(",") if x]
+    args.rows = [int(x) for x in (args.rows or ("1,8,32" if host else "1,32,128,512,1024,4096")).split(",") if x]
     args.boundaries = [b for b in args.boundaries.split(",") if b]
     for b in args.boundaries:
         if b not in BOUNDARIES:

@@ -90,6 +90,25 @@ def fmt_us(cell: dict, k: str) -> str:
     return f"{v:.1f}" if isinstance(v, (int, float)) else "n/a"
 
 
+# Rows from which the tables print the bytes a call must move and the bandwidth it reaches.
+BANDWIDTH_ROWS = 1024
+# H200 HBM3e by the datasheet; the share printed is of this figure.
+HBM_BYTES_PER_S = 4.8e12
+
+
+def bandwidth_line(row: dict, paths: list, names: dict) -> str:
+    """The least bytes a rank's call must move through its memory and, per
+    path, the bandwidth that makes at its k8 time."""
+    cells = []
+    for p in paths:
+        us = row[p].get("k8") if "error" not in row[p] else None
+        if isinstance(us, (int, float)) and us > 0:
+            rate = row["bytes"] / (us * 1e-6)
+            cells.append(f"{names[p]} {rate / 1e12:.2f} TB/s ({rate / HBM_BYTES_PER_S:.0%})")
+    return (f"             bytes moved per rank {row['bytes'] / 1e6:.1f} MB; by them (k8): " + ", ".join(cells)
+            + f" (of {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+
+
 def strongest_baseline(row: dict) -> Optional[tuple]:
     """(name, k8 us) of the fastest baseline path of a row, or None."""
     timed = [(row[p]["k8"], p) for p in PATHS
@@ -155,12 +174,19 @@ def tables(data: dict) -> str:
                     if best and ours:
                         cells.append(f"{best[0]}/{PATH_NAMES[p]} {best[1] / ours:.2f}x")
                 lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells))
+                if row.get("bytes") and row["rows"] >= BANDWIDTH_ROWS:
+                    lines.append(bandwidth_line(row, paths, names))
                 if "kernels" in row:
                     lines.append("             kernel alone (k8): " + ", ".join(
                         f"{name} {fmt_us(cell, 'k8')}" for name, cell in row["kernels"].items()))
                 for p in paths:
                     if "error" in row[p]:
                         lines.append(f"           {names[p]}: {row[p]['error']}")
+            elif any(key.endswith("_bytes_per_rank") for key in row):
+                lines.append("  memory per rank: " + ", ".join(
+                    f"{key[:-len('_bytes_per_rank')].replace('workspace', 'torch_sdcp workspace')} "
+                    f"{v / 2**20:.1f} MiB" for key, v in row.items() if key.endswith("_bytes_per_rank"))
+                    + "".join(f", {key} {v}" for key, v in row.items() if not key.endswith("_bytes_per_rank")))
             elif "requests" in row:
                 c, s, comp = (row[m].get("k1") for m in ("collective", "sdcp", "compute_only"))
                 lines.append(f"  {row['layers']} layers, {row['requests']} requests x {row['context']} tokens"
