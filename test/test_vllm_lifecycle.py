@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
+from torch_sdcp_plugins import vllm as vllm_entry
 from _helpers import requires_gpus
 from test_vllm_plugin import D, H_LOC, W, Coordinator, FakeVllm, _Collect, _config, build_fake_vllm
 
@@ -289,7 +290,7 @@ def _failure_worker(rank, world):
     ns.coordinator = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     from torch_sdcp.integrations import vllm as plugin
 
-    plugin.register()
+    vllm_entry.register()
     assert plugin.is_installed()
     mgr = _manager(ns)
     worker = ns.mods["vllm.v1.worker.gpu_worker"].Worker(output="tokens")

@@ -1,16 +1,16 @@
 """The ``sglang.srt.plugins`` entry point ``torch_sdcp``: SGLang calls
 :func:`register` in every process it starts (and catches what it raises; this
-one raises nothing). Off unless ``SDCP_SGLANG=1``; while off it imports nothing
-of torch_sdcp. On, it registers :mod:`torch_sdcp.integrations.sglang`'s hooks
-with SGLang (docs/SGLANG.md)."""
+one raises nothing). Off unless ``SDCP_SGLANG=1`` (or ``require``); while off it
+imports nothing of torch_sdcp. On, it registers
+:mod:`torch_sdcp.integrations.sglang`'s hooks with SGLang (docs/SGLANG.md)."""
 
 from __future__ import annotations
 
 import logging
 
-from torch_sdcp_plugins import SWITCH_WORDS, read_switch
+from torch_sdcp_plugins.settings import SGLANG, SWITCH_WORDS
 
-ENV_ENABLE = "SDCP_SGLANG"
+ENV_ENABLE = SGLANG.ENABLE
 
 _logged: set = set()
 
@@ -24,19 +24,20 @@ def _log_once(level: int, reason: str, msg: str, *args: object) -> None:
 def enabled() -> bool:
     """Whether ``SDCP_SGLANG`` switches the plugin on (off when unset). An
     unrecognised value is logged once and counts as off."""
-    on, bad = read_switch(ENV_ENABLE)
+    mode, bad = SGLANG.mode()
     if bad is not None:
         _log_once(logging.ERROR, "setting", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the SGLang plugin "
                   "stays off", ENV_ENABLE, bad, *SWITCH_WORDS)
-    return on
+    return mode != "off"
 
 
 def register() -> None:
-    """The entry point. Never raises: a failure is logged once and the plugin
-    stays off (SGLang runs its own DCP paths)."""
+    """The entry point. Never raises: a failure (a bad setting included) is
+    logged once and the plugin stays off (SGLang runs its own DCP paths)."""
     try:
         if not enabled():
             return
+        SGLANG.validate()
         from torch_sdcp.integrations import sglang as face
 
         face.install()

@@ -22,16 +22,15 @@ here imports SGLang at import time.
 from __future__ import annotations
 
 import importlib
-import logging
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torch_sdcp.integrations._core import OUTPUT_DTYPES, EngineHooks, Face, normalise_device, query_direct
+from torch_sdcp.integrations._core import OUTPUT_DTYPES, EngineHooks, Face, Seam, Site, normalise_device, query_direct
+from torch_sdcp.integrations._engine import accepted_version, engine_logger, query_geometry, workspace_options
+from torch_sdcp_plugins.settings import SGLANG
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_MAX_ROWS", "ENV_TIMEOUT_S", "HOOKS", "SGLANG_SIGNATURES", "SUPPORTED_SGLANG_VERSIONS",
@@ -39,9 +38,9 @@ __all__ = [
     "is_installed", "prepare", "teardown", "workspaces",
 ]
 
-ENV_MAX_ROWS = "SDCP_SGLANG_MAX_ROWS"
-ENV_TIMEOUT_S = "SDCP_SGLANG_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 600.0  # ranks skew by many seconds at warm-up; NCCL itself waits 10 minutes
+ENV_MAX_ROWS = SGLANG.MAX_ROWS
+ENV_TIMEOUT_S = SGLANG.TIMEOUT_S
+DEFAULT_TIMEOUT_S = SGLANG.default_timeout_s
 
 # Releases whose seams docs/SGLANG.md and test/test_sglang_conformance.py were checked against.
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
@@ -78,31 +77,8 @@ SGLANG_SIGNATURES = {
 # ---------------------------------------------------------------------------
 
 
-def _env_number(name: str, default: float, kind: type) -> Any:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or not value > 0:
-        raise ValueError(f"torch_sdcp: environment variable {name}: expected a positive {kind.__name__}, got {raw!r}")
-    return value
-
-
-def _make_logger() -> logging.Logger:
-    # Under the ``sglang`` logger when SGLang runs, so that its handlers and levels apply.
-    return logging.getLogger("sglang.torch_sdcp" if "sglang" in sys.modules else "torch_sdcp")
-
-
-def _workspace_options() -> dict:
-    # A group without peer memory gives a workspace in collective mode, which try_prepare refuses: SGLang keeps
-    # its own path.
-    return {"timeout_s": _env_number(ENV_TIMEOUT_S, DEFAULT_TIMEOUT_S, float), "fallback": True}
-
-
-_face = Face("sglang", via="cpu_group", create_missing=False, make_logger=_make_logger, options=_workspace_options)
+_face = Face("sglang", via="cpu_group", create_missing=False, make_logger=engine_logger("sglang"),
+             options=workspace_options(SGLANG))
 _log_once = _face.log_once
 
 
@@ -146,12 +122,6 @@ def check() -> None:
             ws.check()
 
 
-def _query_geometry(local_heads: int, width: int, dtype: torch.dtype) -> dict:
-    # SGLang's query arrives roped: a gather-only query boundary (rope_dim 0) of cat([q_pe, q_nope]) heads.
-    return {"local_heads": local_heads, "nope_dim": width, "rope_dim": 0, "out_dtype": dtype,
-            "rope_style": "interleaved"}
-
-
 def prepare(group: Any, *, max_rows: int, local_heads: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
             device: Any, combine: bool = True, query: bool = True) -> dict[str, bool]:
     """Prepare (collectively: every rank of ``group``, same order) the
@@ -169,7 +139,7 @@ def prepare(group: Any, *, max_rows: int, local_heads: int, kv_lora_rank: int, r
             max_rows, 1, _OWN_PATH)
     width = rope_dim + kv_lora_rank
     if query and query_direct(width, dtype):
-        done["query"] = _face.try_prepare("query", g, _query_geometry(local_heads, width, dtype), dev, max_rows, 1,
+        done["query"] = _face.try_prepare("query", g, query_geometry(local_heads, width, dtype), dev, max_rows, 1,
                                           _OWN_PATH)
     return done
 
@@ -233,6 +203,11 @@ def _combine_inputs(cp_attn_out: Tensor, cp_attn_lse: Tensor) -> tuple[Tensor, T
     return cp_attn_out, lse
 
 
+_SEAMS = {name: Seam("output_lse", name, _OWN_PATH, missing=f"{name} takes {_OWN_PATH} path")
+          for name in ("cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce")}
+_QUERY = Seam("query", "all_gather_q_for_mla_decode", _OWN_PATH, missing=f"the query gather takes {_OWN_PATH} path")
+
+
 def _combine(name: str, fallback: Callable[[], Tensor], cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any,
              is_lse_base_on_e: bool) -> Tensor | None:
     """The combine on the Output/LSE workspace: this rank's heads [B, H/N, D]
@@ -251,11 +226,9 @@ def _combine(name: str, fallback: Callable[[], Tensor], cp_attn_out: Tensor, cp_
     if rows == 0:
         return None
     base = "e" if is_lse_base_on_e else "2"
-    return _face.call("output_lse", group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device,
-                      rows, lambda ws: ws.combine(out.contiguous(), lse.float().contiguous(), lse_base=base),
-                      caller=name, fallback=fallback, missing=f"{name} takes {_OWN_PATH} path",
-                      over_bound=_face.rows_logger("output_lse", "torch_sdcp: %d rows exceed the Output/LSE bound of "
-                                                   f"%d; such calls take {_OWN_PATH} {name}"))
+    site = Site(group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device)
+    return _face.call(_SEAMS[name], site, rows,
+                      lambda ws: ws.combine(out.contiguous(), lse.float().contiguous(), lse_base=base), fallback)
 
 
 def cp_lse_ag_out_rs_mla(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
@@ -323,11 +296,8 @@ def all_gather_q_for_mla_decode(q_nope_out: Tensor, q_pe: Tensor) -> tuple[Tenso
     def peer(ws):
         return _split(ws.all_gather_heads(torch.cat([q_pe, q_nope_out], dim=-1)), rope_dim)
 
-    return _face.call("query", group, _query_geometry(heads, width, q_pe.dtype), q_pe.device, rows, peer,
-                      caller="all_gather_q_for_mla_decode", fallback=lambda: own(q_nope_out, q_pe),
-                      missing=f"the query gather takes {_OWN_PATH} path",
-                      over_bound=_face.rows_logger("query", "torch_sdcp: %d rows exceed the query-gather bound of %d; "
-                                                   f"such calls take {_OWN_PATH} all_gather"))
+    return _face.call(_QUERY, Site(group, query_geometry(heads, width, q_pe.dtype), q_pe.device), rows, peer,
+                      lambda: own(q_nope_out, q_pe))
 
 
 # ---------------------------------------------------------------------------
@@ -343,7 +313,7 @@ def _row_bound(runner: Any) -> int:
     if rows is None:
         mr = runner.model_runner
         rows = int(mr.max_running_requests) * int(mr.decode_num_tokens_per_req())
-    cap = _env_number(ENV_MAX_ROWS, 0, int)
+    cap = SGLANG.max_rows_cap()
     return min(int(rows), cap) if cap else int(rows)
 
 
@@ -425,10 +395,10 @@ def install() -> bool:
         if _hooks.installed:
             return True
         version = _sglang_version()
-        if version.split("+")[0] not in SUPPORTED_SGLANG_VERSIONS:
+        if not accepted_version(version, SUPPORTED_SGLANG_VERSIONS):
             _log_once("error", ("version", version), "torch_sdcp: SGLang %s is not a version this plugin knows "
-                      "(supported: %s); nothing is replaced and SGLang runs its own DCP paths. Check the seams with "
-                      "test/test_sglang_conformance.py before adding a version.", version,
+                      "(supported: %s and their .postN releases); nothing is replaced and SGLang runs its own DCP "
+                      "paths. Check the seams with test/test_sglang_conformance.py before adding a version.", version,
                       ", ".join(SUPPORTED_SGLANG_VERSIONS))
             return False
         try:

@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import sys
 import threading
 from typing import Any
 
 from torch_sdcp.integrations._core import OUTPUT_DTYPES
+from torch_sdcp.integrations._engine import accepted_version
 from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exported
     DEFAULT_TIMEOUT_S,
     ENV_TIMEOUT_S,
@@ -68,7 +68,7 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
     workspaces,
 )
 from torch_sdcp.integrations.vllm_step import _destroy_model_parallel, _worker_sample_tokens, check_step
-from torch_sdcp_plugins import vllm as _entry
+from torch_sdcp_plugins.settings import VLLM
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -83,14 +83,12 @@ __all__ = [
     "configure",
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
-    "enabled",
     "gather_heads",
     "gather_query",
     "install",
     "is_installed",
     "mask_empty_shards",
     "merge_dcp_topk_global",
-    "register",
     "supported_version",
     "teardown",
     "try_prepare_output_lse",
@@ -100,9 +98,9 @@ __all__ = [
     "workspaces",
 ]
 
-ENV_ENABLE = _entry.ENV_ENABLE
-ENV_MAX_ROWS = _entry.ENV_MAX_ROWS
-ENV_SEAMS = _entry.ENV_SEAMS
+ENV_ENABLE = VLLM.ENABLE
+ENV_MAX_ROWS = VLLM.MAX_ROWS
+ENV_SEAMS = VLLM.SEAMS
 # vLLM's own switches of its direct (symmetric-memory) paths: set by the user, the seam stays vLLM's.
 ENV_DIRECT = {"combine": "VLLM_USE_DIRECT_DCP_A2A", "query": "VLLM_USE_DIRECT_DCP_Q_GATHER"}
 
@@ -164,24 +162,16 @@ MANAGER_ATTRIBUTES = ("group", "device", "num_ubatches", "max_num_tokens", "use_
 # ---------------------------------------------------------------------------
 
 
-def enabled() -> bool:
-    """Whether ``SDCP_VLLM`` switches the plugin on (off when unset). An
-    unrecognised value is logged and counts as off."""
-    return _entry.enabled()
-
-
 def supported_version(version: str) -> bool:
     """Whether the plugin patches vLLM ``version``: a checked release, or a
     patch release of the supported series (local suffixes ignored)."""
-    base = version.split("+")[0]
-    patch_release = re.fullmatch(re.escape(SUPPORTED_VLLM_SERIES) + r"\.\d+", base) is not None
-    return base in SUPPORTED_VLLM_VERSIONS or patch_release
+    return accepted_version(version, SUPPORTED_VLLM_VERSIONS, SUPPORTED_VLLM_SERIES)
 
 
 def _row_bound(engine_bound: int) -> int:
     """The rows bound of the workspaces: vLLM's DCP bound, capped by
     ``SDCP_VLLM_MAX_ROWS`` when set."""
-    cap = _entry.max_rows_cap()
+    cap = VLLM.max_rows_cap()
     bound = int(engine_bound) if cap is None else min(int(engine_bound), cap)
     if bound < 1:
         raise ValueError(f"torch_sdcp: the DCP rows bound must be positive, got {bound}")
@@ -191,7 +181,7 @@ def _row_bound(engine_bound: int) -> int:
 def _seam_off(seam: str, use_a2a: bool = True) -> str | None:
     """Why ``seam`` stays vLLM's by setting, or None. vLLM's direct-path
     switch of the combine matters with the a2a backend only."""
-    if seam not in _entry.seams():
+    if seam not in VLLM.seams():
         return f"not in {ENV_SEAMS}"
     direct = ENV_DIRECT.get(seam)
     if direct is not None and os.environ.get(direct, "").strip() and (seam != "combine" or use_a2a):
@@ -444,7 +434,7 @@ def install() -> bool:
         configure(ubatch_id=ubatch_id, dcp_group=dcp_group, originals=originals)
         _state.installed = True
     _log_once("info", ("install", version), "torch_sdcp: installed behind vLLM %s's MLA DCP combine, query gather "
-              "and sparse-indexer top-K merge (%s=1, seams: %s)", version, ENV_ENABLE, ",".join(_entry.seams()))
+              "and sparse-indexer top-K merge (%s=1, seams: %s)", version, ENV_ENABLE, ",".join(VLLM.seams()))
     return True
 
 
@@ -465,9 +455,3 @@ def uninstall() -> None:
         _state.patches = []
         _state.installed = False
         _state.step_check = None
-
-
-def register() -> None:
-    """The entry point vLLM loads (:func:`torch_sdcp_plugins.vllm.register`):
-    nothing unless ``SDCP_VLLM=1``; never raises."""
-    _entry.register()
