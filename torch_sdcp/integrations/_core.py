@@ -579,6 +579,28 @@ class Face:
         if errors:
             raise errors[0]
 
+    def release_local(self, reason: str) -> None:
+        """Release every workspace of this face on this rank only, waiting
+        for no peer (an engine's local abort, where a peer may be alive but
+        not shutting down): each is aborted (a peer's call in it raises at
+        once instead of waiting out the timeout) and closed without a
+        barrier (unmapped, handles closed). Idempotent; never raises."""
+        with _lock:
+            entries = self._entries()
+            for key, _ in entries:
+                del _cache[key]
+            self.unavailable.clear()
+        if entries:
+            self.log_counters()
+        for _, entry in entries:
+            try:
+                if entry.workspace.peer:
+                    entry.workspace.abort(reason)  # poisoned: close() releases locally, no barrier
+                entry.workspace.close()
+            except Exception as e:  # noqa: BLE001  (the rest are released; shutdown goes on)
+                self.log_once("warning", ("release", type(e).__name__), "torch_sdcp: releasing a %s workspace "
+                              "locally failed (%s: %s)", self.name, type(e).__name__, e)
+
 
 _faces: dict[str, Face] = {}  # name -> face, for counters()
 

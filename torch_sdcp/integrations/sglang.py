@@ -10,8 +10,8 @@ the modules that imported a function by name): both Output/LSE combines
 gather ``all_gather_q_for_mla_decode`` on ``QueryWorkspace.all_gather_heads``,
 the workspaces after ``BaseRunner._pre_initialize_fi_a2a_workspace`` (warm-up,
 before CUDA-graph capture; sized by SGLang's widest decode batch),
-:func:`check` before every ``ModelRunner.forward`` and :func:`teardown` before
-``abort_distributed_environment`` (graceful shutdown).
+:func:`check` before every ``ModelRunner.forward`` and a local release (no barrier,
+no wait on a peer) before ``abort_distributed_environment``.
 
 A call this face does not cover (``fi_a2a``, a world of one, an fp8 output, a
 geometry without a workspace, more rows than the bound, no peer memory) runs
@@ -29,7 +29,13 @@ import torch
 from torch import Tensor
 
 from torch_sdcp.integrations._core import OUTPUT_DTYPES, EngineHooks, Face, Seam, Site, normalise_device, query_direct
-from torch_sdcp.integrations._engine import accepted_version, engine_logger, query_geometry, workspace_options
+from torch_sdcp.integrations._engine import (
+    SeamPlan,
+    accepted_version,
+    engine_logger,
+    query_geometry,
+    workspace_options,
+)
 from torch_sdcp_plugins.settings import SGLANG
 
 __all__ = [
@@ -329,28 +335,69 @@ def _mla_geometries(model: Any) -> list[tuple[int, int, int]]:
     return found
 
 
+# How to turn a seam on, per reason it is off (the start-up line names it).
+_ENABLE_COMBINE = "--dcp-comm-backend ag_rs or a2a"
+_ENABLE_QUERY = ("start SGLang without --dcp-replicate-q-proj (DSA models such as DeepSeek-V3.2 and GLM-5, and "
+                 "Kimi-K3, replicate the query projection by default)")
+
+
+def _plan(parallel: Any, group: Any) -> SeamPlan:
+    """The seams' decisions by setting, before any workspace exists."""
+    plan = SeamPlan(SGLANG, str(getattr(group, "unique_name", "dcp")), int(getattr(group, "world_size", 0)))
+    selected = SGLANG.seams()
+    backend = parallel.dcp_comm_backend
+    if "combine" not in selected:
+        plan.decide("combine", False, f"not in {SGLANG.SEAMS}", f"add combine to {SGLANG.SEAMS}")
+    elif backend not in _COMBINES:
+        plan.decide("combine", False, f"--dcp-comm-backend {backend} stays SGLang's", _ENABLE_COMBINE)
+    if "query" not in selected:
+        plan.decide("query", False, f"not in {SGLANG.SEAMS}", f"add query to {SGLANG.SEAMS}")
+    elif parallel.dcp_replicate_q_proj:
+        plan.decide("query", False, "--dcp-replicate-q-proj: no query gather", _ENABLE_QUERY)
+    return plan
+
+
 def _after_pre_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    """After SGLang's pre-capture workspace initialisation: this face's
-    workspaces for every DCP MLA geometry of the runner's model. Never raises
-    into SGLang: a failure is logged and SGLang keeps its own paths."""
+    """After SGLang's pre-capture workspace initialisation (SGLang's logging
+    is configured by then): this face's workspaces for every DCP MLA
+    geometry of the runner's model, and one line per DCP group naming each
+    seam on or off, why, and what turns it on. Never raises into SGLang
+    (a failure is logged and SGLang keeps its own paths), except in the
+    ``SDCP_SGLANG=require`` mode, where a selected seam that stays SGLang's
+    fails start-up."""
     try:
         parallel = importlib.import_module(_RUNTIME).get_parallel()
         if not parallel.dcp_enabled:
+            _log_once("info", "dcp-off", "torch_sdcp: SGLang runs without DCP: nothing to replace (%s=%s)",
+                      SGLANG.ENABLE, SGLANG.mode()[0])
             return
         group, mr = parallel.dcp_group, runner.model_runner
-        backend = parallel.dcp_comm_backend
-        combine, query = backend in _COMBINES, not parallel.dcp_replicate_q_proj
-        if not (combine or query):
-            return
-        bound = _row_bound(runner)
-        dtype = mr.model_config.dtype
-        for heads, rank, rope in _mla_geometries(mr.model):
-            done = prepare(group, max_rows=bound, local_heads=heads, kv_lora_rank=rank, rope_dim=rope, dtype=dtype,
-                           device=mr.device, combine=combine, query=query)
-            _log_once("info", ("prepared", heads, rank, rope, bound), "torch_sdcp: SGLang MLA DCP (%s, %d local "
-                      "heads x %d + %d, %d rows): combine on peer memory: %s, query gather on peer memory: %s",
-                      backend, heads, rank, rope, bound, done["output_lse"], done["query"])
-    except Exception as e:  # noqa: BLE001  (no exception of ours reaches SGLang's start-up)
+        plan = _plan(parallel, group)
+        combine, query = "combine" not in plan.seams, "query" not in plan.seams
+        if combine or query:
+            bound = _row_bound(runner)
+            dtype = mr.model_config.dtype
+            done = {"output_lse": False, "query": False}
+            geometries = _mla_geometries(mr.model)
+            for heads, rank, rope in geometries:
+                got = prepare(group, max_rows=bound, local_heads=heads, kv_lora_rank=rank, rope_dim=rope,
+                              dtype=dtype, device=mr.device, combine=combine, query=query)
+                done = {k: done[k] or got[k] for k in done}
+            shape = ", ".join(f"{h} local heads x {r} + {e}" for h, r, e in geometries) or "no DCP MLA layer"
+            for seam, kind, wanted in (("combine", "output_lse", combine), ("query", "query", query)):
+                if not wanted:
+                    continue
+                if done[kind]:
+                    plan.decide(seam, True, f"peer memory, {bound} rows, {shape}")
+                elif not geometries:
+                    plan.decide(seam, False, "no DCP MLA layer in the model", "")
+                else:
+                    plan.decide(seam, False, f"peer memory unavailable or a geometry not covered ({shape}, {dtype})",
+                                "a DCP group inside one node whose GPUs map each other's memory, bf16/fp16/fp32")
+        plan.emit(lambda level, text: _log_once(level, ("plan", plan.group), "%s", text))
+    except Exception as e:  # noqa: BLE001  (no exception of ours reaches SGLang's start-up, unless required)
+        if SGLANG.required():
+            raise
         _log_once("error", ("prepare-failed", type(e).__name__), "torch_sdcp: preparing the SGLang DCP workspaces "
                   "failed (%s: %s); SGLang keeps its own DCP paths", type(e).__name__, e)
 
@@ -360,11 +407,10 @@ def _before_forward(*args: Any, **kwargs: Any) -> None:
 
 
 def _before_shutdown(*args: Any, **kwargs: Any) -> None:
-    try:
-        teardown()
-    except Exception as e:  # noqa: BLE001  (shutdown goes on)
-        _log_once("warning", "teardown", "torch_sdcp: closing the SGLang DCP workspaces failed (%s: %s)",
-                  type(e).__name__, e)
+    """Before SGLang's ``abort_distributed_environment``, a deliberately
+    local teardown: every workspace released on this rank without waiting for
+    any peer (a collective close could block the whole timeout)."""
+    _face.release_local("SGLang aborts its distributed environment")
 
 
 # (target, SGLang HookType name, hook); the three replacements are looked up at install().
