@@ -517,15 +517,24 @@ def _protocol_worker(rank, world, rows_list, threads):
     plugin.uninstall()
     assert dcp.MLADCPManager._init_combine.__name__ == "_init_combine"
     assert glm._merge_dcp_topk_global.__name__ == "_merge_dcp_topk_global"
+    from torch_sdcp import integrations
+
+    counts = integrations.counters()["vllm"]
     plugin.teardown()
     return results, [m for lvl, m in log.records if lvl == "WARNING"], [m for lvl, m in log.records
-                                                                         if lvl == "INFO"]
+                                                                         if lvl == "INFO"], counts
 
 
 def test_vllm_protocol_two_microbatches():
     rows_list = [1, 7, BOUND, BOUND + 1]
     results = run_workers(_protocol_worker, 2, args=(rows_list, True), timeout=120, env={"SDCP_VLLM": "1"})
-    for per_ub, warnings, infos in results:
+    for per_ub, warnings, infos, counts in results:
+        # Every seam counted its peer calls and, above the bound, its fallbacks by reason (once per
+        # micro-batch and layer; the three-rank run has no call above the bound).
+        for seam in ("cp_lse_ag_out_rs", "gather_query", "merge_dcp_topk_global"):
+            assert counts[seam]["peer"] > 0 and counts[seam]["fallback:rows-over-bound"] > 0, counts
+            assert counts[seam]["timeout"] == counts[seam]["void"] == counts[seam]["error"] == 0, counts
+        assert any("seams:" in m and "peer" in m for m in infos), infos  # the counters, logged at teardown
         # Above the bound: each layer's three boundaries took vLLM's own path (and nothing else did).
         assert per_ub == {0: 9, 1: 9}, per_ub
         assert not [w for w in warnings if "exceed" in w], warnings  # an expected fallback: no warning
@@ -537,7 +546,7 @@ def test_vllm_protocol_two_microbatches():
 
 def test_vllm_protocol_three_ranks():
     results = run_workers(_protocol_worker, 3, args=([3, 16], False), timeout=120, env={"SDCP_VLLM": "1"})
-    for per_ub, warnings, _ in results:
+    for per_ub, warnings, _, _ in results:
         assert per_ub == {0: 0} and warnings == [], (per_ub, warnings)
 
 
@@ -706,7 +715,8 @@ def test_peer_unavailable_keeps_vllm(plugin, monkeypatch, collect):
         assert [c for c, _ in ns.calls] == ["_init_combine", "_init_query_gather"]
         assert plugin.workspaces() == []
     warnings = [m for lvl, m in collect.records if lvl == "WARNING" and "unavailable" in m]
-    assert len(warnings) == 3, collect.records  # once per boundary
+    assert len(warnings) == 4, collect.records  # once per boundary, and the group's start-up line
+    assert "combine off (peer memory unavailable)" in warnings[-1], warnings
 
 
 def test_pcp_single_rank_and_query_replication_keep_vllm(plugin, monkeypatch):

@@ -33,13 +33,19 @@ def enabled() -> bool:
 
 def register() -> None:
     """The entry point. Never raises: a failure (a bad setting included) is
-    logged once and the plugin stays off (SGLang runs its own DCP paths)."""
+    logged once and the plugin stays off (SGLang runs its own DCP paths);
+    with ``SDCP_SGLANG=require`` it re-raises, but SGLang's loader catches
+    what a plugin raises: only a refusal at warm-up (after a successful
+    install) stops SGLang's start-up."""
     try:
         if not enabled():
             return
         SGLANG.validate()
         from torch_sdcp.integrations import sglang as face
 
-        face.install()
+        if not face.install() and SGLANG.required():
+            raise RuntimeError(f"{ENV_ENABLE}=require: the SGLang plugin could not install (see the error above)")
     except Exception as e:  # noqa: BLE001  (nothing of ours reaches SGLang's start-up)
         _log_once(logging.ERROR, "register", "torch_sdcp: the SGLang plugin stays off: %s: %s", type(e).__name__, e)
+        if SGLANG.required():
+            raise

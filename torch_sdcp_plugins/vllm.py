@@ -59,18 +59,22 @@ def enabled() -> bool:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Does nothing unless
-    ``SDCP_VLLM=1``; never raises."""
+    ``SDCP_VLLM=1``; never raises, except with ``SDCP_VLLM=require``, where a
+    plugin that cannot install stops vLLM's start-up with the reason."""
     try:
         if not enabled():
             return
         validate_settings()
         from torch_sdcp.integrations import vllm as plugin
 
-        plugin.install()
-    except Exception as e:  # noqa: BLE001  (nothing of ours may abort vLLM's start-up)
+        if not plugin.install() and VLLM.required():
+            raise RuntimeError(f"{ENV_ENABLE}=require: the vLLM plugin could not install (see the error above)")
+    except Exception as e:  # noqa: BLE001  (nothing of ours may abort vLLM's start-up, unless required)
         _log_once(logging.ERROR, "register", "torch_sdcp: the vLLM plugin is off, vLLM keeps its own DCP paths: "
                   "%s: %s", type(e).__name__, e, exc_info=True)
         _undo()
+        if VLLM.required():
+            raise
 
 
 def _undo() -> None:

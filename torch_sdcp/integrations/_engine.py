@@ -79,22 +79,28 @@ class SeamPlan:
         self.group = group
         self.world = world
         self.seams: dict[str, tuple[bool, str, str]] = {}
+        self.inapplicable: set[str] = set()
 
-    def decide(self, seam: str, on: bool, why: str, enable: str = "") -> None:
+    def decide(self, seam: str, on: bool, why: str, enable: str = "", applies: bool = True) -> None:
+        """``seam`` is on or off for ``why``; ``enable``: the flag or setting
+        that would turn it on; ``applies`` False: the model has no such call
+        (no sparse indexer), which the ``require`` mode does not refuse."""
         self.seams[seam] = (on, why, enable)
+        if not applies:
+            self.inapplicable.add(seam)
 
     def line(self) -> str:
         parts = []
         for seam, (on, why, enable) in self.seams.items():
-            how = f"; to turn it on: {enable}" if enable and not on else ""
-            parts.append(f"{seam} {'ON' if on else 'off'} ({why}{how})")
+            how = f" [to turn it on: {enable}]" if enable and not on else ""
+            parts.append(f"{seam} {'ON' if on else 'off'} ({why}){how}")
         return (f"torch_sdcp: {self.settings.engine} DCP group {self.group} (world {self.world}): "
                 + "; ".join(parts))
 
     def refused(self) -> list[str]:
         """The seams selected by the settings that stay the engine's."""
         selected = self.settings.seams()
-        return [s for s, (on, _, _) in self.seams.items() if not on and s in selected]
+        return [s for s, (on, _, _) in self.seams.items() if not on and s in selected and s not in self.inapplicable]
 
     def emit(self, log: Callable[..., Any]) -> None:
         """Log the line (``log(level, msg)``); raise it in the ``require``

@@ -48,7 +48,7 @@ import threading
 from typing import Any
 
 from torch_sdcp.integrations._core import OUTPUT_DTYPES
-from torch_sdcp.integrations._engine import accepted_version
+from torch_sdcp.integrations._engine import SeamPlan, accepted_version
 from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exported
     DEFAULT_TIMEOUT_S,
     ENV_TIMEOUT_S,
@@ -259,9 +259,28 @@ def _manager_init(self, *args, **kwargs):
         stack.pop()
     seams = building["seams"]
     seams.setdefault("query", (False, "no query gather (PCP)"))
-    _log_once("info", ("seams", getattr(self.group, "unique_name", id(self.group))), "torch_sdcp: DCP group %s "
-              "(world %d): %s", getattr(self.group, "unique_name", "?"), self.group.world_size,
-              "; ".join(f"{s} {'ON' if on else 'off'} ({why})" for s, (on, why) in seams.items()))
+    name = str(getattr(self.group, "unique_name", id(self.group)))
+    plan = SeamPlan(VLLM, name, self.group.world_size)
+    for seam, (on, why) in seams.items():
+        plan.decide(seam, on, why, *_enable_hint(seam, why))
+    plan.emit(lambda level, text: _log_once(level, ("seams", name), "%s", text))
+
+
+def _enable_hint(seam: str, why: str) -> tuple[str, bool]:
+    """(what turns ``seam`` on, whether it applies to the model at all) for a seam off for ``why``."""
+    if why.startswith("not in "):
+        return f"add {seam} to {ENV_SEAMS}", True
+    if why.endswith("set by the user"):
+        return f"unset {why.split('=')[0]}", True
+    if why == "no sparse indexer":
+        return "", False  # a model without DSA: nothing to take
+    if "PCP" in why:
+        return "run without prefill context parallelism", seam != "query"
+    if why == "single rank":
+        return "--decode-context-parallel-size 2 or more", True
+    if why == "peer memory unavailable":
+        return "a DCP group inside one node whose GPUs map each other's memory", True
+    return "", True
 
 
 def _prepare_topk(self, vllm_config: Any) -> None:
@@ -339,7 +358,7 @@ def _install_step_check() -> None:
             return
         try:
             owner, name, value = _resolve(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens")
-        except (ImportError, AttributeError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001  (an import that raises anything: every seam stays vLLM's)
             _state.step_check = f"no step health check: {type(e).__name__}: {e}"
             _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
                       "stays vLLM's", _GPU_WORKER, _state.step_check)
@@ -404,7 +423,9 @@ def install() -> bool:
         try:
             modules = {name: importlib.import_module(name) for name in (_DCP, _INDEXER, _UBATCHING,
                                                                           _PARALLEL_STATE)}
-            targets = [(path, *_resolve(modules[name], path)) for name, path in _AT_INSTALL]
+            wanted = [(name, path) for name, path in _AT_INSTALL
+                      if path != "_merge_dcp_topk_global" or "topk" in VLLM.seams()]
+            targets = [(path, *_resolve(modules[name], path)) for name, path in wanted]
             originals = {
                 "cp_lse_ag_out_rs": modules[_DCP].cp_lse_ag_out_rs,
                 "dcp_a2a_lse_reduce": modules[_DCP].dcp_a2a_lse_reduce,
@@ -425,7 +446,7 @@ def install() -> bool:
             if mod is None or id(mod) in homes or not getattr(mod, "__name__", "").startswith("vllm"):
                 continue
             for name in _BY_NAME:
-                if getattr(mod, name, None) is originals[name]:
+                if name in originals and getattr(mod, name, None) is originals[name]:
                     patches.append((mod, name, originals[name], _REPLACEMENTS[name]))
         for owner, name, _, new in patches:
             setattr(owner, name, new)
