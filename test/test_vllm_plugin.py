@@ -535,6 +535,8 @@ def test_vllm_protocol_two_microbatches():
             assert counts[seam]["peer"] > 0 and counts[seam]["fallback:rows-over-bound"] > 0, counts
             assert counts[seam]["timeout"] == counts[seam]["void"] == counts[seam]["error"] == 0, counts
         assert any("seams:" in m and "peer" in m for m in infos), infos  # the counters, logged at teardown
+        sizes = [m for m in infos if "bytes per rank" in m]  # every workspace's bytes, at creation
+        assert len(sizes) == 6 and not [m for m in sizes if ": 0 bytes" in m], sizes
         # Above the bound: each layer's three boundaries took vLLM's own path (and nothing else did).
         assert per_ub == {0: 9, 1: 9}, per_ub
         assert not [w for w in warnings if "exceed" in w], warnings  # an expected fallback: no warning

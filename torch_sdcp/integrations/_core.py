@@ -415,10 +415,11 @@ class Face:
         backend = "host" if device.type == "cpu" else "cuda"
         workspace = BOUNDARIES[kind].build(group.pg, max_rows, dict(g), backend=backend, device=device, **options)
         if workspace.peer:
-            self.log_once("info", ("bytes", kind, group.key, g, device, max_rows), "torch_sdcp: %s: %s: %d bytes "
-                          "per rank (%d physical), %d rows", self.name, self.describe(kind, group, g, device),
-                          getattr(workspace, "nbytes_per_rank", 0), getattr(workspace, "physical_bytes", 0),
-                          max_rows)
+            if self.logger is None:
+                self.logger = self.make_logger()
+            self.logger.info("torch_sdcp: %s: %s: %d bytes per rank (%d physical), %d rows", self.name,
+                             self.describe(kind, group, g, device), getattr(workspace, "nbytes_per_rank", 0),
+                             getattr(workspace, "physical_bytes", 0), max_rows)
         return Entry(workspace, max_rows, workspace.peer)
 
     def prepare(self, kind: str, group: Group, geometry: dict, device: torch.device, max_rows: int,
