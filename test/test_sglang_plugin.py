@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
+from _engine_stand_in import InModules
 
 from _sglang_stand_in import (
-    BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, MODULES, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
+    BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
     Coordinator, MLA, _real_registry, build_fake_sglang, decode_step, ref_all_gather_q_for_mla_decode,
     ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce, step_inputs,
 )
@@ -153,18 +154,12 @@ def fake():
     from torch_sdcp.integrations import sglang as face
 
     ns = build_fake_sglang()
-    saved = {name: sys.modules.get(name) for name in MODULES}
-    sys.modules.update(ns.mods)
-    yield ns
-    face._hooks.installed = False
-    face._hooks.originals.clear()
-    face._hooks.dcp_group = None
-    face._face.forget()
-    for name, mod in saved.items():
-        if mod is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = mod
+    with InModules(ns.mods):
+        yield ns
+        face._hooks.installed = False
+        face._hooks.originals.clear()
+        face._hooks.dcp_group = None
+        face._face.forget()
 
 
 def test_unknown_version_refused(fake, caplog):

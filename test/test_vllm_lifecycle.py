@@ -25,7 +25,8 @@ import torch.distributed as dist
 from _dist import run_workers
 from torch_sdcp_plugins import vllm as vllm_entry
 from _helpers import requires_gpus
-from test_vllm_plugin import D, H_LOC, W, Coordinator, FakeVllm, _Collect, _config, build_fake_vllm
+from _vllm_stand_in import D, H_LOC, W, Coordinator, FakeVllm, _Collect, build_fake_vllm
+from _vllm_stand_in import config as _config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVS = ("SDCP_VLLM", "SDCP_VLLM_MAX_ROWS", "SDCP_VLLM_TIMEOUT_S", "SDCP_VLLM_SEAMS", "VLLM_USE_DIRECT_DCP_A2A",
