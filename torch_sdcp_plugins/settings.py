@@ -20,6 +20,7 @@ Per engine (``SDCP_VLLM``, ``SDCP_SGLANG``):
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 __all__ = ["MODES", "SGLANG", "SWITCH_WORDS", "VLLM", "EngineSettings", "positive_number", "read_switch"]
 
@@ -93,6 +94,16 @@ class EngineSettings:
     def mode(self) -> tuple[str, str | None]:
         """(off/on/require, the raw switch value when it is no accepted word)."""
         return read_mode(self.ENABLE)
+
+    def switch_on(self, log_bad: Callable[[str], object]) -> bool:
+        """Whether the switch turns the plugin on (``1`` or ``require``); an
+        unrecognised value is passed to ``log_bad`` as a message and counts
+        as off."""
+        mode, bad = self.mode()
+        if bad is not None:
+            log_bad(f"torch_sdcp: {self.ENABLE}={bad!r} is not one of {SWITCH_WORDS[0]} (on) or {SWITCH_WORDS[1]} "
+                    f"(off); the {self.engine} plugin stays off")
+        return mode != "off"
 
     def required(self) -> bool:
         return self.mode()[0] == "require"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from torch_sdcp_plugins.settings import SGLANG, SWITCH_WORDS
+from torch_sdcp_plugins.settings import SGLANG
 
 ENV_ENABLE = SGLANG.ENABLE
 
@@ -22,13 +22,9 @@ def _log_once(level: int, reason: str, msg: str, *args: object) -> None:
 
 
 def enabled() -> bool:
-    """Whether ``SDCP_SGLANG`` switches the plugin on (off when unset). An
-    unrecognised value is logged once and counts as off."""
-    mode, bad = SGLANG.mode()
-    if bad is not None:
-        _log_once(logging.ERROR, "setting", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the SGLang plugin "
-                  "stays off", ENV_ENABLE, bad, *SWITCH_WORDS)
-    return mode != "off"
+    """Whether ``SDCP_SGLANG`` switches the plugin on (``1`` or ``require``; off
+    when unset). An unrecognised value is logged once and counts as off."""
+    return SGLANG.switch_on(lambda msg: _log_once(logging.ERROR, "setting", "%s", msg))
 
 
 def register() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from torch_sdcp_plugins.settings import SWITCH_WORDS, VLLM
+from torch_sdcp_plugins.settings import VLLM
 
 __all__ = ["ENV_ENABLE", "ENV_MAX_ROWS", "ENV_SEAMS", "ENV_TIMEOUT_S", "SEAMS", "enabled", "register", "seams",
            "validate_settings"]
@@ -48,13 +48,9 @@ def _log_once(level: int, reason: str, msg: str, *args, exc_info: bool = False) 
 
 
 def enabled() -> bool:
-    """Whether ``SDCP_VLLM`` switches the plugin on (``1`` or ``require``;
-    off when unset). An unrecognised value is logged once and counts as off."""
-    mode, bad = VLLM.mode()
-    if bad is not None:
-        _log_once(logging.ERROR, "bad-enable", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the vLLM "
-                  "plugin stays off", ENV_ENABLE, bad, *SWITCH_WORDS)
-    return mode != "off"
+    """Whether ``SDCP_VLLM`` switches the plugin on (``1`` or ``require``; off
+    when unset). An unrecognised value is logged once and counts as off."""
+    return VLLM.switch_on(lambda msg: _log_once(logging.ERROR, "bad-enable", "%s", msg))
 
 
 def register() -> None:

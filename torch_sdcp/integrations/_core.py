@@ -560,10 +560,8 @@ class Face:
             self.counts.clear()
             self.logger = None
 
-    def teardown(self) -> None:
-        """Close every workspace of this face, in creation order, and forget
-        them. Collective like ``close()``; idempotent. A failing close does not
-        stop the others: the first error is raised after all were tried."""
+    def _drain(self) -> list[tuple[tuple, Entry]]:
+        """Take this face's entries out of the cache (their counters logged)."""
         with _lock:
             entries = self._entries()
             for key, _ in entries:
@@ -571,6 +569,13 @@ class Face:
             self.unavailable.clear()
         if entries:
             self.log_counters()
+        return entries
+
+    def teardown(self) -> None:
+        """Close every workspace of this face, in creation order, and forget
+        them. Collective like ``close()``; idempotent. A failing close does not
+        stop the others: the first error is raised after all were tried."""
+        entries = self._drain()
         errors = []
         for _, entry in entries:
             try:
@@ -586,13 +591,7 @@ class Face:
         not shutting down): each is aborted (a peer's call in it raises at
         once instead of waiting out the timeout) and closed without a
         barrier (unmapped, handles closed). Idempotent; never raises."""
-        with _lock:
-            entries = self._entries()
-            for key, _ in entries:
-                del _cache[key]
-            self.unavailable.clear()
-        if entries:
-            self.log_counters()
+        entries = self._drain()
         for _, entry in entries:
             try:
                 if entry.workspace.peer:
