@@ -433,3 +433,18 @@ def test_local_shutdown_never_waits_on_a_peer():
                                         env={"SDCP_SGLANG_TIMEOUT_S": "20"})
     assert elapsed < 1.0, f"the local release took {elapsed:.2f} s"
     assert raised_after < 5.0, f"the peer's call waited {raised_after:.2f} s"
+
+
+def test_plugin_check_on_sglangs_defaults(monkeypatch):
+    from torch_sdcp import plugin_check
+
+    monkeypatch.setenv("SDCP_SGLANG", "require")
+    status, text = plugin_check.report(["--engine", "sglang", "--dcp-size", "8", "--dcp-comm-backend", "fi_a2a",
+                                        "--dcp-replicate-q-proj", "--num-heads", "128", "--rows", "512"])
+    assert status == 1 and "--dcp-comm-backend ag_rs or a2a" in text and "--dcp-replicate-q-proj" in text, text
+    assert "total per rank: 0 bytes" in text, text
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    status, text = plugin_check.report(["--engine", "sglang", "--dcp-size", "8", "--dcp-comm-backend", "a2a",
+                                        "--num-heads", "128", "--rows", "512"])
+    assert status == 0 and "combine ON" in text and "query ON" in text, text
+    assert "Output/LSE workspace:" in text and "query workspace:" in text, text

@@ -501,3 +501,32 @@ def test_post_releases_accepted():
 
     assert plugin.supported_version("0.33.0.post1") and plugin.supported_version("0.33.1.post2+cu130")
     assert not plugin.supported_version("0.34.0.post1")
+
+
+def test_plugin_check_reports_seams_rows_and_bytes(env):
+    """``python -m torch_sdcp.plugin_check``: the seams the settings leave on,
+    the capped bound and the layout's bytes (DeepSeek-V3.2 at DCP8, docs/VLLM.md's table)."""
+    from torch_sdcp import plugin_check
+
+    argv = ["--engine", "vllm", "-dcp", "8", "--dcp-comm-backend", "a2a", "--num-heads", "128", "--rows", "4096",
+            "--index-topk", "2048", "--query-dtype", "float8_e4m3fn"]
+    status, text = plugin_check.report(argv)
+    assert status == 0 and "combine ON" in text and "query ON" in text and "topk ON" in text, text
+    assert "total per rank: 2713400832 bytes" in text, text
+    env.setenv("SDCP_VLLM", "require")
+    env.setenv("SDCP_VLLM_SEAMS", "combine,topk")
+    env.setenv("SDCP_VLLM_MAX_ROWS", "1024")
+    env.setenv("VLLM_USE_DIRECT_DCP_A2A", "1")
+    status, text = plugin_check.report(argv)
+    assert status == 1 and "rows bound: 1024" in text, text
+    assert "combine off (VLLM_USE_DIRECT_DCP_A2A=1 set by the user) [to turn it on: unset" in text, text
+    assert "query off (not in SDCP_VLLM_SEAMS)" in text and "start-up would stop (seams combine cannot" in text, text
+    env.setenv("SDCP_VLLM_TIMEOUT_S", "soon")
+    status, text = plugin_check.report(argv)
+    assert status == 1 and "SDCP_VLLM_TIMEOUT_S" in text and "'soon'" in text, text
+
+
+def test_plugin_check_runs_as_a_module(env):
+    out = subprocess.run([sys.executable, "-m", "torch_sdcp.plugin_check", "--engine", "vllm", "--rows", "64"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "the plugin is off" in out.stdout and "rows bound: 64" in out.stdout, out

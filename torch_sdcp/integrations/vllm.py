@@ -80,6 +80,7 @@ __all__ = [
     "SUPPORTED_VLLM_VERSIONS",
     "VLLM_SIGNATURES",
     "check_step",
+    "configured_off",
     "configure",
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
@@ -176,6 +177,26 @@ def _row_bound(engine_bound: int) -> int:
     if bound < 1:
         raise ValueError(f"torch_sdcp: the DCP rows bound must be positive, got {bound}")
     return bound
+
+
+def configured_off(seam: str, *, world: int, use_a2a: bool = True, use_pcp: bool = False,
+                   dtype: Any = None, topk: int | None = 1) -> str | None:
+    """Why ``seam`` stays vLLM's by configuration alone (settings, vLLM's
+    switches, PCP, one rank, the output dtype, no sparse indexer), or None:
+    what the manager's hooks decide before peer memory is tried, and what
+    ``python -m torch_sdcp.plugin_check`` reports."""
+    off = _seam_off(seam, use_a2a)
+    if off is not None:
+        return off
+    if seam == "topk" and topk is None:
+        return "no sparse indexer"
+    if use_pcp and seam != "topk":
+        return "PCP" if seam == "combine" else "no query gather (PCP)"
+    if world <= 1:
+        return "single rank"
+    if seam == "combine" and dtype is not None and dtype not in OUTPUT_DTYPES:
+        return f"dtype {dtype}"
+    return None
 
 
 def _seam_off(seam: str, use_a2a: bool = True) -> str | None:
@@ -285,8 +306,7 @@ def _enable_hint(seam: str, why: str) -> tuple[str, bool]:
 
 def _prepare_topk(self, vllm_config: Any) -> None:
     k = _topk_geometry(vllm_config)
-    off = _seam_off("topk") or _state.step_check or (
-        "no sparse indexer" if k is None else "single rank" if self.group.world_size <= 1 else None)
+    off = _state.step_check or configured_off("topk", world=self.group.world_size, topk=k)
     if off is not None or k is None:
         _decide("topk", False, off or "")
         return
@@ -303,8 +323,8 @@ def _manager_init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, us
     a setting or no peer memory keep vLLM's own choice."""
     original = _hooks.originals["MLADCPManager._init_combine"]
     world = self.group.world_size
-    off = (_seam_off("combine", self.use_a2a) or _state.step_check or ("PCP" if use_pcp else None)
-           or ("single rank" if world <= 1 else None) or (None if dtype in OUTPUT_DTYPES else f"dtype {dtype}"))
+    off = _state.step_check or configured_off("combine", world=world, use_a2a=self.use_a2a, use_pcp=use_pcp,
+                                              dtype=dtype)
     bound = _row_bound(self.max_num_tokens)
     if off is None and not try_prepare_output_lse(self.group, max_rows=bound, total_heads=num_heads * world,
                                                   head_dim=head_dim, dtype=dtype, device=self.device,
@@ -327,7 +347,7 @@ def _manager_init_query_gather(self, num_heads, head_dim, dtype):
     class's choice (GLM-5's DeepseekV32Attention always does; deepseek_v2
     models follow VLLM_DCP_Q_REPLICATE over the config), not the config's."""
     original = _hooks.originals["MLADCPManager._init_query_gather"]
-    off = _seam_off("query") or _state.step_check or ("single rank" if self.group.world_size <= 1 else None)
+    off = _state.step_check or configured_off("query", world=self.group.world_size)
     bound = _row_bound(self.max_num_tokens)
     if off is None and not try_prepare_query_gather(self.group, max_rows=bound, local_heads=num_heads,
                                                     width=head_dim, dtype=dtype, device=self.device,
