@@ -208,19 +208,23 @@ def test_what_stays_sglangs(fake):
 def test_step_check_fails_the_step(fake, monkeypatch):
     from torch_sdcp.integrations import sglang as face
 
+    from torch_sdcp import integrations
+    from torch_sdcp.integrations import _core
+
     class Poisoned:
-        closed = False
+        peer = True
 
         def check(self):
-            raise RuntimeError("torch_sdcp: OutputLSEWorkspace on rank 0 is poisoned")
+            raise RuntimeError("torch_sdcp: OutputLSEWorkspace on rank 0 timed out waiting for a peer")
 
     assert face.install()
     fake.mods[REGISTRY].HookRegistry.apply_hooks()
     runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
     assert runner.forward(lambda: "ok") == "ok"
-    monkeypatch.setattr(face._face, "workspaces", lambda: [Poisoned()])
-    with pytest.raises(RuntimeError, match="poisoned"):
+    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(Poisoned(), 8, True))
+    with pytest.raises(RuntimeError, match="timed out"):
         runner.forward(lambda: "ok")
+    assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == 1
 
 
 def test_bound_from_sglang_and_cap(fake, monkeypatch):

@@ -296,6 +296,11 @@ class Seam:
 COUNTS = ("peer", *(f"fallback:{why.value}" for why in Why), "void", "timeout", "error")
 
 
+#: The counters' name for failures the per-step check found (a kernel's
+#: timeout inside a replayed CUDA graph reaches the host there, not at a call).
+STEP_CHECK = "(step check)"
+
+
 def _failure_kind(error: BaseException) -> str:
     from torch_sdcp.workspaces import VoidedCallError
 
@@ -623,15 +628,17 @@ def check_live_workspaces(face: str | None = None) -> None:
     returning its result. Every workspace is checked; the error names how many
     failed and the first failure."""
     with _lock:
-        live = [entry.workspace for key, entry in _cache.items() if face is None or key[0] == face]
+        live = [(key[0], entry.workspace) for key, entry in _cache.items() if face is None or key[0] == face]
     failures = []
-    for workspace in live:
+    for name, workspace in live:
         if not workspace.peer:  # collective mode, or closed directly: nothing of ours runs on it
             continue
         try:
             workspace.check()
         except RuntimeError as e:
             failures.append(e)
+            if name in _faces:  # on CUDA a timeout inside a replayed graph surfaces here, not at a call
+                _faces[name].count(STEP_CHECK, _failure_kind(e))
     if failures:
         raise RuntimeError(f"torch_sdcp: {len(failures)} of {len(live)} live workspace(s) recorded a failure; "
                            f"the step's output is not returned: {failures[0]}") from failures[0]

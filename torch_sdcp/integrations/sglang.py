@@ -119,13 +119,13 @@ def teardown() -> None:
 
 
 def check() -> None:
-    """Raise if a live workspace of this face is poisoned on this rank (a call
-    failed, timed out or a peer aborted it). Never synchronises (it reads the
-    error record the kernels keep in host-mapped memory), so it costs
-    microseconds per step and sees failures inside replayed CUDA graphs."""
-    for ws in _face.workspaces():
-        if not ws.closed:
-            ws.check()
+    """Raise if a live workspace of this face recorded a failure on this
+    rank (a call failed, timed out or a peer aborted it): the core's
+    :func:`~torch_sdcp.integrations._core.check_live_workspaces`. Never
+    synchronises (it reads the error record the kernels keep in host-mapped
+    memory), so it costs microseconds per step and sees failures inside
+    replayed CUDA graphs."""
+    _face.check()
 
 
 def prepare(group: Any, *, max_rows: int, local_heads: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
