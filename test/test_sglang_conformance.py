@@ -16,13 +16,12 @@ does not depend on SGLang.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import sys
 
 import pytest
 
-from _ast_helpers import find_definition, param_list
+from _ast_helpers import SourceTrees, find_definition, param_list
 
 from torch_sdcp.integrations import sglang as face
 
@@ -32,32 +31,8 @@ CALL_SITES = ("sglang.srt.models.deepseek_common.attention_forward_methods.forwa
 REPLACED = ("cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode")
 
 
-def _sglang_dir():
-    if "sglang" in sys.modules and getattr(sys.modules["sglang"], "__file__", None) is None:
-        pytest.skip("a stand-in for sglang is in sys.modules")
-    try:
-        spec = importlib.util.find_spec("sglang")  # finds the package, does not import it
-    except ValueError:
-        pytest.skip("a stand-in for sglang is in sys.modules")
-    if spec is None or spec.origin is None:
-        pytest.skip("SGLang's sources are not importable")
-    return os.path.dirname(spec.origin)
-
-
-_TREES: dict = {}
-
-
-def _tree(module: str) -> ast.Module:
-    if module not in _TREES:
-        rel = module.split(".")[1:]
-        path = os.path.join(_sglang_dir(), *rel) + ".py"
-        if not os.path.exists(path):
-            path = os.path.join(_sglang_dir(), *rel, "__init__.py")
-        if not os.path.exists(path):
-            pytest.fail(f"SGLang has no module {module} (looked for {path})")
-        with open(path, encoding="utf-8") as f:
-            _TREES[module] = ast.parse(f.read(), filename=path)
-    return _TREES[module]
+_tree = SourceTrees("sglang", "SGLang", "SGLang's sources are not importable")
+_sglang_dir = _tree.root
 
 
 @pytest.fixture(scope="module")
