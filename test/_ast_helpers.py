@@ -80,3 +80,12 @@ class SourceTrees:
                 self.trees[module] = ast.parse(f.read(), filename=path)
         return self.trees[module]
 
+    def version(self) -> str:
+        """``__version__`` of the engine's ``_version.py``."""
+        for node in ast.walk(self(f"{self.package}._version")):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
+                    isinstance(node.value.value, str) and \
+                    any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets):
+                return node.value.value
+        pytest.fail(f"no __version__ in {self.package}/_version.py")
+

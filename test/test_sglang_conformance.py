@@ -24,6 +24,7 @@ import pytest
 from _ast_helpers import SourceTrees, find_definition, param_list
 
 from torch_sdcp.integrations import sglang as face
+from torch_sdcp.integrations._engine import accepted_version
 
 COMM = "sglang.srt.layers.dcp.comm"
 CALL_SITES = ("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla",
@@ -37,13 +38,9 @@ _sglang_dir = _tree.root
 
 @pytest.fixture(scope="module")
 def version():
-    tree = _tree("sglang._version")
-    found = [n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
-             and any(isinstance(t, ast.Name) and t.id == "__version__" for t in n.targets)]
-    if not found:
-        pytest.fail("no __version__ in sglang/_version.py")
-    v = found[0]
-    if v.split("+")[0] not in face.SUPPORTED_SGLANG_VERSIONS and os.environ.get("SDCP_SGLANG_CHECK_ANY_VERSION") != "1":
+    v = _tree.version()
+    checked_anyway = os.environ.get("SDCP_SGLANG_CHECK_ANY_VERSION") == "1"
+    if not accepted_version(v, face.SUPPORTED_SGLANG_VERSIONS) and not checked_anyway:
         pytest.skip(f"SGLang {v} is importable; the plugin supports {face.SUPPORTED_SGLANG_VERSIONS}")
     return v
 

@@ -31,19 +31,9 @@ _tree = SourceTrees("vllm", "vLLM", "vLLM is not installed")
 _vllm_dir = _tree.root
 
 
-def _installed_version() -> str:
-    tree = _tree("vllm._version")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
-                isinstance(node.value.value, str) and \
-                any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets):
-            return node.value.value
-    pytest.fail("no __version__ in vllm/_version.py")
-
-
 @pytest.fixture(scope="module")
 def version():
-    v = _installed_version()
+    v = _tree.version()
     if not plugin.supported_version(v) and os.environ.get("SDCP_VLLM_CHECK_ANY_VERSION") != "1":
         pytest.skip(f"vLLM {v} is installed; the plugin supports {plugin.SUPPORTED_VLLM_VERSIONS} "
                     "(SDCP_VLLM_CHECK_ANY_VERSION=1 checks it anyway)")
