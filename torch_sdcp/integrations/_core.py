@@ -497,21 +497,27 @@ class Face:
         if entry is None and self.create_missing:
             entry = self._create_on_first_use(seam, site)
         decision = route(entry, rows)
-        if decision.peer or fallback is None:
-            return self._peer_call(seam.caller, peer, entry.workspace)  # type: ignore[union-attr]
-        self.count(seam.caller, f"fallback:{decision.why.value}")  # type: ignore[union-attr]
-        if decision.why is Why.NO_WORKSPACE:
+        if entry is not None and decision.peer:
+            return self._peer_call(seam.caller, peer, entry.workspace)
+        why = decision.why
+        assert why is not None
+        self.count(seam.caller, f"fallback:{why.value}")
+        if fallback is None:
+            if entry is None:
+                raise AssertionError(f"torch_sdcp: {seam.caller}: no workspace and no fallback")
+            return peer(entry.workspace)  # the workspace acts on the same decision (its collective path)
+        if why is Why.NO_WORKSPACE:
             boundary = BOUNDARIES[kind]
             self.log_once("warning", ("no-workspace", kind) + tuple(geometry.values()), "torch_sdcp: no %s "
                           "workspace for %s (not prepared, or peer memory unavailable); %s", boundary.label,
                           boundary.summary(geometry), seam.missing)
-        elif decision.why is Why.ROWS_OVER_BOUND:
+        elif why is Why.ROWS_OVER_BOUND and entry is not None:
             if seam.over_bound is not None:
-                seam.over_bound(site, entry, rows)  # type: ignore[arg-type]
+                seam.over_bound(site, entry, rows)
             else:
                 self.log_once("info", ("rows", seam.caller), "torch_sdcp: %d rows exceed the %s bound of %d; "
                               "such calls take %s %s (counted in torch_sdcp.integrations.counters())", rows,
-                              BOUNDARIES[kind].label, entry.max_rows, seam.own_path, seam.caller)  # type: ignore
+                              BOUNDARIES[kind].label, entry.max_rows, seam.own_path, seam.caller)
         return fallback()
 
     def _peer_call(self, caller: str, peer: Callable[[Any], Any], workspace: Any) -> Any:
