@@ -18,6 +18,8 @@ import types
 import torch
 import torch.distributed as dist
 
+from _engine_stand_in import all_gather_bytes, packages
+
 H_LOC, D, R = 2, 32, 16  # local heads, kv_lora_rank, qk_rope_head_dim
 MAX_BS, TOKENS_PER_REQ = 4, 4
 BOUND = MAX_BS * TOKENS_PER_REQ  # SGLang's widest decode batch in rows
@@ -52,10 +54,7 @@ class Coordinator:
         self.unique_name = "dcp:0"
 
     def all_gather(self, x, dim=-1):
-        raw = x.contiguous().view(torch.uint8)
-        parts = [torch.empty_like(raw) for _ in range(self.world_size)]
-        dist.all_gather(parts, raw, group=self.device_group)
-        return torch.cat([p.view(x.dtype) for p in parts], dim=dim)
+        return all_gather_bytes(x, self.world_size, self.device_group, dim)
 
     def reduce_scatter_along_dim(self, x, dim=0):
         total = x.clone()
@@ -186,9 +185,7 @@ def _real_registry():
 
 
 def build_fake_sglang(version="0.5.23"):
-    mods = {name: types.ModuleType(name) for name in MODULES}
-    for mod in mods.values():
-        mod.__path__ = []
+    mods = packages(MODULES)
     ns = types.SimpleNamespace(mods=mods, calls=[], events=[])
     mods["sglang.version"].__version__ = version
     parallel = types.SimpleNamespace(dcp_enabled=True, dcp_group=None, dcp_comm_backend="ag_rs",

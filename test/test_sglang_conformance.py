@@ -16,15 +16,15 @@ does not depend on SGLang.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import sys
 
 import pytest
 
-from _ast_helpers import find_definition, param_list
+from _ast_helpers import SourceTrees, find_definition, param_list
 
 from torch_sdcp.integrations import sglang as face
+from torch_sdcp.integrations._engine import accepted_version
 
 COMM = "sglang.srt.layers.dcp.comm"
 CALL_SITES = ("sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla",
@@ -32,43 +32,15 @@ CALL_SITES = ("sglang.srt.models.deepseek_common.attention_forward_methods.forwa
 REPLACED = ("cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode")
 
 
-def _sglang_dir():
-    if "sglang" in sys.modules and getattr(sys.modules["sglang"], "__file__", None) is None:
-        pytest.skip("a stand-in for sglang is in sys.modules")
-    try:
-        spec = importlib.util.find_spec("sglang")  # finds the package, does not import it
-    except ValueError:
-        pytest.skip("a stand-in for sglang is in sys.modules")
-    if spec is None or spec.origin is None:
-        pytest.skip("SGLang's sources are not importable")
-    return os.path.dirname(spec.origin)
-
-
-_TREES: dict = {}
-
-
-def _tree(module: str) -> ast.Module:
-    if module not in _TREES:
-        rel = module.split(".")[1:]
-        path = os.path.join(_sglang_dir(), *rel) + ".py"
-        if not os.path.exists(path):
-            path = os.path.join(_sglang_dir(), *rel, "__init__.py")
-        if not os.path.exists(path):
-            pytest.fail(f"SGLang has no module {module} (looked for {path})")
-        with open(path, encoding="utf-8") as f:
-            _TREES[module] = ast.parse(f.read(), filename=path)
-    return _TREES[module]
+_tree = SourceTrees("sglang", "SGLang", "SGLang's sources are not importable")
+_sglang_dir = _tree.root
 
 
 @pytest.fixture(scope="module")
 def version():
-    tree = _tree("sglang._version")
-    found = [n.value.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
-             and any(isinstance(t, ast.Name) and t.id == "__version__" for t in n.targets)]
-    if not found:
-        pytest.fail("no __version__ in sglang/_version.py")
-    v = found[0]
-    if v.split("+")[0] not in face.SUPPORTED_SGLANG_VERSIONS and os.environ.get("SDCP_SGLANG_CHECK_ANY_VERSION") != "1":
+    v = _tree.version()
+    checked_anyway = os.environ.get("SDCP_SGLANG_CHECK_ANY_VERSION") == "1"
+    if not accepted_version(v, face.SUPPORTED_SGLANG_VERSIONS) and not checked_anyway:
         pytest.skip(f"SGLang {v} is importable; the plugin supports {face.SUPPORTED_SGLANG_VERSIONS}")
     return v
 

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
+from _engine_stand_in import InModules
 
 from _sglang_stand_in import (
-    BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, MODULES, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
+    BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
     Coordinator, MLA, _real_registry, build_fake_sglang, decode_step, ref_all_gather_q_for_mla_decode,
     ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce, step_inputs,
 )
@@ -153,18 +154,12 @@ def fake():
     from torch_sdcp.integrations import sglang as face
 
     ns = build_fake_sglang()
-    saved = {name: sys.modules.get(name) for name in MODULES}
-    sys.modules.update(ns.mods)
-    yield ns
-    face._hooks.installed = False
-    face._hooks.originals.clear()
-    face._hooks.dcp_group = None
-    face._face.forget()
-    for name, mod in saved.items():
-        if mod is None:
-            sys.modules.pop(name, None)
-        else:
-            sys.modules[name] = mod
+    with InModules(ns.mods):
+        yield ns
+        face._hooks.installed = False
+        face._hooks.originals.clear()
+        face._hooks.dcp_group = None
+        face._face.forget()
 
 
 def test_unknown_version_refused(fake, caplog):
@@ -213,19 +208,23 @@ def test_what_stays_sglangs(fake):
 def test_step_check_fails_the_step(fake, monkeypatch):
     from torch_sdcp.integrations import sglang as face
 
+    from torch_sdcp import integrations
+    from torch_sdcp.integrations import _core
+
     class Poisoned:
-        closed = False
+        peer = True
 
         def check(self):
-            raise RuntimeError("torch_sdcp: OutputLSEWorkspace on rank 0 is poisoned")
+            raise RuntimeError("torch_sdcp: OutputLSEWorkspace on rank 0 timed out waiting for a peer")
 
     assert face.install()
     fake.mods[REGISTRY].HookRegistry.apply_hooks()
     runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
     assert runner.forward(lambda: "ok") == "ok"
-    monkeypatch.setattr(face._face, "workspaces", lambda: [Poisoned()])
-    with pytest.raises(RuntimeError, match="poisoned"):
+    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(Poisoned(), 8, True))
+    with pytest.raises(RuntimeError, match="timed out"):
         runner.forward(lambda: "ok")
+    assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == 1
 
 
 def test_bound_from_sglang_and_cap(fake, monkeypatch):
@@ -335,3 +334,121 @@ def _compile_worker(rank, world):
 
 def test_seams_compile_fullgraph_two_ranks():
     assert run_workers(_compile_worker, 2, timeout=300) == [True, True]
+
+
+# ---------------------------------------------------------------------------
+# Operability: the start-up line, the require mode, versions, a local shutdown
+# ---------------------------------------------------------------------------
+
+
+def test_startup_line_on_sglangs_defaults_names_the_flags(fake, monkeypatch, caplog):
+    """fi_a2a (Blackwell's default) and a replicated query projection (the
+    DSA default) leave no seam: the warm-up says so, with the flags that
+    turn each seam on; in the require mode start-up fails with that line."""
+    from torch_sdcp.integrations import sglang as face
+
+    monkeypatch.setattr(face, "prepare", lambda group, **k: pytest.fail("nothing to prepare"))
+    fake.parallel.dcp_group = types.SimpleNamespace(unique_name="dcp:7", world_size=2)
+    fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = "fi_a2a", True
+    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential(MLA(2))))
+    with caplog.at_level(logging.INFO):
+        face._after_pre_initialize(None, runner)
+    lines = [r.getMessage() for r in caplog.records if "DCP group dcp:7" in r.getMessage()]
+    assert len(lines) == 1, caplog.records
+    assert "combine off" in lines[0] and "--dcp-comm-backend ag_rs or a2a" in lines[0], lines
+    assert "query off" in lines[0] and "--dcp-replicate-q-proj" in lines[0], lines
+    face._face.forget()
+    monkeypatch.setenv("SDCP_SGLANG", "require")
+    with pytest.raises(RuntimeError, match="SDCP_SGLANG=require.*combine, query"):
+        face._after_pre_initialize(None, runner)
+    monkeypatch.setenv("SDCP_SGLANG_SEAMS", "query")  # the combine not asked for: only the query refuses
+    with pytest.raises(RuntimeError, match=r"seam\(s\) query cannot"):
+        face._after_pre_initialize(None, runner)
+
+
+def test_startup_line_when_dcp_is_off(fake, caplog):
+    from torch_sdcp.integrations import sglang as face
+
+    fake.parallel.dcp_enabled = False
+    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential()))
+    with caplog.at_level(logging.INFO):
+        face._after_pre_initialize(None, runner)
+    fake.parallel.dcp_enabled = True
+    assert any("without DCP" in r.getMessage() for r in caplog.records), caplog.records
+
+
+@pytest.mark.parametrize("version,accepted", [("0.5.23", True), ("0.5.23.post1", True), ("0.5.23+cu130", True),
+                                              ("0.5.23.post2+cu130", True), ("0.5.24", False), ("0.5.23rc1", False),
+                                              ("0.5.2", False)])
+def test_version_policy(version, accepted):
+    from torch_sdcp.integrations import sglang as face
+    from torch_sdcp.integrations._engine import accepted_version
+
+    assert accepted_version(version, face.SUPPORTED_SGLANG_VERSIONS) is accepted
+
+
+def test_settings_refused_at_register(monkeypatch, caplog):
+    import torch_sdcp_plugins.sglang as entry
+
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    monkeypatch.setenv("SDCP_SGLANG_SEAMS", "combine,bogus")
+    entry._logged.clear()
+    with caplog.at_level(logging.ERROR):
+        entry.register()
+    entry._logged.clear()
+    assert any("SDCP_SGLANG_SEAMS" in r.getMessage() and "bogus" in r.getMessage() for r in caplog.records)
+
+
+def _local_shutdown_worker(rank, world):
+    """Rank 0 runs SGLang's local abort while rank 1 is alive and not shutting
+    down: rank 0 returns at once (no barrier), rank 1's next call raises (the
+    abort reached it) instead of waiting out the timeout."""
+    import time
+
+    torch.set_num_threads(1)
+    from torch_sdcp.integrations import sglang as face
+
+    coord = Coordinator(dist.group.WORLD)
+    assert face.prepare(coord, max_rows=8, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.float32,
+                        device="cpu", query=False) == {"output_lse": True, "query": False}
+    (ws,) = face.workspaces()
+    dist.barrier()
+    if rank == 0:
+        start = time.monotonic()
+        face._before_shutdown()
+        elapsed = time.monotonic() - start
+        face._before_shutdown()  # idempotent
+        assert face.workspaces() == [] and ws.closed
+        dist.barrier()
+        return elapsed
+    time.sleep(2.0)  # alive, not shutting down
+    out, lse = torch.zeros(2, H_LOC * world, D), torch.zeros(2, H_LOC * world)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        ws.combine(out, lse)
+    raised_after = time.monotonic() - start
+    face._before_shutdown()
+    dist.barrier()
+    return raised_after
+
+
+def test_local_shutdown_never_waits_on_a_peer():
+    elapsed, raised_after = run_workers(_local_shutdown_worker, 2, timeout=120,
+                                        env={"SDCP_SGLANG_TIMEOUT_S": "20"})
+    assert elapsed < 1.0, f"the local release took {elapsed:.2f} s"
+    assert raised_after < 5.0, f"the peer's call waited {raised_after:.2f} s"
+
+
+def test_plugin_check_on_sglangs_defaults(monkeypatch):
+    from torch_sdcp import plugin_check
+
+    monkeypatch.setenv("SDCP_SGLANG", "require")
+    status, text = plugin_check.report(["--engine", "sglang", "--dcp-size", "8", "--dcp-comm-backend", "fi_a2a",
+                                        "--dcp-replicate-q-proj", "--num-heads", "128", "--rows", "512"])
+    assert status == 1 and "--dcp-comm-backend ag_rs or a2a" in text and "--dcp-replicate-q-proj" in text, text
+    assert "total per rank: 0 bytes" in text, text
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    status, text = plugin_check.report(["--engine", "sglang", "--dcp-size", "8", "--dcp-comm-backend", "a2a",
+                                        "--num-heads", "128", "--rows", "512"])
+    assert status == 0 and "combine ON" in text and "query ON" in text, text
+    assert "Output/LSE workspace:" in text and "query workspace:" in text, text

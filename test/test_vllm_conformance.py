@@ -17,56 +17,23 @@ does not (yet) support, to see what a new release changed.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import os
 import sys
 
 import pytest
 
-from _ast_helpers import find_definition, param_list
+from _ast_helpers import SourceTrees, find_definition, param_list
 
 from torch_sdcp.integrations import vllm as plugin
 
 
-def _vllm_dir():
-    if "vllm" in sys.modules and getattr(sys.modules["vllm"], "__file__", None) is None:
-        pytest.skip("a stand-in for vllm is in sys.modules")
-    spec = importlib.util.find_spec("vllm")  # finds the package, does not import it
-    if spec is None or spec.origin is None:
-        pytest.skip("vLLM is not installed")
-    return os.path.dirname(spec.origin)
-
-
-_TREES: dict = {}
-
-
-def _tree(module: str) -> ast.Module:
-    if module not in _TREES:
-        root = _vllm_dir()
-        rel = module.split(".")[1:]
-        path = os.path.join(root, *rel) + ".py"
-        if not os.path.exists(path):
-            path = os.path.join(root, *rel, "__init__.py")
-        if not os.path.exists(path):
-            pytest.fail(f"vLLM has no module {module} (looked for {path})")
-        with open(path, encoding="utf-8") as f:
-            _TREES[module] = ast.parse(f.read(), filename=path)
-    return _TREES[module]
-
-
-def _installed_version() -> str:
-    tree = _tree("vllm._version")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
-                isinstance(node.value.value, str) and \
-                any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets):
-            return node.value.value
-    pytest.fail("no __version__ in vllm/_version.py")
+_tree = SourceTrees("vllm", "vLLM", "vLLM is not installed")
+_vllm_dir = _tree.root
 
 
 @pytest.fixture(scope="module")
 def version():
-    v = _installed_version()
+    v = _tree.version()
     if not plugin.supported_version(v) and os.environ.get("SDCP_VLLM_CHECK_ANY_VERSION") != "1":
         pytest.skip(f"vLLM {v} is installed; the plugin supports {plugin.SUPPORTED_VLLM_VERSIONS} "
                     "(SDCP_VLLM_CHECK_ANY_VERSION=1 checks it anyway)")

@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_workers
+from torch_sdcp_plugins import vllm as vllm_entry
 from _helpers import requires_gpus
-from test_vllm_plugin import D, H_LOC, W, Coordinator, FakeVllm, _Collect, _config, build_fake_vllm
+from _vllm_stand_in import D, H_LOC, W, Coordinator, FakeVllm, _Collect, build_fake_vllm
+from _vllm_stand_in import config as _config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVS = ("SDCP_VLLM", "SDCP_VLLM_MAX_ROWS", "SDCP_VLLM_TIMEOUT_S", "SDCP_VLLM_SEAMS", "VLLM_USE_DIRECT_DCP_A2A",
@@ -170,7 +172,7 @@ def test_version_check():
 
 
 def _seam_log(collect):
-    return [m for lvl, m in collect.records if lvl == "INFO" and "DCP group" in m]
+    return [m for lvl, m in collect.records if lvl in ("INFO", "WARNING") and "DCP group" in m]
 
 
 def test_query_seam_prepared_whatever_q_replicate_says(env, stubs, collect):
@@ -289,7 +291,7 @@ def _failure_worker(rank, world):
     ns.coordinator = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     from torch_sdcp.integrations import vllm as plugin
 
-    plugin.register()
+    vllm_entry.register()
     assert plugin.is_installed()
     mgr = _manager(ns)
     worker = ns.mods["vllm.v1.worker.gpu_worker"].Worker(output="tokens")
@@ -423,3 +425,108 @@ def test_health_check_after_a_failure_in_a_replayed_graph_two_ranks_on_one_gpu()
     results = run_workers(_gpu_health_worker, 2, timeout=180, env={"SDCP_VLLM_TIMEOUT_S": "2"})
     for rank, raised in enumerate(results):
         assert raised is not None and "recorded a failure" in raised, (rank, raised)
+
+
+# ---------------------------------------------------------------------------
+# Operability: seams not selected stay unpatched, a step check that cannot be
+# installed, the require mode
+# ---------------------------------------------------------------------------
+
+
+def test_combine_only_leaves_the_topk_merge_unpatched(env, stubs, collect):
+    from torch_sdcp.integrations import vllm as plugin
+
+    env.setenv("SDCP_VLLM_SEAMS", "combine")
+    with FakeVllm() as ns:
+        indexer = ns.mods["vllm.model_executor.layers.sparse_attn_indexer"]
+        glm = ns.mods["vllm.models.glm5next.nvidia.sparse_indexer"]
+        original = indexer._merge_dcp_topk_global
+        ns.coordinator = _group()
+        assert plugin.install()
+        assert indexer._merge_dcp_topk_global is original and glm._merge_dcp_topk_global is original
+        _manager(ns)
+        plugin.uninstall()
+    assert not [m for lvl, m in collect.records if "top-K" in m and lvl == "WARNING"], collect.records
+
+
+def test_step_check_import_raising_keeps_every_seam_vllms(env, stubs, collect):
+    import importlib
+
+    from torch_sdcp.integrations import vllm as plugin
+
+    real = importlib.import_module
+
+    def import_module(name, *a, **k):
+        if name == "vllm.v1.worker.gpu_worker":
+            raise RuntimeError("injected: CUDA initialisation failed while importing gpu_worker")
+        return real(name, *a, **k)
+
+    with FakeVllm() as ns:
+        ns.coordinator = _group()
+        assert plugin.install()
+        env.setattr(importlib, "import_module", import_module)
+        dcp = ns.mods["vllm.v1.attention.ops.dcp"]
+        mgr = _manager(ns)  # the manager is built: nothing aborts
+        env.setattr(importlib, "import_module", real)
+        assert mgr.combine.func is dcp.cp_lse_ag_out_rs and mgr.query_gather == mgr._gather_query
+        assert plugin.workspaces() == []
+    errors = [m for lvl, m in collect.records if lvl == "ERROR"]
+    assert len(errors) == 1 and "injected: CUDA initialisation" in errors[0], errors
+
+
+def test_require_mode_fails_the_build_with_the_line(env, stubs):
+    from torch_sdcp.integrations import vllm as plugin
+
+    env.setenv("SDCP_VLLM", "require")
+    with FakeVllm() as ns:
+        ns.coordinator = types.SimpleNamespace(cpu_group=object(), world_size=1, rank_in_group=0, unique_name="one")
+        assert plugin.install()
+        refused = r"combine off \(single rank\).*--decode-context-parallel-size.*SDCP_VLLM=require"
+        with pytest.raises(RuntimeError, match=refused):
+            _manager(ns)
+        ns.coordinator = _group()
+        _manager(ns, _config())  # no sparse indexer: the top-K does not apply, nothing is refused
+
+
+def test_require_mode_fails_registration_on_a_refused_version(env, collect):
+    env.setenv("SDCP_VLLM", "require")
+    with FakeVllm(version="0.34.0"):
+        with pytest.raises(RuntimeError, match="SDCP_VLLM=require"):
+            vllm_entry.register()
+    vllm_entry._logged.clear()
+
+
+def test_post_releases_accepted():
+    from torch_sdcp.integrations import vllm as plugin
+
+    assert plugin.supported_version("0.33.0.post1") and plugin.supported_version("0.33.1.post2+cu130")
+    assert not plugin.supported_version("0.34.0.post1")
+
+
+def test_plugin_check_reports_seams_rows_and_bytes(env):
+    """``python -m torch_sdcp.plugin_check``: the seams the settings leave on,
+    the capped bound and the layout's bytes (DeepSeek-V3.2 at DCP8, docs/VLLM.md's table)."""
+    from torch_sdcp import plugin_check
+
+    argv = ["--engine", "vllm", "-dcp", "8", "--dcp-comm-backend", "a2a", "--num-heads", "128", "--rows", "4096",
+            "--index-topk", "2048", "--query-dtype", "float8_e4m3fn"]
+    status, text = plugin_check.report(argv)
+    assert status == 0 and "combine ON" in text and "query ON" in text and "topk ON" in text, text
+    assert "total per rank: 2713400832 bytes" in text, text
+    env.setenv("SDCP_VLLM", "require")
+    env.setenv("SDCP_VLLM_SEAMS", "combine,topk")
+    env.setenv("SDCP_VLLM_MAX_ROWS", "1024")
+    env.setenv("VLLM_USE_DIRECT_DCP_A2A", "1")
+    status, text = plugin_check.report(argv)
+    assert status == 1 and "rows bound: 1024" in text, text
+    assert "combine off (VLLM_USE_DIRECT_DCP_A2A=1 set by the user) [to turn it on: unset" in text, text
+    assert "query off (not in SDCP_VLLM_SEAMS)" in text and "start-up would stop (seams combine cannot" in text, text
+    env.setenv("SDCP_VLLM_TIMEOUT_S", "soon")
+    status, text = plugin_check.report(argv)
+    assert status == 1 and "SDCP_VLLM_TIMEOUT_S" in text and "'soon'" in text, text
+
+
+def test_plugin_check_runs_as_a_module(env):
+    out = subprocess.run([sys.executable, "-m", "torch_sdcp.plugin_check", "--engine", "vllm", "--rows", "64"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "the plugin is off" in out.stdout and "rows bound: 64" in out.stdout, out

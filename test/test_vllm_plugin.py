@@ -1,4 +1,4 @@
-"""The vLLM plugin (torch_sdcp.integrations.vllm) without vLLM: a stand-in
+"""The vLLM plugin (torch_sdcp.integrations.vllm) without vLLM: a stand-in (_vllm_stand_in.py)
 for the parts of vLLM 0.33.0 the plugin touches (module paths, signatures,
 the MLADCPManager construction protocol, the sparse indexer's call through
 its module global, dbo_current_ubatch_id, get_dcp_group), then vLLM's call
@@ -17,7 +17,6 @@ sources.
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import math
@@ -29,294 +28,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torch_sdcp import collective, reference
+from torch_sdcp import reference
 from torch_sdcp.integrations import vllm_calls
 from torch_sdcp.integrations._core import query_direct
 
 from _dist import run_workers
 from _helpers import requires_gpus
-
-VLLM_MODULES = (
-    "vllm", "vllm.logger", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops", "vllm.v1.attention.ops.dcp",
-    "vllm.v1.worker", "vllm.v1.worker.ubatching", "vllm.v1.worker.gpu_worker", "vllm.distributed",
-    "vllm.distributed.parallel_state",
-    "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.sparse_attn_indexer",
-    "vllm.models", "vllm.models.glm5next", "vllm.models.glm5next.nvidia",
-    "vllm.models.glm5next.nvidia.sparse_indexer",
-)
-
-BOUND = 512  # vLLM's default DCP workspace bound (get_dcp_workspace_max_num_tokens)
-
-
-# ---------------------------------------------------------------------------
-# The stand-in for vLLM 0.33.0
-# ---------------------------------------------------------------------------
-
-
-class Coordinator:
-    """The part of vLLM's GroupCoordinator the DCP code uses. ``groups`` maps
-    a micro-batch id to a gloo group for the collectives of the stand-in's own
-    (fallback) functions: vLLM serialises its DBO threads around collectives,
-    this stand-in gives each micro-batch its own group instead."""
-
-    def __init__(self, cpu_group, groups, ubatch_id):
-        self.cpu_group = cpu_group
-        self.device_group = cpu_group
-        self.groups = groups
-        self.ubatch_id = ubatch_id
-        self.world_size = dist.get_world_size(cpu_group)
-        self.rank_in_group = dist.get_rank(cpu_group)
-        self.unique_name = "dcp:0"
-
-    def pg(self):
-        return self.groups[self.ubatch_id()]
-
-    def all_gather(self, x, dim=-1):
-        x = x.contiguous()
-        raw = x.view(torch.uint8)
-        parts = [torch.empty_like(raw) for _ in range(self.world_size)]
-        dist.all_gather(parts, raw, group=self.pg())
-        return torch.cat([p.view(x.dtype) for p in parts], dim=dim)
-
-
-def _mask_loop(lse, seq_lens, qsl):
-    """Empty-shard masking, row by row (the contract, written plainly)."""
-    lse = lse.clone()
-    if seq_lens is None:
-        return lse
-    starts, lens = qsl.tolist(), seq_lens.tolist()
-    for t in range(lse.shape[0]):
-        if not lens or t >= starts[-1]:
-            lse[t] = -math.inf
-        elif lens[min(bisect.bisect_right(starts, t) - 1, len(lens) - 1)] == 0:
-            lse[t] = -math.inf
-    return lse
-
-
-def _vllm_select(scores, ids, k):
-    """vLLM's candidate selector as its key defines it: the fp32 score's bits
-    made monotonic (so -0.0 < +0.0, +NaN above +inf, -NaN below -inf), then
-    the lower id; ids < 0 never beat a valid candidate. vLLM leaves the order
-    within the selected set unspecified: this model returns it sorted."""
-    bits = scores.contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    skey = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
-    skey = torch.where(ids >= 0, skey, -1)
-    order = torch.sort(ids.long(), dim=1, stable=True).indices
-    order = order.gather(1, torch.sort(skey.gather(1, order), dim=1, descending=True, stable=True).indices)
-    top = order[:, :k]
-    out = torch.where(skey.gather(1, top) >= 0, ids.gather(1, top), -1).to(torch.int32)
-    if out.shape[1] < k:
-        out = torch.cat([out, out.new_full((out.shape[0], k - out.shape[1]), -1)], dim=1)
-    return out
-
-
-def build_fake_vllm(version="0.33.0"):
-    """Module objects standing in for vLLM (not yet in sys.modules)."""
-    mods = {name: types.ModuleType(name) for name in VLLM_MODULES}
-    for name, mod in mods.items():
-        mod.__path__ = []  # a package, so dotted imports resolve
-    ns = types.SimpleNamespace(mods=mods, calls=[], ubatch=threading.local(), coordinator=None)
-    mods["vllm"].__version__ = version
-
-    def init_logger(name):
-        logger = logging.getLogger(name)
-        logger.warning_once = lambda msg, *a: logger.warning(msg, *a)
-        logger.info_once = lambda msg, *a: logger.info(msg, *a)
-        return logger
-
-    mods["vllm.logger"].init_logger = init_logger
-
-    def dbo_current_ubatch_id():
-        return getattr(ns.ubatch, "id", 0)
-
-    mods["vllm.v1.worker.ubatching"].dbo_current_ubatch_id = dbo_current_ubatch_id
-
-    def get_dcp_group():
-        return ns.coordinator
-
-    mods["vllm.distributed.parallel_state"].get_dcp_group = get_dcp_group
-    mods["vllm.distributed"].get_dcp_group = get_dcp_group
-
-    def destroy_model_parallel():
-        ns.calls.append(("destroy_model_parallel", 0))
-        ns.coordinator = None
-
-    mods["vllm.distributed.parallel_state"].destroy_model_parallel = destroy_model_parallel
-    mods["vllm.distributed"].destroy_model_parallel = destroy_model_parallel  # a re-export, as in vLLM
-
-    class Worker:
-        """vLLM's GPU worker: one step's output, synchronous or async
-        (``get_output`` waits for the copy to the host)."""
-
-        def __init__(self, output=None):
-            self.output = output
-
-        def sample_tokens(self, grammar_output):
-            ns.calls.append(("sample_tokens", 0))
-            return self.output
-
-    mods["vllm.v1.worker.gpu_worker"].Worker = Worker
-
-    # --- vllm.v1.attention.ops.dcp ------------------------------------------------------------
-    dcp = mods["vllm.v1.attention.ops.dcp"]
-
-    def _combine(name, cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
-                 seq_lens=None, query_start_loc=None):
-        ns.calls.append((name, getattr(ns.ubatch, "id", 0)))
-        out = cp_attn_out.squeeze(1) if cp_attn_out.dim() == 4 else cp_attn_out
-        lse = _mask_loop(cp_attn_lse.float(), seq_lens, query_start_loc)
-        return collective.lse_all_gather_reduce_scatter(out, lse, base2=not is_lse_base_on_e,
-                                                        return_lse=return_lse, group=cp_group.pg())
-
-    def cp_lse_ag_out_rs(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
-                         seq_lens=None, query_start_loc=None):
-        return _combine("cp_lse_ag_out_rs", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse,
-                        is_lse_base_on_e, seq_lens, query_start_loc)
-
-    def dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
-                           seq_lens=None, query_start_loc=None):
-        return _combine("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse,
-                        is_lse_base_on_e, seq_lens, query_start_loc)
-
-    def reserve_query_head_storage(query, padded_num_heads):
-        flat = query.new_empty((query.shape[0] * padded_num_heads * query.shape[2],))
-        out = flat[: query.numel()].view(query.shape)
-        out.copy_(query)
-        return out
-
-    class MLADCPManager:
-        def __init__(self, vllm_config, device, num_heads, query_head_dim, output_head_dim, query_dtype,
-                     output_dtype, padded_num_heads, is_lse_base_on_e, use_pcp):
-            pc = vllm_config.parallel_config
-            self.group = get_dcp_group()
-            self.device = torch.device(device)
-            self.num_ubatches = max(pc.num_ubatches, 1)
-            self.max_num_tokens = vllm_config.dcp_max_num_tokens
-            self.use_a2a = pc.dcp_comm_backend == "a2a"
-            self.padded_num_heads = padded_num_heads
-            self.combine = self._init_combine(num_heads, output_head_dim, output_dtype, is_lse_base_on_e, use_pcp)
-            self.query_gather = None if use_pcp else self._init_query_gather(num_heads, query_head_dim,
-                                                                              query_dtype)
-
-        def _init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp):
-            ns.calls.append(("_init_combine", getattr(ns.ubatch, "id", 0)))
-            fn = dcp.dcp_a2a_lse_reduce if self.use_a2a else dcp.cp_lse_ag_out_rs
-            return functools.partial(fn, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e)
-
-        def _init_query_gather(self, num_heads, head_dim, dtype):
-            ns.calls.append(("_init_query_gather", getattr(ns.ubatch, "id", 0)))
-            return self._gather_query
-
-        def _gather_query(self, query):
-            ns.calls.append(("_gather_query", getattr(ns.ubatch, "id", 0)))
-            query = self.group.all_gather(query, dim=1)
-            if self.padded_num_heads is not None:
-                query = reserve_query_head_storage(query, self.padded_num_heads)
-            return query
-
-    dcp.cp_lse_ag_out_rs = cp_lse_ag_out_rs
-    dcp.dcp_a2a_lse_reduce = dcp_a2a_lse_reduce
-    dcp.reserve_query_head_storage = reserve_query_head_storage
-    dcp.MLADCPManager = MLADCPManager
-
-    # --- vllm.model_executor.layers.sparse_attn_indexer --------------------------------------
-    indexer = mods["vllm.model_executor.layers.sparse_attn_indexer"]
-
-    def _merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
-                               row_starts=None):
-        if dcp_world_size <= 1:
-            return
-        ns.calls.append(("_merge_dcp_topk_global", getattr(ns.ubatch, "id", 0)))
-        local = topk_indices.long()
-        valid = local >= 0
-        pos = local.clamp_min(0)
-        start = 0 if row_starts is None else row_starts.long().unsqueeze(1)
-        col = (pos + start).clamp_max(max(logits.shape[1] - 1, 0))
-        score = logits[: local.shape[0]].gather(1, col).masked_fill(~valid, -math.inf)
-        gid = (pos // cp_interleave) * (dcp_world_size * cp_interleave) + dcp_rank * cp_interleave \
-            + pos % cp_interleave
-        gid = torch.where(valid, gid, -1).to(torch.int32)
-        all_s = ns.coordinator.all_gather(score.contiguous(), dim=1)
-        all_i = ns.coordinator.all_gather(gid.contiguous(), dim=1)
-        topk_indices.copy_(_vllm_select(all_s, all_i, topk_tokens))
-
-    indexer._merge_dcp_topk_global = _merge_dcp_topk_global
-
-    def sparse_attn_indexer_decode(logits, topk_indices_buffer, rows, topk_tokens, dcp_rank, dcp_world_size,
-                                   cp_interleave, row_starts=None):
-        """The decode step's call: a view of the buffer, merged in place,
-        through the module global."""
-        topk_indices = topk_indices_buffer[:rows, :topk_tokens]
-        indexer._merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size,
-                                       cp_interleave, row_starts=row_starts)
-        return topk_indices_buffer
-
-    indexer.sparse_attn_indexer_decode = sparse_attn_indexer_decode
-    # A model module that imported the merge by name (as glm5next does).
-    mods["vllm.models.glm5next.nvidia.sparse_indexer"]._merge_dcp_topk_global = _merge_dcp_topk_global
-    return ns
-
-
-class FakeVllm:
-    """Context manager: the stand-in in sys.modules, the plugin's process
-    state reset around it, sys.modules restored after."""
-
-    def __init__(self, version="0.33.0"):
-        self.ns = build_fake_vllm(version)
-
-    def __enter__(self):
-        from torch_sdcp.integrations import vllm as plugin
-
-        self.saved = {name: sys.modules.get(name) for name in VLLM_MODULES}
-        sys.modules.update(self.ns.mods)
-        _reset_plugin(plugin)
-        return self.ns
-
-    def __exit__(self, *exc):
-        from torch_sdcp.integrations import vllm as plugin
-
-        plugin.uninstall()
-        _reset_plugin(plugin)
-        for name, mod in self.saved.items():
-            if mod is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = mod
-
-
-def _reset_plugin(plugin):
-    from torch_sdcp_plugins import vllm as entry
-
-    plugin.uninstall()
-    entry._logged.clear()
-    vllm_calls._face.forget()
-    vllm_calls._face.ubatch_id = lambda: 0
-    vllm_calls._hooks.originals.clear()
-    vllm_calls._hooks.dcp_group = None
-
-
-def _config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, bound=BOUND):
-    hf = types.SimpleNamespace(index_topk=index_topk)
-    return types.SimpleNamespace(
-        parallel_config=types.SimpleNamespace(num_ubatches=num_ubatches, dcp_comm_backend=backend,
-                                              dcp_q_replicate=q_replicate),
-        model_config=types.SimpleNamespace(hf_text_config=hf), dcp_max_num_tokens=bound)
-
-
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append((record.levelname, record.getMessage()))
-
+from _vllm_stand_in import BOUND, D, H_LOC, P, W, Coordinator, FakeVllm, _Collect, build_fake_vllm
+from _vllm_stand_in import config as _config
+from _vllm_stand_in import mask_loop as _mask_loop
+from _vllm_stand_in import vllm_select as _vllm_select
+from torch_sdcp_plugins import vllm as vllm_entry
+from torch_sdcp_plugins.settings import VLLM
 
 # ---------------------------------------------------------------------------
 # Inputs of one decode step, for every rank (seeded: each rank rebuilds all)
 # ---------------------------------------------------------------------------
 
-H_LOC, D, W, P = 2, 32, 48, 8  # local heads, latent dim, query width, padded query heads
 K, L, I = 16, 64, 4  # top-K, local tokens per rank, KV interleave
 
 
@@ -462,7 +190,7 @@ def _protocol_worker(rank, world, rows_list, threads):
     from torch_sdcp.integrations import vllm as plugin
 
     assert os.environ["SDCP_VLLM"] == "1"
-    plugin.register()
+    vllm_entry.register()
     assert plugin.is_installed()
     glm = ns.mods["vllm.models.glm5next.nvidia.sparse_indexer"]
     assert glm._merge_dcp_topk_global is plugin.merge_dcp_topk_global, "a by-name import was not patched"
@@ -515,25 +243,38 @@ def _protocol_worker(rank, world, rows_list, threads):
     plugin.uninstall()
     assert dcp.MLADCPManager._init_combine.__name__ == "_init_combine"
     assert glm._merge_dcp_topk_global.__name__ == "_merge_dcp_topk_global"
+    from torch_sdcp import integrations
+
+    counts = integrations.counters()["vllm"]
     plugin.teardown()
     return results, [m for lvl, m in log.records if lvl == "WARNING"], [m for lvl, m in log.records
-                                                                         if lvl == "INFO"]
+                                                                         if lvl == "INFO"], counts
 
 
 def test_vllm_protocol_two_microbatches():
     rows_list = [1, 7, BOUND, BOUND + 1]
     results = run_workers(_protocol_worker, 2, args=(rows_list, True), timeout=120, env={"SDCP_VLLM": "1"})
-    for per_ub, warnings, infos in results:
+    for per_ub, warnings, infos, counts in results:
+        # Every seam counted its peer calls and, above the bound, its fallbacks by reason (once per
+        # micro-batch and layer; the three-rank run has no call above the bound).
+        for seam in ("cp_lse_ag_out_rs", "gather_query", "merge_dcp_topk_global"):
+            assert counts[seam]["peer"] > 0 and counts[seam]["fallback:rows-over-bound"] > 0, counts
+            assert counts[seam]["timeout"] == counts[seam]["void"] == counts[seam]["error"] == 0, counts
+        assert any("seams:" in m and "peer" in m for m in infos), infos  # the counters, logged at teardown
+        sizes = [m for m in infos if "bytes per rank" in m]  # every workspace's bytes, at creation
+        assert len(sizes) == 6 and not [m for m in sizes if ": 0 bytes" in m], sizes
         # Above the bound: each layer's three boundaries took vLLM's own path (and nothing else did).
         assert per_ub == {0: 9, 1: 9}, per_ub
-        rows_warnings = [w for w in warnings if "exceed" in w]
-        assert len(rows_warnings) == 3, warnings  # once per boundary, not per call
+        assert not [w for w in warnings if "exceed" in w], warnings  # an expected fallback: no warning
+        rows_notes = [m for m in infos if "exceed" in m]
+        # Once per seam (both combines, the query gather, the top-K merge), not per call.
+        assert len(rows_notes) == 4, infos
         assert any("installed" in m for m in infos), infos
 
 
 def test_vllm_protocol_three_ranks():
     results = run_workers(_protocol_worker, 3, args=([3, 16], False), timeout=120, env={"SDCP_VLLM": "1"})
-    for per_ub, warnings, _ in results:
+    for per_ub, warnings, _, _ in results:
         assert per_ub == {0: 0} and warnings == [], (per_ub, warnings)
 
 
@@ -562,8 +303,12 @@ def collect():
 def test_import_does_not_import_vllm():
     import subprocess
 
-    code = ("import sys, torch_sdcp, torch_sdcp.integrations, torch_sdcp.integrations.vllm as p; "
-            "p.register(); assert 'vllm' not in sys.modules, 'vllm imported'")
+    # The library never imports an entry shim (the shims import the library, and the settings module).
+    code = ("import sys, torch_sdcp, torch_sdcp.integrations, torch_sdcp.integrations.vllm, "
+            "torch_sdcp.integrations.sglang; "
+            "shims = [m for m in ('torch_sdcp_plugins.vllm', 'torch_sdcp_plugins.sglang') if m in sys.modules]; "
+            "assert not shims, shims; assert 'torch_sdcp_plugins.settings' in sys.modules; "
+            "import torch_sdcp_plugins.vllm as e; e.register(); assert 'vllm' not in sys.modules, 'vllm imported'")
     import os
 
     env = {k: v for k, v in os.environ.items() if k != "SDCP_VLLM"}
@@ -579,7 +324,7 @@ def test_off_by_default(plugin, monkeypatch, value):
         monkeypatch.setenv("SDCP_VLLM", value)
     with FakeVllm() as ns:
         original = ns.mods["vllm.v1.attention.ops.dcp"].MLADCPManager._init_combine
-        plugin.register()
+        vllm_entry.register()
         assert not plugin.is_installed()
         assert ns.mods["vllm.v1.attention.ops.dcp"].MLADCPManager._init_combine is original
 
@@ -587,7 +332,7 @@ def test_off_by_default(plugin, monkeypatch, value):
 def test_bad_setting_is_logged_and_off(plugin, monkeypatch, collect):
     monkeypatch.setenv("SDCP_VLLM", "maybe")
     with FakeVllm():
-        plugin.register()
+        vllm_entry.register()
         assert not plugin.is_installed()
     assert any(lvl == "ERROR" and "SDCP_VLLM" in m for lvl, m in collect.records), collect.records
 
@@ -598,8 +343,8 @@ def test_unknown_version_refused(plugin, monkeypatch, collect):
         dcp = ns.mods["vllm.v1.attention.ops.dcp"]
         indexer = ns.mods["vllm.model_executor.layers.sparse_attn_indexer"]
         before = (dict(vars(dcp.MLADCPManager)), indexer._merge_dcp_topk_global)
-        plugin.register()
-        plugin.register()
+        vllm_entry.register()
+        vllm_entry.register()
         assert not plugin.is_installed()
         assert (dict(vars(dcp.MLADCPManager)), indexer._merge_dcp_topk_global) == before, "patched anyway"
     errors = [m for lvl, m in collect.records if lvl == "ERROR"]
@@ -698,7 +443,8 @@ def test_peer_unavailable_keeps_vllm(plugin, monkeypatch, collect):
         assert [c for c, _ in ns.calls] == ["_init_combine", "_init_query_gather"]
         assert plugin.workspaces() == []
     warnings = [m for lvl, m in collect.records if lvl == "WARNING" and "unavailable" in m]
-    assert len(warnings) == 3, collect.records  # once per boundary
+    assert len(warnings) == 4, collect.records  # once per boundary, and the group's start-up line
+    assert "combine off (peer memory unavailable)" in warnings[-1], warnings
 
 
 def test_pcp_single_rank_and_query_replication_keep_vllm(plugin, monkeypatch):
@@ -734,7 +480,7 @@ def test_bound_from_engine_and_cap(plugin, monkeypatch):
         plugin._row_bound(512)
     monkeypatch.setenv("SDCP_VLLM_TIMEOUT_S", "-1")
     with pytest.raises(ValueError, match="SDCP_VLLM_TIMEOUT_S"):
-        vllm_calls._env_float("SDCP_VLLM_TIMEOUT_S", 600.0)
+        VLLM.timeout_s()
 
 
 # ---------------------------------------------------------------------------

@@ -12,20 +12,22 @@ is :mod:`torch_sdcp.integrations.vllm`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
-from torch_sdcp_plugins import SWITCH_WORDS, read_switch
+from torch_sdcp_plugins.settings import VLLM
 
 __all__ = ["ENV_ENABLE", "ENV_MAX_ROWS", "ENV_SEAMS", "ENV_TIMEOUT_S", "SEAMS", "enabled", "register", "seams",
            "validate_settings"]
 
-ENV_ENABLE = "SDCP_VLLM"
-ENV_MAX_ROWS = "SDCP_VLLM_MAX_ROWS"
-ENV_TIMEOUT_S = "SDCP_VLLM_TIMEOUT_S"
-ENV_SEAMS = "SDCP_VLLM_SEAMS"
+ENV_ENABLE = VLLM.ENABLE
+ENV_MAX_ROWS = VLLM.MAX_ROWS
+ENV_TIMEOUT_S = VLLM.TIMEOUT_S
+ENV_SEAMS = VLLM.SEAMS
 #: The seams the plugin can take over (SDCP_VLLM_SEAMS selects among them; default all).
-SEAMS = ("combine", "query", "topk")
+SEAMS = VLLM.all_seams
+seams = VLLM.seams
+max_rows_cap = VLLM.max_rows_cap
+validate_settings = VLLM.validate
 
 
 _logged: set = set()
@@ -46,75 +48,29 @@ def _log_once(level: int, reason: str, msg: str, *args, exc_info: bool = False) 
 
 
 def enabled() -> bool:
-    """Whether ``SDCP_VLLM`` switches the plugin on (off when unset). An
-    unrecognised value is logged once and counts as off."""
-    on, bad = read_switch(ENV_ENABLE)
-    if bad is not None:
-        _log_once(logging.ERROR, "bad-enable", "torch_sdcp: %s=%r is not one of %s (on) or %s (off); the vLLM "
-                  "plugin stays off", ENV_ENABLE, bad, *SWITCH_WORDS)
-    return on
-
-
-def seams() -> tuple[str, ...]:
-    """The seams ``SDCP_VLLM_SEAMS`` selects (comma-separated names from
-    :data:`SEAMS`; unset or empty: all). An unknown name is a ValueError."""
-    raw = os.environ.get(ENV_SEAMS)
-    if raw is None or not raw.strip():
-        return SEAMS
-    names = [n.strip().lower() for n in raw.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SEAMS]
-    if unknown:
-        raise ValueError(f"torch_sdcp: environment variable {ENV_SEAMS}: expected comma-separated names from "
-                         f"{','.join(SEAMS)}, got {raw!r} (unknown: {', '.join(unknown)})")
-    return tuple(s for s in SEAMS if s in names)
-
-
-def max_rows_cap() -> int | None:
-    """``SDCP_VLLM_MAX_ROWS`` as a positive int, or None when unset. A bad
-    value is a ValueError naming the variable."""
-    raw = os.environ.get(ENV_MAX_ROWS)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        rows = int(raw)
-    except ValueError:
-        rows = 0
-    if rows < 1:
-        raise ValueError(f"torch_sdcp: environment variable {ENV_MAX_ROWS}: expected a positive int, got {raw!r}")
-    return rows
-
-
-def validate_settings() -> None:
-    """Every SDCP_VLLM_* setting, checked before anything is patched: a bad
-    value is a ValueError naming the variable, the expected and the actual
-    value."""
-    max_rows_cap()
-    raw = os.environ.get(ENV_TIMEOUT_S)
-    if raw is not None and raw.strip():
-        try:
-            seconds = float(raw)
-        except ValueError:
-            raise ValueError(f"torch_sdcp: environment variable {ENV_TIMEOUT_S}: expected a number, "
-                             f"got {raw!r}") from None
-        if not seconds > 0:
-            raise ValueError(f"torch_sdcp: environment variable {ENV_TIMEOUT_S}: expected > 0, got {raw!r}")
-    seams()
+    """Whether ``SDCP_VLLM`` switches the plugin on (``1`` or ``require``; off
+    when unset). An unrecognised value is logged once and counts as off."""
+    return VLLM.switch_on(lambda msg: _log_once(logging.ERROR, "bad-enable", "%s", msg))
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Does nothing unless
-    ``SDCP_VLLM=1``; never raises."""
+    ``SDCP_VLLM=1``; never raises, except with ``SDCP_VLLM=require``, where a
+    plugin that cannot install stops vLLM's start-up with the reason."""
     try:
         if not enabled():
             return
         validate_settings()
         from torch_sdcp.integrations import vllm as plugin
 
-        plugin.install()
-    except Exception as e:  # noqa: BLE001  (nothing of ours may abort vLLM's start-up)
+        if not plugin.install() and VLLM.required():
+            raise RuntimeError(f"{ENV_ENABLE}=require: the vLLM plugin could not install (see the error above)")
+    except Exception as e:  # noqa: BLE001  (nothing of ours may abort vLLM's start-up, unless required)
         _log_once(logging.ERROR, "register", "torch_sdcp: the vLLM plugin is off, vLLM keeps its own DCP paths: "
                   "%s: %s", type(e).__name__, e, exc_info=True)
         _undo()
+        if VLLM.required():
+            raise
 
 
 def _undo() -> None:

@@ -11,9 +11,11 @@ engines use today, over workspaces cached per group and geometry.
 See docs/INTEGRATION.md and :mod:`torch_sdcp.integrations.dcp`. Every engine
 face (these adapters, the vLLM plugin :mod:`torch_sdcp.integrations.vllm`,
 the SGLang plugin :mod:`torch_sdcp.integrations.sglang`) runs over one core,
-:mod:`torch_sdcp.integrations._core`.
+:mod:`torch_sdcp.integrations._core`; :func:`counters` reads every face's
+calls per seam (on peer memory, fallbacks by reason, void calls, timeouts).
 """
 
+from torch_sdcp.integrations._core import counters
 from torch_sdcp.integrations.dcp import (
     DEFAULT_MAX_ROWS,
     MLADCPWorkspaces,
@@ -31,7 +33,7 @@ from torch_sdcp.integrations.dcp import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_ROWS", "MLADCPWorkspaces", "all_gather", "cp_lse_ag_out_rs", "prepare_all_gather",
+    "DEFAULT_MAX_ROWS", "counters", "MLADCPWorkspaces", "all_gather", "cp_lse_ag_out_rs", "prepare_all_gather",
     "prepare_mla_dcp", "prepare_output_lse", "prepare_query_gather", "prepare_topk", "query_gather", "teardown",
     "topk_merge", "workspaces",
 ]

@@ -1,4 +1,7 @@
-"""The one integration core under the engine faces (:mod:`.dcp`, :mod:`.vllm`).
+"""The one integration core under the engine faces: the adapters
+(:mod:`.dcp`), the vLLM plugin (:mod:`.vllm`, :mod:`.vllm_calls`) and the
+SGLang plugin (:mod:`.sglang`); what the two engine plugins share beyond this
+is in :mod:`._engine`.
 
 An engine face maps an engine's call shapes onto the four DCP boundaries; this
 module holds everything the faces share:
@@ -8,11 +11,14 @@ module holds everything the faces share:
 - the process-local workspace cache, keyed by (face, kind, group, geometry,
   device, micro-batch) and guarded by one lock;
 - bootstrap: a workspace per boundary and micro-batch, created collectively
-  over the face's bootstrap group (:func:`resolve_group`);
-- the call policy (:meth:`Face.call`): a call without a workspace either
-  creates it / raises naming the ``prepare_*`` call (a face without fallback)
-  or takes the face's fallback; rows above the bound take the fallback;
-  every fallback reason is logged once;
+  over the face's bootstrap group (:func:`engine_group`);
+- the call (:meth:`Face.call`, one :class:`Seam` record per call site): the
+  path is :func:`torch_sdcp.route.route`'s decision, the face acts on it: a
+  call without a workspace either creates it / raises naming the
+  ``prepare_*`` call (a face without fallback) or takes the engine's
+  function; a workspace in collective mode or rows above its bound take the
+  engine's function; each reason is logged once per seam and counted
+  (:func:`counters`);
 - teardown: close every cached workspace of a face, idempotent, closing the
   rest before reporting the first error.
 
@@ -33,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from torch_sdcp._checks import arg_error
+from torch_sdcp.route import Why, route
 
-__all__ = ["BOUNDARIES", "DEFAULT_MAX_ROWS", "OUTPUT_DTYPES", "Boundary", "Entry", "Face", "Group",
-           "check_live_workspaces", "normalise_device", "query_direct", "resolve_group"]
+__all__ = ["BOUNDARIES", "DEFAULT_MAX_ROWS", "OUTPUT_DTYPES", "Boundary", "Entry", "Face", "Group", "Seam", "Site",
+           "check_live_workspaces", "counters", "engine_group", "normalise_device", "query_direct"]
 
 #: Rows bound of a workspace a face creates on first use (the reference decode bound).
 DEFAULT_MAX_ROWS = 128
@@ -142,8 +149,9 @@ class Group(NamedTuple):
         return self.rank_of()
 
 
-def resolve_group(group: Any, via: str, arg: str) -> Group:
-    """``group`` as a face bootstraps over it. ``via="device_group"``: a
+def engine_group(group: Any, via: str, arg: str) -> Group:
+    """``group`` as a face bootstraps over it (its cache key, bootstrap
+    process group, world and rank). ``via="device_group"``: a
     ProcessGroup, None (the default group) or an object with a
     ``device_group`` ProcessGroup; keyed by ``group_name``, which torch.compile
     traces (``id(group)`` it does not). ``via="cpu_group"``: a ProcessGroup
@@ -217,6 +225,10 @@ class Entry:
     def bound(self) -> int:
         return getattr(self.workspace, "max_rows", self.max_rows)
 
+    @property
+    def peer(self) -> bool:  # what route() reads, with max_rows (an ExchangeWorkspace has no row bound)
+        return bool(self.workspace.peer)
+
 
 # (face, kind, group key, geometry, device, micro-batch) -> Entry, in creation order. The face is part of
 # the key so that each face lists and tears down only what it created.
@@ -242,6 +254,61 @@ class EngineHooks:
                 self.originals.update(originals)
 
 
+class Site(NamedTuple):
+    """Where a call's workspace lives: the face's group, the boundary's
+    geometry (the fields of its :data:`BOUNDARIES` row, in order) and the
+    device."""
+
+    group: Group
+    geometry: dict
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Seam:
+    """One call site of a face, built once: which boundary it calls, the name
+    its logs, errors and counters use, and what its face says when the call
+    takes the engine's function.
+
+    ``missing``: what a call without a workspace does (a face with a
+    fallback), e.g. "the query gather takes vLLM's own path".
+    ``prepare_call``: the ``prepare_*`` call that creates the workspace, from
+    the geometry (a face that creates workspaces on first use).
+    ``over_bound``: ``(site, entry, rows)`` logs a call above the bound; None
+    logs once per seam at INFO (an expected fallback: prefill chunks, eager
+    batches above the captured ones)."""
+
+    kind: str
+    caller: str
+    own_path: str = ""
+    missing: str = ""
+    prepare_call: Callable[[dict], str] | None = None
+    over_bound: Callable[[Site, Entry, int], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in BOUNDARIES:
+            raise AssertionError(f"torch_sdcp: seam {self.caller}: unknown boundary {self.kind!r}")
+
+
+#: What a seam's counters count: calls on peer memory, calls that took the
+#: engine's function (by :class:`torch_sdcp.route.Why`), and peer calls that
+#: raised: voided by a peer, timed out, any other error.
+COUNTS = ("peer", *(f"fallback:{why.value}" for why in Why), "void", "timeout", "error")
+
+
+#: The counters' name for failures the per-step check found (a kernel's
+#: timeout inside a replayed CUDA graph reaches the host there, not at a call).
+STEP_CHECK = "(step check)"
+
+
+def _failure_kind(error: BaseException) -> str:
+    from torch_sdcp.workspaces import VoidedCallError
+
+    if isinstance(error, VoidedCallError):
+        return "void"
+    return "timeout" if "timed out" in str(error) else "error"
+
+
 class Face:
     """One engine face over the cache: how it resolves groups (``via``), what
     a call without a workspace does (``create_missing``: create it on first
@@ -260,6 +327,8 @@ class Face:
         self.logger: logging.Logger | None = None
         self.logged: set = set()
         self.unavailable: set = set()  # (kind, group key, geometry, device) that failed the peer-memory gate
+        self.counts: dict[str, dict[str, int]] = {}  # seam caller -> COUNTS -> calls
+        _faces[name] = self
 
     # -- logging -------------------------------------------------------------
 
@@ -280,15 +349,38 @@ class Face:
         else:
             getattr(self.logger, level)(msg, *args)
 
-    def rows_logger(self, kind: str, msg: str) -> Callable[[Entry, int], None]:
-        """An ``over_bound`` for :meth:`call`: ``msg % (rows, bound)``, logged
-        once per boundary."""
-        return lambda entry, rows: self.log_once("warning", ("rows", kind), msg, rows, entry.max_rows)
+    def count(self, caller: str, what: str) -> None:
+        """Count one call of the seam ``caller`` under ``what`` (one of
+        :data:`COUNTS`). Python calls only: nothing is counted while
+        torch.compile traces, and a CUDA graph's replays run no Python (a
+        captured call counts once, at capture)."""
+        if torch.compiler.is_compiling():
+            return
+        with _lock:
+            seam = self.counts.get(caller)
+            if seam is None:
+                seam = self.counts[caller] = dict.fromkeys(COUNTS, 0)
+            seam[what] += 1
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """A copy of this face's counters: seam -> :data:`COUNTS` -> calls."""
+        with _lock:
+            return {caller: dict(c) for caller, c in self.counts.items()}
+
+    def log_counters(self) -> None:
+        """One INFO line of this face's counters (at teardown), when any call was counted."""
+        counts = self.counters()
+        if not counts:
+            return
+        if self.logger is None:
+            self.logger = self.make_logger()
+        self.logger.info("torch_sdcp: %s seams: %s", self.name, "; ".join(
+            f"{caller}: " + ", ".join(f"{k} {v}" for k, v in c.items() if v) for caller, c in counts.items()))
 
     # -- the cache -----------------------------------------------------------
 
     def group(self, group: Any, arg: str = "group") -> Group:
-        return resolve_group(group, self.via, arg)
+        return engine_group(group, self.via, arg)
 
     def _key(self, kind: str, group: Group, geometry: tuple, device: torch.device, ubatch: int) -> tuple:
         return (self.name, kind, group.key, geometry, device, ubatch)
@@ -327,6 +419,12 @@ class Face:
     def _build(self, kind: str, group: Group, g: tuple, device: torch.device, max_rows: int, options: dict) -> Entry:
         backend = "host" if device.type == "cpu" else "cuda"
         workspace = BOUNDARIES[kind].build(group.pg, max_rows, dict(g), backend=backend, device=device, **options)
+        if workspace.peer:
+            if self.logger is None:
+                self.logger = self.make_logger()
+            self.logger.info("torch_sdcp: %s: %s: %d bytes per rank (%d physical), %d rows", self.name,
+                             self.describe(kind, group, g, device), getattr(workspace, "nbytes_per_rank", 0),
+                             getattr(workspace, "physical_bytes", 0), max_rows)
         return Entry(workspace, max_rows, workspace.peer)
 
     def prepare(self, kind: str, group: Group, geometry: dict, device: torch.device, max_rows: int,
@@ -381,36 +479,59 @@ class Face:
 
     # -- calls ---------------------------------------------------------------
 
-    def call(self, kind: str, group: Group, geometry: dict, device: torch.device, rows: int,
-             peer: Callable[[Any], Any], *, caller: str, fallback: Callable[[], Any] | None = None,
-             prepare_call: str = "", missing: str = "", over_bound: Callable[[Entry, int], None] | None = None
-             ) -> Any:
-        """``peer(workspace)`` on the cached workspace, or the fallback.
+    def call(self, seam: Seam, site: Site, rows: int, peer: Callable[[Any], Any],
+             fallback: Callable[[], Any] | None = None) -> Any:
+        """``peer(workspace)`` on the cached workspace, or the engine's
+        ``fallback()``, as :func:`torch_sdcp.route.route` decides.
 
         No workspace: a face with ``create_missing`` creates it (bound
-        :data:`DEFAULT_MAX_ROWS`), or raises naming ``prepare_call`` during
-        capture or tracing; any other face logs ``missing`` once per geometry
-        and calls ``fallback()``. With a ``fallback``, a workspace in
-        collective mode or ``rows`` above its bound calls ``fallback()``
-        (``over_bound(entry, rows)`` logs the latter); without one, the
-        workspace applies its own policy."""
+        :data:`DEFAULT_MAX_ROWS`), or raises naming ``seam.prepare_call``
+        during capture or tracing; any other face logs ``seam.missing`` once
+        per geometry and calls ``fallback()``. With a ``fallback``, a
+        workspace in collective mode or ``rows`` above its bound calls
+        ``fallback()``; without one, the workspace applies its own policy
+        (the same decision, made inside the workspace). Every call is counted
+        under ``seam.caller``."""
+        kind, (group, geometry, device) = seam.kind, site
         entry = self.lookup(kind, group, geometry, device)
-        if entry is None:
-            if not self.create_missing:
-                boundary = BOUNDARIES[kind]
-                self.log_once("warning", ("no-workspace", kind) + tuple(geometry.values()), "torch_sdcp: no %s "
-                              "workspace for %s (not prepared, or peer memory unavailable); %s", boundary.label,
-                              boundary.summary(geometry), missing)
-                return fallback()
-            entry = self._create_on_first_use(kind, group, geometry, device, caller, prepare_call)
-        if fallback is not None and (not entry.workspace.peer or rows > entry.max_rows):
-            if entry.workspace.peer and over_bound is not None:
-                over_bound(entry, rows)
-            return fallback()
-        return peer(entry.workspace)
+        if entry is None and self.create_missing:
+            entry = self._create_on_first_use(seam, site)
+        decision = route(entry, rows)
+        if entry is not None and decision.peer:
+            return self._peer_call(seam.caller, peer, entry.workspace)
+        why = decision.why
+        assert why is not None
+        self.count(seam.caller, f"fallback:{why.value}")
+        if fallback is None:
+            if entry is None:
+                raise AssertionError(f"torch_sdcp: {seam.caller}: no workspace and no fallback")
+            return peer(entry.workspace)  # the workspace acts on the same decision (its collective path)
+        if why is Why.NO_WORKSPACE:
+            boundary = BOUNDARIES[kind]
+            self.log_once("warning", ("no-workspace", kind) + tuple(geometry.values()), "torch_sdcp: no %s "
+                          "workspace for %s (not prepared, or peer memory unavailable); %s", boundary.label,
+                          boundary.summary(geometry), seam.missing)
+        elif why is Why.ROWS_OVER_BOUND and entry is not None:
+            if seam.over_bound is not None:
+                seam.over_bound(site, entry, rows)
+            else:
+                self.log_once("info", ("rows", seam.caller), "torch_sdcp: %d rows exceed the %s bound of %d; "
+                              "such calls take %s %s (counted in torch_sdcp.integrations.counters())", rows,
+                              BOUNDARIES[kind].label, entry.max_rows, seam.own_path, seam.caller)
+        return fallback()
 
-    def _create_on_first_use(self, kind: str, group: Group, geometry: dict, device: torch.device, caller: str,
-                             prepare_call: str) -> Entry:
+    def _peer_call(self, caller: str, peer: Callable[[Any], Any], workspace: Any) -> Any:
+        try:
+            result = peer(workspace)
+        except RuntimeError as e:
+            self.count(caller, _failure_kind(e))
+            raise
+        self.count(caller, "peer")
+        return result
+
+    def _create_on_first_use(self, seam: Seam, site: Site) -> Entry:
+        kind, caller, (group, geometry, device) = seam.kind, seam.caller, site
+        prepare_call = seam.prepare_call(geometry) if seam.prepare_call is not None else "prepare_*(...)"
         g = _geometry(kind, geometry)
         why = _in_capture_or_tracing()
         if why is not None:
@@ -447,17 +568,25 @@ class Face:
                 del _cache[key]
             self.unavailable.clear()
             self.logged.clear()
+            self.counts.clear()
             self.logger = None
 
-    def teardown(self) -> None:
-        """Close every workspace of this face, in creation order, and forget
-        them. Collective like ``close()``; idempotent. A failing close does not
-        stop the others: the first error is raised after all were tried."""
+    def _drain(self) -> list[tuple[tuple, Entry]]:
+        """Take this face's entries out of the cache (their counters logged)."""
         with _lock:
             entries = self._entries()
             for key, _ in entries:
                 del _cache[key]
             self.unavailable.clear()
+        if entries:
+            self.log_counters()
+        return entries
+
+    def teardown(self) -> None:
+        """Close every workspace of this face, in creation order, and forget
+        them. Collective like ``close()``; idempotent. A failing close does not
+        stop the others: the first error is raised after all were tried."""
+        entries = self._drain()
         errors = []
         for _, entry in entries:
             try:
@@ -466,6 +595,33 @@ class Face:
                 errors.append(e)
         if errors:
             raise errors[0]
+
+    def release_local(self, reason: str) -> None:
+        """Release every workspace of this face on this rank only, waiting
+        for no peer (an engine's local abort, where a peer may be alive but
+        not shutting down): each is aborted (a peer's call in it raises at
+        once instead of waiting out the timeout) and closed without a
+        barrier (unmapped, handles closed). Idempotent; never raises."""
+        entries = self._drain()
+        for _, entry in entries:
+            try:
+                if entry.workspace.peer:
+                    entry.workspace.abort(reason)  # poisoned: close() releases locally, no barrier
+                entry.workspace.close()
+            except Exception as e:  # noqa: BLE001  (the rest are released; shutdown goes on)
+                self.log_once("warning", ("release", type(e).__name__), "torch_sdcp: releasing a %s workspace "
+                              "locally failed (%s: %s)", self.name, type(e).__name__, e)
+
+
+_faces: dict[str, Face] = {}  # name -> face, for counters()
+
+
+def counters() -> dict[str, dict[str, dict[str, int]]]:
+    """Every face's counters in this process: face name -> seam -> count
+    (:data:`COUNTS`: ``peer`` calls, ``fallback:<why>`` calls by
+    :class:`torch_sdcp.route.Why`, ``void``, ``timeout`` and ``error`` peer
+    calls). Cumulative from process start (or the face's ``forget()``)."""
+    return {name: face.counters() for name, face in _faces.items()}
 
 
 def check_live_workspaces(face: str | None = None) -> None:
@@ -478,15 +634,17 @@ def check_live_workspaces(face: str | None = None) -> None:
     returning its result. Every workspace is checked; the error names how many
     failed and the first failure."""
     with _lock:
-        live = [entry.workspace for key, entry in _cache.items() if face is None or key[0] == face]
+        live = [(key[0], entry.workspace) for key, entry in _cache.items() if face is None or key[0] == face]
     failures = []
-    for workspace in live:
+    for name, workspace in live:
         if not workspace.peer:  # collective mode, or closed directly: nothing of ours runs on it
             continue
         try:
             workspace.check()
         except RuntimeError as e:
             failures.append(e)
+            if name in _faces:  # on CUDA a timeout inside a replayed graph surfaces here, not at a call
+                _faces[name].count(STEP_CHECK, _failure_kind(e))
     if failures:
         raise RuntimeError(f"torch_sdcp: {len(failures)} of {len(live)} live workspace(s) recorded a failure; "
                            f"the step's output is not returned: {failures[0]}") from failures[0]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -46,7 +46,7 @@ from torch import Tensor
 
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check_bool, check_dim, check_dtype, check_int, check_tensor
-from torch_sdcp.integrations._core import DEFAULT_MAX_ROWS, OUTPUT_DTYPES, Face, normalise_device
+from torch_sdcp.integrations._core import DEFAULT_MAX_ROWS, OUTPUT_DTYPES, Entry, Face, Seam, Site, normalise_device
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -72,6 +72,27 @@ _WORKSPACE_OPTIONS = ("timeout_s", "allow_shared_device", "fallback")
 
 # Bootstraps over a coordinator's device_group; a call without a workspace creates it.
 _face = Face("dcp", via="device_group", create_missing=True, make_logger=lambda: logger)
+
+
+def _prepare_call(name: str) -> Callable[[dict], str]:
+    """The call that prepares a seam's workspace, named with the geometry (for the error of a call in capture)."""
+    return lambda g: f"{name}(group, max_rows=..., " + ", ".join(f"{k}={v!r}" for k, v in g.items()) + ")"
+
+
+def _rows_over_bound(site: Site, entry: Entry, rows: int) -> None:
+    # Collective mode was logged at creation; rows above the bound are logged here, once per workspace and
+    # row count.
+    if rows not in entry.logged:
+        entry.logged.add(rows)
+        logger.warning("torch_sdcp all_gather adapter, rank %d: %d rows exceed max_rows=%d; this call takes the "
+                       "collective path", site.group.rank, rows, entry.max_rows)
+
+
+_ALL_GATHER = Seam("all_gather", "all_gather", "the collective", prepare_call=_prepare_call("prepare_all_gather"),
+                   over_bound=_rows_over_bound)
+_QUERY = Seam("query", "query_gather", prepare_call=_prepare_call("prepare_query_gather"))
+_OUTPUT_LSE = Seam("output_lse", "cp_lse_ag_out_rs", prepare_call=_prepare_call("prepare_output_lse"))
+_TOPK = Seam("topk", "topk_merge", prepare_call=_prepare_call("prepare_topk"))
 
 
 def _check_options(options: dict) -> None:
@@ -141,23 +162,12 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
         raise arg_error("input_", "non-empty rows", f"shape {list(x.shape)}")
     x = x.contiguous()
 
-    def over_bound(entry, rows):
-        # Collective mode was logged at creation; rows above the bound are
-        # logged here, once per workspace and row count.
-        if rows not in entry.logged:
-            entry.logged.add(rows)
-            logger.warning("torch_sdcp all_gather adapter, rank %d: %d rows exceed max_rows=%d; this call takes "
-                           "the collective path", dist.get_rank(g.pg), rows, entry.max_rows)
-
     def collective_path():
         # Raw bytes: gloo has no float8 (and not every build has bf16).
         return collective._all_gather_stack(x.view(torch.uint8), g.pg).view(x.dtype)
 
-    stacked = _face.call("all_gather", g, {"row_shape": row_shape, "dtype": x.dtype}, x.device, x.shape[0],
-                         lambda ws: ws.all_gather(x), caller="all_gather",  # [N, *x.shape]
-                         prepare_call=f"prepare_all_gather(group, max_rows=..., row_shape={row_shape}, "
-                                      f"dtype={x.dtype})",
-                         fallback=collective_path, over_bound=over_bound)
+    stacked = _face.call(_ALL_GATHER, Site(g, {"row_shape": row_shape, "dtype": x.dtype}, x.device), x.shape[0],
+                         lambda ws: ws.all_gather(x), collective_path)  # [N, *x.shape]
     n = stacked.shape[0]
     shape = list(x.shape)
     shape[d] *= n
@@ -213,11 +223,8 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
     local_heads, nope_dim, rope_dim = ql_nope.shape[1], ql_nope.shape[2], q_pe.shape[2]
     geometry = {"local_heads": local_heads, "nope_dim": nope_dim, "rope_dim": rope_dim, "out_dtype": out_dtype,
                     "rope_style": rope_style}
-    return _face.call("query", g, geometry, ql_nope.device, ql_nope.shape[0],
-                      lambda ws: ws.gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale), caller="query_gather",
-                      prepare_call=f"prepare_query_gather(group, max_rows=..., local_heads={local_heads}, "
-                                   f"nope_dim={nope_dim}, rope_dim={rope_dim}, out_dtype={out_dtype}, "
-                                   f"rope_style={rope_style!r})")
+    return _face.call(_QUERY, Site(g, geometry, ql_nope.device), ql_nope.shape[0],
+                      lambda ws: ws.gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale))
 
 
 # ---------------------------------------------------------------------------
@@ -272,13 +279,10 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: GroupLi
         raise arg_error("cp_attn_out", f"heads (dimension 1) divisible by the world size {g.world}",
                         f"shape {list(cp_attn_out.shape)}")
     dtype = cp_attn_out.dtype
-    return _face.call("output_lse", g, {"total_heads": total_heads, "head_dim": head_dim, "dtype": dtype},
-                      cp_attn_out.device, rows,
+    site = Site(g, {"total_heads": total_heads, "head_dim": head_dim, "dtype": dtype}, cp_attn_out.device)
+    return _face.call(_OUTPUT_LSE, site, rows,
                       lambda ws: ws.combine(cp_attn_out.contiguous(), cp_attn_lse.contiguous(),
-                                            lse_base="e" if is_lse_base_on_e else "2", return_lse=return_lse),
-                      caller="cp_lse_ag_out_rs",
-                      prepare_call=f"prepare_output_lse(group, max_rows=..., total_heads={total_heads}, "
-                                   f"head_dim={head_dim}, dtype={dtype})")
+                                            lse_base="e" if is_lse_base_on_e else "2", return_lse=return_lse))
 
 
 # ---------------------------------------------------------------------------
@@ -316,9 +320,8 @@ def topk_merge(scores: Tensor, ids: Tensor, group: GroupLike, k: int) -> Tensor:
     candidates = scores.shape[1]
     if candidates < 1:
         raise arg_error("scores", "at least one candidate per row", f"shape {list(scores.shape)}")
-    return _face.call("topk", g, {"k": k, "candidates_per_rank": candidates}, scores.device, scores.shape[0],
-                      lambda ws: ws.merge(scores, ids), caller="topk_merge",
-                      prepare_call=f"prepare_topk(group, max_rows=..., k={k}, candidates_per_rank={candidates})")
+    return _face.call(_TOPK, Site(g, {"k": k, "candidates_per_rank": candidates}, scores.device), scores.shape[0],
+                      lambda ws: ws.merge(scores, ids))
 
 
 # ---------------------------------------------------------------------------

@@ -10,8 +10,8 @@ the modules that imported a function by name): both Output/LSE combines
 gather ``all_gather_q_for_mla_decode`` on ``QueryWorkspace.all_gather_heads``,
 the workspaces after ``BaseRunner._pre_initialize_fi_a2a_workspace`` (warm-up,
 before CUDA-graph capture; sized by SGLang's widest decode batch),
-:func:`check` before every ``ModelRunner.forward`` and :func:`teardown` before
-``abort_distributed_environment`` (graceful shutdown).
+:func:`check` before every ``ModelRunner.forward`` and a local release (no barrier,
+no wait on a peer) before ``abort_distributed_environment``.
 
 A call this face does not cover (``fi_a2a``, a world of one, an fp8 output, a
 geometry without a workspace, more rows than the bound, no peer memory) runs
@@ -22,16 +22,21 @@ here imports SGLang at import time.
 from __future__ import annotations
 
 import importlib
-import logging
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from torch_sdcp.integrations._core import OUTPUT_DTYPES, EngineHooks, Face, normalise_device, query_direct
+from torch_sdcp.integrations._core import OUTPUT_DTYPES, EngineHooks, Face, Seam, Site, normalise_device, query_direct
+from torch_sdcp.integrations._engine import (
+    SeamPlan,
+    accepted_version,
+    engine_logger,
+    query_geometry,
+    workspace_options,
+)
+from torch_sdcp_plugins.settings import SGLANG
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_MAX_ROWS", "ENV_TIMEOUT_S", "HOOKS", "SGLANG_SIGNATURES", "SUPPORTED_SGLANG_VERSIONS",
@@ -39,9 +44,9 @@ __all__ = [
     "is_installed", "prepare", "teardown", "workspaces",
 ]
 
-ENV_MAX_ROWS = "SDCP_SGLANG_MAX_ROWS"
-ENV_TIMEOUT_S = "SDCP_SGLANG_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 600.0  # ranks skew by many seconds at warm-up; NCCL itself waits 10 minutes
+ENV_MAX_ROWS = SGLANG.MAX_ROWS
+ENV_TIMEOUT_S = SGLANG.TIMEOUT_S
+DEFAULT_TIMEOUT_S = SGLANG.default_timeout_s
 
 # Releases whose seams docs/SGLANG.md and test/test_sglang_conformance.py were checked against.
 SUPPORTED_SGLANG_VERSIONS = ("0.5.23",)
@@ -78,31 +83,8 @@ SGLANG_SIGNATURES = {
 # ---------------------------------------------------------------------------
 
 
-def _env_number(name: str, default: float, kind: type) -> Any:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or not value > 0:
-        raise ValueError(f"torch_sdcp: environment variable {name}: expected a positive {kind.__name__}, got {raw!r}")
-    return value
-
-
-def _make_logger() -> logging.Logger:
-    # Under the ``sglang`` logger when SGLang runs, so that its handlers and levels apply.
-    return logging.getLogger("sglang.torch_sdcp" if "sglang" in sys.modules else "torch_sdcp")
-
-
-def _workspace_options() -> dict:
-    # A group without peer memory gives a workspace in collective mode, which try_prepare refuses: SGLang keeps
-    # its own path.
-    return {"timeout_s": _env_number(ENV_TIMEOUT_S, DEFAULT_TIMEOUT_S, float), "fallback": True}
-
-
-_face = Face("sglang", via="cpu_group", create_missing=False, make_logger=_make_logger, options=_workspace_options)
+_face = Face("sglang", via="cpu_group", create_missing=False, make_logger=engine_logger("sglang"),
+             options=workspace_options(SGLANG))
 _log_once = _face.log_once
 
 
@@ -137,19 +119,13 @@ def teardown() -> None:
 
 
 def check() -> None:
-    """Raise if a live workspace of this face is poisoned on this rank (a call
-    failed, timed out or a peer aborted it). Never synchronises (it reads the
-    error record the kernels keep in host-mapped memory), so it costs
-    microseconds per step and sees failures inside replayed CUDA graphs."""
-    for ws in _face.workspaces():
-        if not ws.closed:
-            ws.check()
-
-
-def _query_geometry(local_heads: int, width: int, dtype: torch.dtype) -> dict:
-    # SGLang's query arrives roped: a gather-only query boundary (rope_dim 0) of cat([q_pe, q_nope]) heads.
-    return {"local_heads": local_heads, "nope_dim": width, "rope_dim": 0, "out_dtype": dtype,
-            "rope_style": "interleaved"}
+    """Raise if a live workspace of this face recorded a failure on this
+    rank (a call failed, timed out or a peer aborted it): the core's
+    :func:`~torch_sdcp.integrations._core.check_live_workspaces`. Never
+    synchronises (it reads the error record the kernels keep in host-mapped
+    memory), so it costs microseconds per step and sees failures inside
+    replayed CUDA graphs."""
+    _face.check()
 
 
 def prepare(group: Any, *, max_rows: int, local_heads: int, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype,
@@ -169,7 +145,7 @@ def prepare(group: Any, *, max_rows: int, local_heads: int, kv_lora_rank: int, r
             max_rows, 1, _OWN_PATH)
     width = rope_dim + kv_lora_rank
     if query and query_direct(width, dtype):
-        done["query"] = _face.try_prepare("query", g, _query_geometry(local_heads, width, dtype), dev, max_rows, 1,
+        done["query"] = _face.try_prepare("query", g, query_geometry(local_heads, width, dtype), dev, max_rows, 1,
                                           _OWN_PATH)
     return done
 
@@ -233,6 +209,11 @@ def _combine_inputs(cp_attn_out: Tensor, cp_attn_lse: Tensor) -> tuple[Tensor, T
     return cp_attn_out, lse
 
 
+_SEAMS = {name: Seam("output_lse", name, _OWN_PATH, missing=f"{name} takes {_OWN_PATH} path")
+          for name in ("cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce")}
+_QUERY = Seam("query", "all_gather_q_for_mla_decode", _OWN_PATH, missing=f"the query gather takes {_OWN_PATH} path")
+
+
 def _combine(name: str, fallback: Callable[[], Tensor], cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any,
              is_lse_base_on_e: bool) -> Tensor | None:
     """The combine on the Output/LSE workspace: this rank's heads [B, H/N, D]
@@ -251,11 +232,9 @@ def _combine(name: str, fallback: Callable[[], Tensor], cp_attn_out: Tensor, cp_
     if rows == 0:
         return None
     base = "e" if is_lse_base_on_e else "2"
-    return _face.call("output_lse", group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device,
-                      rows, lambda ws: ws.combine(out.contiguous(), lse.float().contiguous(), lse_base=base),
-                      caller=name, fallback=fallback, missing=f"{name} takes {_OWN_PATH} path",
-                      over_bound=_face.rows_logger("output_lse", "torch_sdcp: %d rows exceed the Output/LSE bound of "
-                                                   f"%d; such calls take {_OWN_PATH} {name}"))
+    site = Site(group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device)
+    return _face.call(_SEAMS[name], site, rows,
+                      lambda ws: ws.combine(out.contiguous(), lse.float().contiguous(), lse_base=base), fallback)
 
 
 def cp_lse_ag_out_rs_mla(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
@@ -323,11 +302,8 @@ def all_gather_q_for_mla_decode(q_nope_out: Tensor, q_pe: Tensor) -> tuple[Tenso
     def peer(ws):
         return _split(ws.all_gather_heads(torch.cat([q_pe, q_nope_out], dim=-1)), rope_dim)
 
-    return _face.call("query", group, _query_geometry(heads, width, q_pe.dtype), q_pe.device, rows, peer,
-                      caller="all_gather_q_for_mla_decode", fallback=lambda: own(q_nope_out, q_pe),
-                      missing=f"the query gather takes {_OWN_PATH} path",
-                      over_bound=_face.rows_logger("query", "torch_sdcp: %d rows exceed the query-gather bound of %d; "
-                                                   f"such calls take {_OWN_PATH} all_gather"))
+    return _face.call(_QUERY, Site(group, query_geometry(heads, width, q_pe.dtype), q_pe.device), rows, peer,
+                      lambda: own(q_nope_out, q_pe))
 
 
 # ---------------------------------------------------------------------------
@@ -343,7 +319,7 @@ def _row_bound(runner: Any) -> int:
     if rows is None:
         mr = runner.model_runner
         rows = int(mr.max_running_requests) * int(mr.decode_num_tokens_per_req())
-    cap = _env_number(ENV_MAX_ROWS, 0, int)
+    cap = SGLANG.max_rows_cap()
     return min(int(rows), cap) if cap else int(rows)
 
 
@@ -359,28 +335,69 @@ def _mla_geometries(model: Any) -> list[tuple[int, int, int]]:
     return found
 
 
+# How to turn a seam on, per reason it is off (the start-up line names it).
+_ENABLE_COMBINE = "--dcp-comm-backend ag_rs or a2a"
+_ENABLE_QUERY = ("start SGLang without --dcp-replicate-q-proj (DSA models such as DeepSeek-V3.2 and GLM-5, and "
+                 "Kimi-K3, replicate the query projection by default)")
+
+
+def _plan(parallel: Any, group: Any) -> SeamPlan:
+    """The seams' decisions by setting, before any workspace exists."""
+    plan = SeamPlan(SGLANG, str(getattr(group, "unique_name", "dcp")), int(getattr(group, "world_size", 0)))
+    selected = SGLANG.seams()
+    backend = parallel.dcp_comm_backend
+    if "combine" not in selected:
+        plan.decide("combine", False, f"not in {SGLANG.SEAMS}", f"add combine to {SGLANG.SEAMS}")
+    elif backend not in _COMBINES:
+        plan.decide("combine", False, f"--dcp-comm-backend {backend} stays SGLang's", _ENABLE_COMBINE)
+    if "query" not in selected:
+        plan.decide("query", False, f"not in {SGLANG.SEAMS}", f"add query to {SGLANG.SEAMS}")
+    elif parallel.dcp_replicate_q_proj:
+        plan.decide("query", False, "--dcp-replicate-q-proj: no query gather", _ENABLE_QUERY)
+    return plan
+
+
 def _after_pre_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
-    """After SGLang's pre-capture workspace initialisation: this face's
-    workspaces for every DCP MLA geometry of the runner's model. Never raises
-    into SGLang: a failure is logged and SGLang keeps its own paths."""
+    """After SGLang's pre-capture workspace initialisation (SGLang's logging
+    is configured by then): this face's workspaces for every DCP MLA
+    geometry of the runner's model, and one line per DCP group naming each
+    seam on or off, why, and what turns it on. Never raises into SGLang
+    (a failure is logged and SGLang keeps its own paths), except in the
+    ``SDCP_SGLANG=require`` mode, where a selected seam that stays SGLang's
+    fails start-up."""
     try:
         parallel = importlib.import_module(_RUNTIME).get_parallel()
         if not parallel.dcp_enabled:
+            _log_once("info", "dcp-off", "torch_sdcp: SGLang runs without DCP: nothing to replace (%s=%s)",
+                      SGLANG.ENABLE, SGLANG.mode()[0])
             return
         group, mr = parallel.dcp_group, runner.model_runner
-        backend = parallel.dcp_comm_backend
-        combine, query = backend in _COMBINES, not parallel.dcp_replicate_q_proj
-        if not (combine or query):
-            return
-        bound = _row_bound(runner)
-        dtype = mr.model_config.dtype
-        for heads, rank, rope in _mla_geometries(mr.model):
-            done = prepare(group, max_rows=bound, local_heads=heads, kv_lora_rank=rank, rope_dim=rope, dtype=dtype,
-                           device=mr.device, combine=combine, query=query)
-            _log_once("info", ("prepared", heads, rank, rope, bound), "torch_sdcp: SGLang MLA DCP (%s, %d local "
-                      "heads x %d + %d, %d rows): combine on peer memory: %s, query gather on peer memory: %s",
-                      backend, heads, rank, rope, bound, done["output_lse"], done["query"])
-    except Exception as e:  # noqa: BLE001  (no exception of ours reaches SGLang's start-up)
+        plan = _plan(parallel, group)
+        combine, query = "combine" not in plan.seams, "query" not in plan.seams
+        if combine or query:
+            bound = _row_bound(runner)
+            dtype = mr.model_config.dtype
+            done = {"output_lse": False, "query": False}
+            geometries = _mla_geometries(mr.model)
+            for heads, rank, rope in geometries:
+                got = prepare(group, max_rows=bound, local_heads=heads, kv_lora_rank=rank, rope_dim=rope,
+                              dtype=dtype, device=mr.device, combine=combine, query=query)
+                done = {k: done[k] or got[k] for k in done}
+            shape = ", ".join(f"{h} local heads x {r} + {e}" for h, r, e in geometries) or "no DCP MLA layer"
+            for seam, kind, wanted in (("combine", "output_lse", combine), ("query", "query", query)):
+                if not wanted:
+                    continue
+                if done[kind]:
+                    plan.decide(seam, True, f"peer memory, {bound} rows, {shape}")
+                elif not geometries:
+                    plan.decide(seam, False, "no DCP MLA layer in the model", "")
+                else:
+                    plan.decide(seam, False, f"peer memory unavailable or a geometry not covered ({shape}, {dtype})",
+                                "a DCP group inside one node whose GPUs map each other's memory, bf16/fp16/fp32")
+        plan.emit(lambda level, text: _log_once(level, ("plan", plan.group), "%s", text))
+    except Exception as e:  # noqa: BLE001  (no exception of ours reaches SGLang's start-up, unless required)
+        if SGLANG.required():
+            raise
         _log_once("error", ("prepare-failed", type(e).__name__), "torch_sdcp: preparing the SGLang DCP workspaces "
                   "failed (%s: %s); SGLang keeps its own DCP paths", type(e).__name__, e)
 
@@ -390,11 +407,10 @@ def _before_forward(*args: Any, **kwargs: Any) -> None:
 
 
 def _before_shutdown(*args: Any, **kwargs: Any) -> None:
-    try:
-        teardown()
-    except Exception as e:  # noqa: BLE001  (shutdown goes on)
-        _log_once("warning", "teardown", "torch_sdcp: closing the SGLang DCP workspaces failed (%s: %s)",
-                  type(e).__name__, e)
+    """Before SGLang's ``abort_distributed_environment``, a deliberately
+    local teardown: every workspace released on this rank without waiting for
+    any peer (a collective close could block the whole timeout)."""
+    _face.release_local("SGLang aborts its distributed environment")
 
 
 # (target, SGLang HookType name, hook); the three replacements are looked up at install().
@@ -425,10 +441,10 @@ def install() -> bool:
         if _hooks.installed:
             return True
         version = _sglang_version()
-        if version.split("+")[0] not in SUPPORTED_SGLANG_VERSIONS:
+        if not accepted_version(version, SUPPORTED_SGLANG_VERSIONS):
             _log_once("error", ("version", version), "torch_sdcp: SGLang %s is not a version this plugin knows "
-                      "(supported: %s); nothing is replaced and SGLang runs its own DCP paths. Check the seams with "
-                      "test/test_sglang_conformance.py before adding a version.", version,
+                      "(supported: %s and their .postN releases); nothing is replaced and SGLang runs its own DCP "
+                      "paths. Check the seams with test/test_sglang_conformance.py before adding a version.", version,
                       ", ".join(SUPPORTED_SGLANG_VERSIONS))
             return False
         try:

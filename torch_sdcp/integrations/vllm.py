@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import sys
 import threading
 from typing import Any
 
 from torch_sdcp.integrations._core import OUTPUT_DTYPES
+from torch_sdcp.integrations._engine import SeamPlan, accepted_version
 from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exported
     DEFAULT_TIMEOUT_S,
     ENV_TIMEOUT_S,
@@ -68,7 +68,7 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
     workspaces,
 )
 from torch_sdcp.integrations.vllm_step import _destroy_model_parallel, _worker_sample_tokens, check_step
-from torch_sdcp_plugins import vllm as _entry
+from torch_sdcp_plugins.settings import VLLM
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -80,17 +80,16 @@ __all__ = [
     "SUPPORTED_VLLM_VERSIONS",
     "VLLM_SIGNATURES",
     "check_step",
+    "configured_off",
     "configure",
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
-    "enabled",
     "gather_heads",
     "gather_query",
     "install",
     "is_installed",
     "mask_empty_shards",
     "merge_dcp_topk_global",
-    "register",
     "supported_version",
     "teardown",
     "try_prepare_output_lse",
@@ -100,9 +99,9 @@ __all__ = [
     "workspaces",
 ]
 
-ENV_ENABLE = _entry.ENV_ENABLE
-ENV_MAX_ROWS = _entry.ENV_MAX_ROWS
-ENV_SEAMS = _entry.ENV_SEAMS
+ENV_ENABLE = VLLM.ENABLE
+ENV_MAX_ROWS = VLLM.MAX_ROWS
+ENV_SEAMS = VLLM.SEAMS
 # vLLM's own switches of its direct (symmetric-memory) paths: set by the user, the seam stays vLLM's.
 ENV_DIRECT = {"combine": "VLLM_USE_DIRECT_DCP_A2A", "query": "VLLM_USE_DIRECT_DCP_Q_GATHER"}
 
@@ -164,34 +163,46 @@ MANAGER_ATTRIBUTES = ("group", "device", "num_ubatches", "max_num_tokens", "use_
 # ---------------------------------------------------------------------------
 
 
-def enabled() -> bool:
-    """Whether ``SDCP_VLLM`` switches the plugin on (off when unset). An
-    unrecognised value is logged and counts as off."""
-    return _entry.enabled()
-
-
 def supported_version(version: str) -> bool:
     """Whether the plugin patches vLLM ``version``: a checked release, or a
     patch release of the supported series (local suffixes ignored)."""
-    base = version.split("+")[0]
-    patch_release = re.fullmatch(re.escape(SUPPORTED_VLLM_SERIES) + r"\.\d+", base) is not None
-    return base in SUPPORTED_VLLM_VERSIONS or patch_release
+    return accepted_version(version, SUPPORTED_VLLM_VERSIONS, SUPPORTED_VLLM_SERIES)
 
 
 def _row_bound(engine_bound: int) -> int:
     """The rows bound of the workspaces: vLLM's DCP bound, capped by
     ``SDCP_VLLM_MAX_ROWS`` when set."""
-    cap = _entry.max_rows_cap()
+    cap = VLLM.max_rows_cap()
     bound = int(engine_bound) if cap is None else min(int(engine_bound), cap)
     if bound < 1:
         raise ValueError(f"torch_sdcp: the DCP rows bound must be positive, got {bound}")
     return bound
 
 
+def configured_off(seam: str, *, world: int, use_a2a: bool = True, use_pcp: bool = False,
+                   dtype: Any = None, topk: int | None = 1) -> str | None:
+    """Why ``seam`` stays vLLM's by configuration alone (settings, vLLM's
+    switches, PCP, one rank, the output dtype, no sparse indexer), or None:
+    what the manager's hooks decide before peer memory is tried, and what
+    ``python -m torch_sdcp.plugin_check`` reports."""
+    off = _seam_off(seam, use_a2a)
+    if off is not None:
+        return off
+    if seam == "topk" and topk is None:
+        return "no sparse indexer"
+    if use_pcp and seam != "topk":
+        return "PCP" if seam == "combine" else "no query gather (PCP)"
+    if world <= 1:
+        return "single rank"
+    if seam == "combine" and dtype is not None and dtype not in OUTPUT_DTYPES:
+        return f"dtype {dtype}"
+    return None
+
+
 def _seam_off(seam: str, use_a2a: bool = True) -> str | None:
     """Why ``seam`` stays vLLM's by setting, or None. vLLM's direct-path
     switch of the combine matters with the a2a backend only."""
-    if seam not in _entry.seams():
+    if seam not in VLLM.seams():
         return f"not in {ENV_SEAMS}"
     direct = ENV_DIRECT.get(seam)
     if direct is not None and os.environ.get(direct, "").strip() and (seam != "combine" or use_a2a):
@@ -269,15 +280,33 @@ def _manager_init(self, *args, **kwargs):
         stack.pop()
     seams = building["seams"]
     seams.setdefault("query", (False, "no query gather (PCP)"))
-    _log_once("info", ("seams", getattr(self.group, "unique_name", id(self.group))), "torch_sdcp: DCP group %s "
-              "(world %d): %s", getattr(self.group, "unique_name", "?"), self.group.world_size,
-              "; ".join(f"{s} {'ON' if on else 'off'} ({why})" for s, (on, why) in seams.items()))
+    name = str(getattr(self.group, "unique_name", id(self.group)))
+    plan = SeamPlan(VLLM, name, self.group.world_size)
+    for seam, (on, why) in seams.items():
+        plan.decide(seam, on, why, *_enable_hint(seam, why))
+    plan.emit(lambda level, text: _log_once(level, ("seams", name), "%s", text))
+
+
+def _enable_hint(seam: str, why: str) -> tuple[str, bool]:
+    """(what turns ``seam`` on, whether it applies to the model at all) for a seam off for ``why``."""
+    if why.startswith("not in "):
+        return f"add {seam} to {ENV_SEAMS}", True
+    if why.endswith("set by the user"):
+        return f"unset {why.split('=')[0]}", True
+    if why == "no sparse indexer":
+        return "", False  # a model without DSA: nothing to take
+    if "PCP" in why:
+        return "run without prefill context parallelism", seam != "query"
+    if why == "single rank":
+        return "--decode-context-parallel-size 2 or more", True
+    if why == "peer memory unavailable":
+        return "a DCP group inside one node whose GPUs map each other's memory", True
+    return "", True
 
 
 def _prepare_topk(self, vllm_config: Any) -> None:
     k = _topk_geometry(vllm_config)
-    off = _seam_off("topk") or _state.step_check or (
-        "no sparse indexer" if k is None else "single rank" if self.group.world_size <= 1 else None)
+    off = _state.step_check or configured_off("topk", world=self.group.world_size, topk=k)
     if off is not None or k is None:
         _decide("topk", False, off or "")
         return
@@ -294,8 +323,8 @@ def _manager_init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, us
     a setting or no peer memory keep vLLM's own choice."""
     original = _hooks.originals["MLADCPManager._init_combine"]
     world = self.group.world_size
-    off = (_seam_off("combine", self.use_a2a) or _state.step_check or ("PCP" if use_pcp else None)
-           or ("single rank" if world <= 1 else None) or (None if dtype in OUTPUT_DTYPES else f"dtype {dtype}"))
+    off = _state.step_check or configured_off("combine", world=world, use_a2a=self.use_a2a, use_pcp=use_pcp,
+                                              dtype=dtype)
     bound = _row_bound(self.max_num_tokens)
     if off is None and not try_prepare_output_lse(self.group, max_rows=bound, total_heads=num_heads * world,
                                                   head_dim=head_dim, dtype=dtype, device=self.device,
@@ -318,7 +347,7 @@ def _manager_init_query_gather(self, num_heads, head_dim, dtype):
     class's choice (GLM-5's DeepseekV32Attention always does; deepseek_v2
     models follow VLLM_DCP_Q_REPLICATE over the config), not the config's."""
     original = _hooks.originals["MLADCPManager._init_query_gather"]
-    off = _seam_off("query") or _state.step_check or ("single rank" if self.group.world_size <= 1 else None)
+    off = _state.step_check or configured_off("query", world=self.group.world_size)
     bound = _row_bound(self.max_num_tokens)
     if off is None and not try_prepare_query_gather(self.group, max_rows=bound, local_heads=num_heads,
                                                     width=head_dim, dtype=dtype, device=self.device,
@@ -349,7 +378,7 @@ def _install_step_check() -> None:
             return
         try:
             owner, name, value = _resolve(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens")
-        except (ImportError, AttributeError, KeyError) as e:
+        except Exception as e:  # noqa: BLE001  (an import that raises anything: every seam stays vLLM's)
             _state.step_check = f"no step health check: {type(e).__name__}: {e}"
             _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
                       "stays vLLM's", _GPU_WORKER, _state.step_check)
@@ -414,7 +443,9 @@ def install() -> bool:
         try:
             modules = {name: importlib.import_module(name) for name in (_DCP, _INDEXER, _UBATCHING,
                                                                           _PARALLEL_STATE)}
-            targets = [(path, *_resolve(modules[name], path)) for name, path in _AT_INSTALL]
+            wanted = [(name, path) for name, path in _AT_INSTALL
+                      if path != "_merge_dcp_topk_global" or "topk" in VLLM.seams()]
+            targets = [(path, *_resolve(modules[name], path)) for name, path in wanted]
             originals = {
                 "cp_lse_ag_out_rs": modules[_DCP].cp_lse_ag_out_rs,
                 "dcp_a2a_lse_reduce": modules[_DCP].dcp_a2a_lse_reduce,
@@ -435,7 +466,7 @@ def install() -> bool:
             if mod is None or id(mod) in homes or not getattr(mod, "__name__", "").startswith("vllm"):
                 continue
             for name in _BY_NAME:
-                if getattr(mod, name, None) is originals[name]:
+                if name in originals and getattr(mod, name, None) is originals[name]:
                     patches.append((mod, name, originals[name], _REPLACEMENTS[name]))
         for owner, name, _, new in patches:
             setattr(owner, name, new)
@@ -444,7 +475,7 @@ def install() -> bool:
         configure(ubatch_id=ubatch_id, dcp_group=dcp_group, originals=originals)
         _state.installed = True
     _log_once("info", ("install", version), "torch_sdcp: installed behind vLLM %s's MLA DCP combine, query gather "
-              "and sparse-indexer top-K merge (%s=1, seams: %s)", version, ENV_ENABLE, ",".join(_entry.seams()))
+              "and sparse-indexer top-K merge (%s=1, seams: %s)", version, ENV_ENABLE, ",".join(VLLM.seams()))
     return True
 
 
@@ -465,9 +496,3 @@ def uninstall() -> None:
         _state.patches = []
         _state.installed = False
         _state.step_check = None
-
-
-def register() -> None:
-    """The entry point vLLM loads (:func:`torch_sdcp_plugins.vllm.register`):
-    nothing unless ``SDCP_VLLM=1``; never raises."""
-    _entry.register()

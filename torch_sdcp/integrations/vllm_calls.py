@@ -12,10 +12,7 @@ these into vLLM and re-exports them; this module never imports vLLM.
 
 from __future__ import annotations
 
-import logging
 import math
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp.integrations._core import EngineHooks, Face, normalise_device
+from torch_sdcp.integrations._core import EngineHooks, Face, Seam, Site, normalise_device
+from torch_sdcp.integrations._engine import engine_logger, query_geometry, workspace_options
 from torch_sdcp.reference import check_mask_args as _check_mask_args
 from torch_sdcp.reference import mask_empty_shards
+from torch_sdcp_plugins.settings import VLLM
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "gather_heads",
@@ -33,47 +32,15 @@ __all__ = [
     "try_prepare_query_gather", "try_prepare_topk", "workspaces",
 ]
 
-ENV_TIMEOUT_S = "SDCP_VLLM_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 600.0  # engines skew by many seconds at start; NCCL itself waits 10 minutes
+ENV_TIMEOUT_S = VLLM.TIMEOUT_S
+DEFAULT_TIMEOUT_S = VLLM.default_timeout_s
 
 _OWN_PATH = "vLLM's own"
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"torch_sdcp: environment variable {name}: expected a number, got {raw!r}") from None
-    if not value > 0:
-        raise ValueError(f"torch_sdcp: environment variable {name}: expected > 0, got {raw!r}")
-    return value
-
-
-def _make_logger() -> logging.Logger:
-    """vLLM's logger conventions when vLLM is importable (init_logger, under
-    the ``vllm`` logger so that vLLM's handler and VLLM_LOGGING_LEVEL apply),
-    the ``torch_sdcp`` logger otherwise."""
-    if "vllm" not in sys.modules:
-        return logging.getLogger("torch_sdcp")
-    try:
-        from vllm.logger import init_logger
-
-        return init_logger("vllm.torch_sdcp.integrations.vllm")
-    except Exception:  # noqa: BLE001  (a vLLM without init_logger: plain logging)
-        return logging.getLogger("torch_sdcp")
-
-
-def _workspace_options() -> dict:
-    # A start-up-safe wait bound; a group without peer memory gives a workspace in collective mode, which
-    # the face then refuses (try_prepare returns False) so that vLLM keeps its own path.
-    return {"timeout_s": _env_float(ENV_TIMEOUT_S, DEFAULT_TIMEOUT_S), "fallback": True}
-
-
 # Bootstraps over a coordinator's cpu_group (gloo); a call without a workspace takes vLLM's own function.
-_face = Face("vllm", via="cpu_group", create_missing=False, make_logger=_make_logger, options=_workspace_options)
+_face = Face("vllm", via="cpu_group", create_missing=False, make_logger=engine_logger("vllm", "vllm.logger"),
+             options=workspace_options(VLLM))
 
 
 _hooks = EngineHooks()  # what the calls read from vLLM (set by install() or configure())
@@ -108,12 +75,6 @@ def teardown() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _query_geometry(local_heads: int, width: int, dtype: torch.dtype) -> dict:
-    # vLLM's query arrives roped: a gather-only query boundary (rope_dim 0).
-    return {"local_heads": local_heads, "nope_dim": width, "rope_dim": 0, "out_dtype": dtype,
-            "rope_style": "interleaved"}
-
-
 def try_prepare_output_lse(group: Any, *, max_rows: int, total_heads: int, head_dim: int, dtype: torch.dtype,
                            device: Any, num_ubatches: int = 1) -> bool:
     """Prepare the Output/LSE workspaces (one per micro-batch) for partial
@@ -131,7 +92,7 @@ def try_prepare_query_gather(group: Any, *, max_rows: int, local_heads: int, wid
     (gather-only, no RoPE part), or ``ExchangeWorkspace`` where the dtype or
     width rules it out (see :func:`gather_heads`). False when the group
     cannot use peer memory."""
-    return _face.try_prepare("query", _face.group(group, "cp_group"), _query_geometry(local_heads, width, dtype),
+    return _face.try_prepare("query", _face.group(group, "cp_group"), query_geometry(local_heads, width, dtype),
                              normalise_device(device), max_rows, num_ubatches, _OWN_PATH)
 
 
@@ -179,6 +140,15 @@ def _collective_combine(cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_
                                                             return_lse=return_lse, group=pg)
 
 
+def _seam(kind: str, caller: str, what: str) -> Seam:
+    return Seam(kind, caller, _OWN_PATH, missing=f"{what} takes {_OWN_PATH} path")
+
+
+_SEAMS = {name: _seam("output_lse", name, name) for name in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce")}
+_QUERY = _seam("query", "gather_query", "the query gather")
+_TOPK = _seam("topk", "merge_dcp_topk_global", "the top-K merge")
+
+
 def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any,
              return_lse: bool, is_lse_base_on_e: bool, seq_lens: Tensor | None,
              query_start_loc: Tensor | None):
@@ -195,11 +165,8 @@ def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_gr
         return workspace.combine(out.contiguous(), lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
                                  return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc)
 
-    return _face.call("output_lse", group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device,
-                      rows, peer, caller=fallback_name, fallback=lambda: fallback(*args),
-                      missing=f"{fallback_name} takes {_OWN_PATH} path",
-                      over_bound=_face.rows_logger("output_lse", "torch_sdcp: %d rows exceed the Output/LSE bound of "
-                                                   f"%d; such calls take {_OWN_PATH} {fallback_name}"))
+    site = Site(group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device)
+    return _face.call(_SEAMS[fallback_name], site, rows, peer, lambda: fallback(*args))
 
 
 def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
@@ -308,10 +275,8 @@ def gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None = No
             return _storage(0, group.world * local_heads, width, padded_num_heads, query)
         return gather_heads(workspace, query, padded_num_heads)
 
-    return _face.call("query", group, _query_geometry(local_heads, width, query.dtype), query.device, rows, peer,
-                      caller="gather_query", fallback=slow, missing=f"the query gather takes {_OWN_PATH} path",
-                      over_bound=_face.rows_logger("query", "torch_sdcp: %d rows exceed the query-gather bound of %d; "
-                                                   f"such calls take {_OWN_PATH} all_gather"))
+    return _face.call(_QUERY, Site(group, query_geometry(local_heads, width, query.dtype), query.device), rows, peer,
+                      slow)
 
 
 # ---------------------------------------------------------------------------
@@ -392,8 +357,5 @@ def merge_dcp_topk_global(logits: Tensor, topk_indices: Tensor, topk_tokens: int
         topk_indices.copy_(workspace.merge(scores, ids))
         return
 
-    return _face.call("topk", group, {"k": topk_tokens, "candidates_per_rank": c}, topk_indices.device, rows, peer,
-                      caller="merge_dcp_topk_global", fallback=lambda: fallback(*args),
-                      missing=f"the top-K merge takes {_OWN_PATH} path",
-                      over_bound=_face.rows_logger("topk", "torch_sdcp: %d rows exceed the top-K bound of %d; such "
-                                                   f"calls (prefill chunks) take {_OWN_PATH} _merge_dcp_topk_global"))
+    site = Site(group, {"k": topk_tokens, "candidates_per_rank": c}, topk_indices.device)
+    return _face.call(_TOPK, site, rows, peer, lambda: fallback(*args))

@@ -1,0 +1,310 @@
+"""A stand-in for the parts of vLLM 0.33.0 the vLLM plugin touches (module
+paths, signatures, the by-name imports of the top-K merge, the DCP manager,
+the worker's step, the shutdown call), whose DCP functions are vLLM's own in
+plain torch over gloo: the reference the plugin's results are compared with.
+Built from one small helper per vLLM module; used by test_vllm_plugin.py and
+test_vllm_lifecycle.py; holds no tests. test_vllm_conformance.py checks the
+signatures against vLLM's sources.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import math
+import threading
+import types
+
+import torch
+import torch.distributed as dist
+
+from torch_sdcp import collective
+
+from _engine_stand_in import Collect, InModules, all_gather_bytes, packages
+
+DCP = "vllm.v1.attention.ops.dcp"
+INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
+GLM_INDEXER = "vllm.models.glm5next.nvidia.sparse_indexer"  # a model module that imports the merge by name
+PARALLEL_STATE = "vllm.distributed.parallel_state"
+GPU_WORKER = "vllm.v1.worker.gpu_worker"
+VLLM_MODULES = (
+    "vllm", "vllm.logger", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops", DCP,
+    "vllm.v1.worker", "vllm.v1.worker.ubatching", GPU_WORKER, "vllm.distributed", PARALLEL_STATE,
+    "vllm.model_executor", "vllm.model_executor.layers", INDEXER,
+    "vllm.models", "vllm.models.glm5next", "vllm.models.glm5next.nvidia", GLM_INDEXER,
+)
+
+BOUND = 512  # vLLM's default DCP workspace bound (get_dcp_workspace_max_num_tokens)
+H_LOC, D, W, P = 2, 32, 48, 8  # local heads, latent dim, query width, padded query heads
+
+_Collect = Collect  # the name the tests import
+
+
+class Coordinator:
+    """The part of vLLM's GroupCoordinator the DCP code uses. ``groups`` maps
+    a micro-batch id to a gloo group for the collectives of the stand-in's own
+    (fallback) functions: vLLM serialises its DBO threads around collectives,
+    this stand-in gives each micro-batch its own group instead."""
+
+    def __init__(self, cpu_group, groups, ubatch_id):
+        self.cpu_group = cpu_group
+        self.device_group = cpu_group
+        self.groups = groups
+        self.ubatch_id = ubatch_id
+        self.world_size = dist.get_world_size(cpu_group)
+        self.rank_in_group = dist.get_rank(cpu_group)
+        self.unique_name = "dcp:0"
+
+    def pg(self):
+        return self.groups[self.ubatch_id()]
+
+    def all_gather(self, x, dim=-1):
+        return all_gather_bytes(x, self.world_size, self.pg(), dim)
+
+
+def mask_loop(lse, seq_lens, qsl):
+    """Empty-shard masking, row by row (the contract, written plainly)."""
+    lse = lse.clone()
+    if seq_lens is None:
+        return lse
+    starts, lens = qsl.tolist(), seq_lens.tolist()
+    for t in range(lse.shape[0]):
+        if not lens or t >= starts[-1]:
+            lse[t] = -math.inf
+        elif lens[min(bisect.bisect_right(starts, t) - 1, len(lens) - 1)] == 0:
+            lse[t] = -math.inf
+    return lse
+
+
+def vllm_select(scores, ids, k):
+    """vLLM's candidate selector as its key defines it: the fp32 score's bits
+    made monotonic (so -0.0 < +0.0, +NaN above +inf, -NaN below -inf), then
+    the lower id; ids < 0 never beat a valid candidate. vLLM leaves the order
+    within the selected set unspecified: this model returns it sorted."""
+    bits = scores.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    skey = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    skey = torch.where(ids >= 0, skey, -1)
+    order = torch.sort(ids.long(), dim=1, stable=True).indices
+    order = order.gather(1, torch.sort(skey.gather(1, order), dim=1, descending=True, stable=True).indices)
+    top = order[:, :k]
+    out = torch.where(skey.gather(1, top) >= 0, ids.gather(1, top), -1).to(torch.int32)
+    if out.shape[1] < k:
+        out = torch.cat([out, out.new_full((out.shape[0], k - out.shape[1]), -1)], dim=1)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# One helper per vLLM module
+# ---------------------------------------------------------------------------
+
+
+def _ubatch(ns):
+    return getattr(ns.ubatch, "id", 0)
+
+
+def _logger(ns, mod):
+    def init_logger(name):
+        logger = logging.getLogger(name)
+        logger.warning_once = lambda msg, *a: logger.warning(msg, *a)
+        logger.info_once = lambda msg, *a: logger.info(msg, *a)
+        return logger
+
+    mod.init_logger = init_logger
+
+
+def _parallel_state(ns, mod, reexport):
+    """get_dcp_group and destroy_model_parallel, re-exported by vllm.distributed as in vLLM."""
+
+    def get_dcp_group():
+        return ns.coordinator
+
+    def destroy_model_parallel():
+        ns.calls.append(("destroy_model_parallel", 0))
+        ns.coordinator = None
+
+    for m in (mod, reexport):
+        m.get_dcp_group = get_dcp_group
+        m.destroy_model_parallel = destroy_model_parallel
+
+
+def _gpu_worker(ns, mod):
+    class Worker:
+        """vLLM's GPU worker: one step's output, synchronous or async
+        (``get_output`` waits for the copy to the host)."""
+
+        def __init__(self, output=None):
+            self.output = output
+
+        def sample_tokens(self, grammar_output):
+            ns.calls.append(("sample_tokens", 0))
+            return self.output
+
+    mod.Worker = Worker
+
+
+def _combines(ns, dcp):
+    """vLLM's two Output/LSE combines: masking first, then the LSE-weighted sum."""
+
+    def combine(name, cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
+                seq_lens=None, query_start_loc=None):
+        ns.calls.append((name, _ubatch(ns)))
+        out = cp_attn_out.squeeze(1) if cp_attn_out.dim() == 4 else cp_attn_out
+        lse = mask_loop(cp_attn_lse.float(), seq_lens, query_start_loc)
+        return collective.lse_all_gather_reduce_scatter(out, lse, base2=not is_lse_base_on_e,
+                                                        return_lse=return_lse, group=cp_group.pg())
+
+    def cp_lse_ag_out_rs(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
+                         seq_lens=None, query_start_loc=None):
+        return combine("cp_lse_ag_out_rs", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse,
+                       is_lse_base_on_e, seq_lens, query_start_loc)
+
+    def dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
+                           seq_lens=None, query_start_loc=None):
+        return combine("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse,
+                       is_lse_base_on_e, seq_lens, query_start_loc)
+
+    def reserve_query_head_storage(query, padded_num_heads):
+        flat = query.new_empty((query.shape[0] * padded_num_heads * query.shape[2],))
+        out = flat[: query.numel()].view(query.shape)
+        out.copy_(query)
+        return out
+
+    dcp.cp_lse_ag_out_rs = cp_lse_ag_out_rs
+    dcp.dcp_a2a_lse_reduce = dcp_a2a_lse_reduce
+    dcp.reserve_query_head_storage = reserve_query_head_storage
+
+
+def _manager(ns, dcp, get_dcp_group):
+    """MLADCPManager: the attributes the plugin reads, _init_combine and
+    _init_query_gather as vLLM builds them."""
+
+    class MLADCPManager:
+        def __init__(self, vllm_config, device, num_heads, query_head_dim, output_head_dim, query_dtype,
+                     output_dtype, padded_num_heads, is_lse_base_on_e, use_pcp):
+            pc = vllm_config.parallel_config
+            self.group = get_dcp_group()
+            self.device = torch.device(device)
+            self.num_ubatches = max(pc.num_ubatches, 1)
+            self.max_num_tokens = vllm_config.dcp_max_num_tokens
+            self.use_a2a = pc.dcp_comm_backend == "a2a"
+            self.padded_num_heads = padded_num_heads
+            self.combine = self._init_combine(num_heads, output_head_dim, output_dtype, is_lse_base_on_e, use_pcp)
+            self.query_gather = None if use_pcp else self._init_query_gather(num_heads, query_head_dim,
+                                                                              query_dtype)
+
+        def _init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp):
+            ns.calls.append(("_init_combine", _ubatch(ns)))
+            fn = dcp.dcp_a2a_lse_reduce if self.use_a2a else dcp.cp_lse_ag_out_rs
+            return functools.partial(fn, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e)
+
+        def _init_query_gather(self, num_heads, head_dim, dtype):
+            ns.calls.append(("_init_query_gather", _ubatch(ns)))
+            return self._gather_query
+
+        def _gather_query(self, query):
+            ns.calls.append(("_gather_query", _ubatch(ns)))
+            query = self.group.all_gather(query, dim=1)
+            if self.padded_num_heads is not None:
+                query = dcp.reserve_query_head_storage(query, self.padded_num_heads)
+            return query
+
+    dcp.MLADCPManager = MLADCPManager
+
+
+def _indexer(ns, indexer, by_name):
+    """_merge_dcp_topk_global (local positions in, global ids merged in
+    place) and the decode step's call of it through the module global."""
+
+    def _merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
+                               row_starts=None):
+        if dcp_world_size <= 1:
+            return
+        ns.calls.append(("_merge_dcp_topk_global", _ubatch(ns)))
+        local = topk_indices.long()
+        valid = local >= 0
+        pos = local.clamp_min(0)
+        start = 0 if row_starts is None else row_starts.long().unsqueeze(1)
+        col = (pos + start).clamp_max(max(logits.shape[1] - 1, 0))
+        score = logits[: local.shape[0]].gather(1, col).masked_fill(~valid, -math.inf)
+        gid = (pos // cp_interleave) * (dcp_world_size * cp_interleave) + dcp_rank * cp_interleave \
+            + pos % cp_interleave
+        gid = torch.where(valid, gid, -1).to(torch.int32)
+        all_s = ns.coordinator.all_gather(score.contiguous(), dim=1)
+        all_i = ns.coordinator.all_gather(gid.contiguous(), dim=1)
+        topk_indices.copy_(vllm_select(all_s, all_i, topk_tokens))
+
+    def sparse_attn_indexer_decode(logits, topk_indices_buffer, rows, topk_tokens, dcp_rank, dcp_world_size,
+                                   cp_interleave, row_starts=None):
+        """The decode step's call: a view of the buffer, merged in place,
+        through the module global."""
+        topk_indices = topk_indices_buffer[:rows, :topk_tokens]
+        indexer._merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size,
+                                       cp_interleave, row_starts=row_starts)
+        return topk_indices_buffer
+
+    indexer._merge_dcp_topk_global = _merge_dcp_topk_global
+    indexer.sparse_attn_indexer_decode = sparse_attn_indexer_decode
+    by_name._merge_dcp_topk_global = _merge_dcp_topk_global
+
+
+def build_fake_vllm(version="0.33.0"):
+    """Module objects standing in for vLLM (not yet in sys.modules), with
+    ``calls`` (the stand-in's own functions that ran, with their micro-batch),
+    ``ubatch`` (a thread-local micro-batch id) and ``coordinator`` (the DCP
+    group ``get_dcp_group`` returns)."""
+    mods = packages(VLLM_MODULES)
+    ns = types.SimpleNamespace(mods=mods, calls=[], ubatch=threading.local(), coordinator=None)
+    mods["vllm"].__version__ = version
+    _logger(ns, mods["vllm.logger"])
+    mods["vllm.v1.worker.ubatching"].dbo_current_ubatch_id = lambda: _ubatch(ns)
+    _parallel_state(ns, mods[PARALLEL_STATE], mods["vllm.distributed"])
+    _gpu_worker(ns, mods[GPU_WORKER])
+    _combines(ns, mods[DCP])
+    _manager(ns, mods[DCP], mods[PARALLEL_STATE].get_dcp_group)
+    _indexer(ns, mods[INDEXER], mods[GLM_INDEXER])
+    return ns
+
+
+def reset_plugin(plugin):
+    """The plugin's process state as a fresh process has it."""
+    from torch_sdcp.integrations import vllm_calls
+    from torch_sdcp_plugins import vllm as entry
+
+    plugin.uninstall()
+    entry._logged.clear()
+    vllm_calls._face.forget()
+    vllm_calls._face.ubatch_id = lambda: 0
+    vllm_calls._hooks.originals.clear()
+    vllm_calls._hooks.dcp_group = None
+
+
+class FakeVllm:
+    """Context manager: the stand-in in sys.modules, the plugin's process
+    state reset around it, sys.modules restored after."""
+
+    def __init__(self, version="0.33.0"):
+        self.ns = build_fake_vllm(version)
+        self.modules = InModules(self.ns.mods)
+
+    def __enter__(self):
+        from torch_sdcp.integrations import vllm as plugin
+
+        self.modules.__enter__()
+        reset_plugin(plugin)
+        return self.ns
+
+    def __exit__(self, *exc):
+        from torch_sdcp.integrations import vllm as plugin
+
+        reset_plugin(plugin)
+        self.modules.__exit__(*exc)
+
+
+def config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, bound=BOUND):
+    """The part of a VllmConfig the manager and the plugin read."""
+    hf = types.SimpleNamespace(index_topk=index_topk)
+    return types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(num_ubatches=num_ubatches, dcp_comm_backend=backend,
+                                              dcp_q_replicate=q_replicate),
+        model_config=types.SimpleNamespace(hf_text_config=hf), dcp_max_num_tokens=bound)

@@ -1,0 +1,158 @@
+"""What an engine plugin would do, without the engine and without a GPU:
+
+    python -m torch_sdcp.plugin_check --engine vllm --decode-context-parallel-size 4 \\
+        --dcp-comm-backend a2a --num-heads 64 --rows 1024 --index-topk 2048
+    python -m torch_sdcp.plugin_check --engine sglang --dcp-size 8 --dcp-comm-backend fi_a2a \\
+        --dcp-replicate-q-proj --num-heads 128 --rows 512
+
+prints the plugin's settings (``SDCP_VLLM*`` / ``SDCP_SGLANG*`` of the
+environment, validated as the plugin validates them), the start-up line the
+plugin would log for the DCP group (each seam on or off, why, what turns it
+on), the rows bound, and the bytes per rank of every workspace it would
+create (the C++ layout's region sizes, per micro-batch), then exits 0, or 1
+when the ``require`` mode would stop the start-up or a setting is bad.
+
+The engine's configuration is given here as the engine's flags that matter
+(this does not run the engine's own argument resolution), and peer memory is
+assumed: whether the node's GPUs can map each other's memory is decided at
+start-up by the workspaces' gate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from torch_sdcp_plugins.settings import SGLANG, VLLM, EngineSettings
+
+__all__ = ["main", "report"]
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+           "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m torch_sdcp.plugin_check", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", choices=("vllm", "sglang"), required=True)
+    p.add_argument("--decode-context-parallel-size", "--dcp-size", "-dcp", dest="world", type=int, default=2,
+                   help="ranks of the DCP group (default 2)")
+    p.add_argument("--dcp-comm-backend", default="ag_rs", help="vLLM: ag_rs or a2a; SGLang: ag_rs, a2a or fi_a2a")
+    p.add_argument("--dcp-replicate-q-proj", action="store_true", help="SGLang: the query projection is replicated")
+    p.add_argument("--prefill-context-parallel", action="store_true", help="vLLM: PCP is on")
+    p.add_argument("--num-heads", type=int, default=128, help="attention heads of the model (all ranks)")
+    p.add_argument("--kv-lora-rank", type=int, default=512)
+    p.add_argument("--qk-rope-head-dim", type=int, default=64)
+    p.add_argument("--index-topk", type=int, default=None, help="the sparse indexer's top-K (DSA models)")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="the attention output's dtype")
+    p.add_argument("--query-dtype", choices=tuple(_DTYPES), default=None,
+                   help="vLLM: the gathered query's dtype (default: --dtype)")
+    p.add_argument("--rows", type=int, default=1024, help="the engine's DCP rows bound (widest decode batch)")
+    p.add_argument("--num-ubatches", type=int, default=1, help="vLLM: micro-batches (dual-batch overlap: 2)")
+    return p
+
+
+def _bytes(kind: str, params: list[int], world: int) -> int:
+    from torch_sdcp.workspaces import WorkspaceKind, workspace_layout
+
+    return int(workspace_layout(WorkspaceKind[kind], params, world).region_bytes)
+
+
+def _element(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def report(argv: Sequence[str]) -> tuple[int, str]:
+    """(exit status, the report's text) for the command line ``argv``."""
+    args = _parser().parse_args(list(argv))
+    settings: EngineSettings = VLLM if args.engine == "vllm" else SGLANG
+    lines = []
+    try:
+        settings.validate()
+    except ValueError as e:
+        return 1, str(e)
+    mode, bad = settings.mode()
+    lines.append(f"{settings.ENABLE}={mode}" + (f" (unrecognised value {bad!r}: off)" if bad is not None else "")
+                 + f"; seams selected: {','.join(settings.seams()) or 'none'}; "
+                 f"{settings.MAX_ROWS}={settings.max_rows_cap() or 'unset'}; "
+                 f"{settings.TIMEOUT_S}={settings.timeout_s():g} s")
+    world, heads = args.world, args.num_heads
+    if world < 1 or heads % world:
+        return 1, f"torch_sdcp: argument '--num-heads': expected a multiple of the DCP size {world}, got {heads}"
+    cap = settings.max_rows_cap()
+    rows = min(args.rows, cap) if cap else args.rows
+    dtype = _DTYPES[args.dtype]
+    local = heads // world
+    from torch_sdcp.integrations._engine import SeamPlan
+
+    plan = SeamPlan(settings, "dcp", world)
+    sizes: dict[str, int] = {}
+    if args.engine == "vllm":
+        from torch_sdcp.integrations import vllm
+
+        qdtype = _DTYPES[args.query_dtype or args.dtype]
+        width = args.kv_lora_rank + args.qk_rope_head_dim
+        topk = args.index_topk
+        for seam in VLLM.all_seams:
+            off = vllm.configured_off(seam, world=world, use_a2a=args.dcp_comm_backend == "a2a",
+                                      use_pcp=args.prefill_context_parallel, dtype=dtype, topk=topk)
+            if off is None:
+                plan.decide(seam, True, "peer memory (if the node's gate passes)")
+            else:
+                plan.decide(seam, False, off, *vllm._enable_hint(seam, off))
+        if plan.seams["combine"][0]:
+            sizes["Output/LSE"] = _bytes("OUTPUT_LSE", [rows, heads, args.kv_lora_rank, _element(dtype)], world)
+        if plan.seams["query"][0]:
+            sizes["query"] = _bytes("QUERY", [rows, local, width, _element(qdtype)], world)
+        if plan.seams["topk"][0] and topk is not None:
+            sizes["top-K"] = _bytes("TOPK", [rows, topk, topk], world)
+        ubatches = max(args.num_ubatches, 1)
+    else:
+        from types import SimpleNamespace
+
+        from torch_sdcp.integrations import sglang
+
+        parallel = SimpleNamespace(dcp_comm_backend=args.dcp_comm_backend,
+                                   dcp_replicate_q_proj=args.dcp_replicate_q_proj)
+        plan = sglang._plan(parallel, SimpleNamespace(unique_name="dcp", world_size=world))
+        for seam in SGLANG.all_seams:
+            if seam in plan.seams:
+                continue
+            if world > 1:
+                plan.decide(seam, True, "peer memory (if the node's gate passes)")
+            else:
+                plan.decide(seam, False, "single rank", "a DCP size of 2 or more")
+        if plan.seams["combine"][0] and dtype in (torch.bfloat16, torch.float16, torch.float32):
+            sizes["Output/LSE"] = _bytes("OUTPUT_LSE", [rows, heads, args.kv_lora_rank, _element(dtype)], world)
+        if plan.seams["query"][0]:
+            sizes["query"] = _bytes("QUERY", [rows, local, args.kv_lora_rank + args.qk_rope_head_dim,
+                                              _element(dtype)], world)
+        ubatches = 1
+    if mode == "off":
+        lines.append(f"the plugin is off ({settings.ENABLE} unset or off): nothing would be replaced; with "
+                     f"{settings.ENABLE}=1:")
+    lines.append(plan.line())
+    lines.append(f"rows bound: {rows}" + (f" (the engine's {args.rows}, capped by {settings.MAX_ROWS})"
+                                          if cap and cap < args.rows else ""))
+    for name, n in sizes.items():
+        lines.append(f"{name} workspace: {n} bytes per rank ({n / 2**20:.1f} MiB) per micro-batch")
+    total = sum(sizes.values()) * ubatches
+    lines.append(f"total per rank: {total} bytes ({total / 2**20:.1f} MiB), {ubatches} micro-batch(es)")
+    refused = plan.refused()
+    if refused and mode == "require":
+        lines.append(f"{settings.ENABLE}=require: start-up would stop (seams {', '.join(refused)} cannot be taken)")
+        return 1, "\n".join(lines)
+    return 0, "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    status, text = report(sys.argv[1:] if argv is None else argv)
+    print(text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
