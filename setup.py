@@ -10,7 +10,7 @@ Objects are kept in build/ (ignored by git), one folder per torch build and
 kind of build (CPU or CUDA), so that re-running the install on an unchanged
 tree compiles nothing: an editable install would otherwise compile every
 source again in a fresh temporary folder. torch's headers are system headers
-of the C++ compiles (-isystem), so that ninja does not track them: a
+(-isystem, and -MMD for nvcc too), so that ninja does not track them: a
 reinstalled torch gives them new mtimes, which made every object of a kept
 folder out of date. Beside the extension, torch_sdcp/_build_info.py records
 the torch it was built against, which the package checks on import."""
@@ -117,15 +117,17 @@ def build_folder(kind: str, torch_version: str = str(torch.__version__)) -> str:
 
 
 def torch_headers_as_system(ext) -> None:
-    """torch's include folders as -isystem rather than -I: the compiler's
+    """torch's include folders as -isystem rather than -I: the compilers'
     dependency lists (-MMD) then leave them out, so ninja decides on our own
     sources and headers, and a reinstall of the same torch (new mtimes, the same
-    headers; the folder is per torch version) recompiles nothing."""
+    headers; the folder is per torch version) recompiles nothing. For nvcc,
+    whose rule torch writes with -MD (every header), a later -MMD does the same."""
     torch_dirs = [d for d in ext.include_dirs if d in cpp_extension.include_paths()]
     ext.include_dirs = [d for d in ext.include_dirs if d not in torch_dirs]
     flags = [f for d in torch_dirs for f in ("-isystem", d)]
     for compiler in ext.extra_compile_args:
-        ext.extra_compile_args[compiler] = ext.extra_compile_args[compiler] + flags
+        extra = ["-MMD"] if compiler == "nvcc" else []
+        ext.extra_compile_args[compiler] = ext.extra_compile_args[compiler] + flags + extra
 
 
 def pip_cuda_roots() -> list:

@@ -171,6 +171,9 @@ def test_torch_headers_are_system_headers(setup_py):
     torch_dirs = cpp_extension.include_paths()
     assert ext.include_dirs == ["/mine"]
     assert ext.extra_compile_args["cxx"] == ["-O3"] + [f for d in torch_dirs for f in ("-isystem", d)]
+    ext = cpp_extension.CppExtension("x._C", ["a.cpp"], extra_compile_args={"cxx": [], "nvcc": ["-O3"]})
+    setup_py.torch_headers_as_system(ext)
+    assert ext.extra_compile_args["nvcc"] == ["-O3"] + [f for d in torch_dirs for f in ("-isystem", d)] + ["-MMD"]
 
 
 def test_build_ext_keeps_objects_per_torch(setup_py, monkeypatch):
