@@ -1,16 +1,21 @@
-"""Build torch_sdcp._C: CPU kernels always, CUDA kernels when a CUDA toolkit and
-a CUDA build of torch are present (SDCP_NO_CUDA=1 turns them off).
-
-CUDA architectures: TORCH_CUDA_ARCH_LIST when set; else those of the visible
-GPUs (PyTorch's own default); else, with no GPU visible, Hopper and Blackwell
-(9.0, 10.0) as far as the toolkit's nvcc supports them.
+"""Build torch_sdcp._C: CPU kernels always; CUDA kernels when a CUDA build of
+torch and a CUDA toolkit are present and there is something to build them for:
+the architectures of TORCH_CUDA_ARCH_LIST when set, else those of the visible
+GPUs. With neither (no GPU visible, TORCH_CUDA_ARCH_LIST unset) the build is
+CPU-only and says in one line how to build CUDA kernels for other machines;
+CI and wheel builds set TORCH_CUDA_ARCH_LIST. SDCP_NO_CUDA=1 always builds
+CPU-only.
 
 Objects are kept in build/ (ignored by git), one folder per torch build and
-kind of build, so that re-running the install on an unchanged tree compiles
-nothing: an editable install would otherwise compile every source again in a
-fresh temporary folder. Beside the extension, torch_sdcp/_build_info.py
-records the torch it was built against, which the package checks on import."""
+kind of build (CPU or CUDA), so that re-running the install on an unchanged
+tree compiles nothing: an editable install would otherwise compile every
+source again in a fresh temporary folder. torch's headers are system headers
+(-isystem, and -MMD for nvcc too), so that ninja does not track them: a
+reinstalled torch gives them new mtimes, which made every object of a kept
+folder out of date. Beside the extension, torch_sdcp/_build_info.py records
+the torch it was built against, which the package checks on import."""
 
+import functools
 import glob
 import importlib.util
 import os
@@ -52,11 +57,15 @@ import torch  # noqa: E402  (cpp_extension reads CUDA_HOME when imported)
 from torch.utils import cpp_extension  # noqa: E402
 
 CUDA_HEADERS_TORCH_NEEDS = ("cusparse.h", "cublas_v2.h", "cublasLt.h", "cusolverDn.h", "curand.h", "cufft.h")
-# Hopper and Blackwell data centre GPUs, the ones with the NVLink peer access
-# the library is for (a 10.0 binary also runs on 10.3). Not 12.0: those GPUs
-# lack the shared memory of the top-K kernel at k = 2048, and a third
-# architecture makes every CUDA build half as long again.
-DEFAULT_CUDA_ARCHS = ("9.0", "10.0")
+# The architectures the hint of a CPU-only build names, and CI builds: Hopper and
+# Blackwell data centre GPUs, the ones with the NVLink peer access the library is
+# for (a 10.0 binary also runs on 10.3). Not 12.0: those GPUs lack the shared
+# memory of the top-K kernel at k = 2048, and a third architecture makes every
+# CUDA build half as long again.
+CUDA_ARCHS_HINT = "9.0;10.0"
+NO_GPU_LINE = ("torch_sdcp: no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CPU kernels only (the host "
+               "backend); to build the CUDA kernels for other machines, set their architectures, e.g. "
+               f'TORCH_CUDA_ARCH_LIST="{CUDA_ARCHS_HINT}" (9.0: H100/H200, 10.0: B200)')
 EXTENSION = "torch_sdcp._C"
 # What the extension was built against, read by torch_sdcp/_extension.py before loading it.
 BUILD_INFO = "_build_info.py"
@@ -71,10 +80,54 @@ def read_version() -> str:
     return m.group(1)
 
 
+def cuda_build_rule(env, torch_cuda: str | None, cuda_home: str | None, visible_gpus: int) -> tuple:
+    """(build the CUDA kernels?, why): the one rule, from the environment,
+    torch's CUDA version, the toolkit found and the number of visible GPUs."""
+    if env.get("SDCP_NO_CUDA", "0") == "1":
+        return False, "SDCP_NO_CUDA=1"
+    if torch_cuda is None:
+        return False, "a CPU build of torch"
+    if cuda_home is None:
+        return False, "no CUDA toolkit (nvcc) found"
+    if env.get("TORCH_CUDA_ARCH_LIST"):
+        return True, f"TORCH_CUDA_ARCH_LIST={env['TORCH_CUDA_ARCH_LIST']}"
+    if visible_gpus > 0:
+        return True, f"{visible_gpus} visible GPU(s)"
+    return False, NO_GPU_LINE
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.version.cuda is not None else 0
+
+
+@functools.cache
 def want_cuda() -> bool:
-    if os.environ.get("SDCP_NO_CUDA", "0") == "1":
-        return False
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    """The rule for this build (asked once: the GPU probe and the line it may print)."""
+    cuda, why = cuda_build_rule(os.environ, torch.version.cuda, cpp_extension.CUDA_HOME, visible_gpus())
+    if why == NO_GPU_LINE:
+        report(NO_GPU_LINE)
+    return cuda
+
+
+def build_folder(kind: str, torch_version: str = str(torch.__version__)) -> str:
+    """The objects' folder of one torch build and one kind ("cpu" or "cuda"): a
+    torch that comes back finds its objects again; CPU and CUDA objects (other
+    flags) never share a ninja log."""
+    return os.path.join(HERE, "build", f"{sys.implementation.cache_tag}-torch{torch_version}-{kind}")
+
+
+def torch_headers_as_system(ext) -> None:
+    """torch's include folders as -isystem rather than -I: the compilers'
+    dependency lists (-MMD) then leave them out, so ninja decides on our own
+    sources and headers, and a reinstall of the same torch (new mtimes, the same
+    headers; the folder is per torch version) recompiles nothing. For nvcc,
+    whose rule torch writes with -MD (every header), a later -MMD does the same."""
+    torch_dirs = [d for d in ext.include_dirs if d in cpp_extension.include_paths()]
+    ext.include_dirs = [d for d in ext.include_dirs if d not in torch_dirs]
+    flags = [f for d in torch_dirs for f in ("-isystem", d)]
+    for compiler in ext.extra_compile_args:
+        extra = ["-MMD"] if compiler == "nvcc" else []
+        ext.extra_compile_args[compiler] = ext.extra_compile_args[compiler] + flags + extra
 
 
 def pip_cuda_roots() -> list:
@@ -125,26 +178,6 @@ def sources(pattern: str) -> list:
     return sorted(glob.glob(os.path.join("csrc", pattern)))
 
 
-def default_cuda_arch_list() -> str:
-    """DEFAULT_CUDA_ARCHS that the toolkit's nvcc lists (9.0 if it cannot say)."""
-    try:
-        out = subprocess.run([os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"), "--list-gpu-arch"],
-                             capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    listed = set(re.findall(r"compute_(\d+)", out))
-    return ";".join([a for a in DEFAULT_CUDA_ARCHS if a.replace(".", "") in listed] or ["9.0"])
-
-
-def choose_cuda_archs() -> None:
-    """TORCH_CUDA_ARCH_LIST wins; unset, torch builds for the visible GPUs; with none, the default."""
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        return
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        return
-    os.environ["TORCH_CUDA_ARCH_LIST"] = default_cuda_arch_list()
-
-
 def cuda_targets() -> str:
     """What nvcc will be asked to build, as torch turns the architectures into flags: sm_90, compute_100 (PTX)."""
     try:
@@ -160,15 +193,17 @@ def extension():
     # torch chooses the C++ standard its headers need (C++17 or C++20).
     cxx = ["-O3", "-ffp-contract=off"]
     if not want_cuda():
-        return cpp_extension.CppExtension(EXTENSION, sources("*.cpp"), extra_compile_args={"cxx": cxx})
-    choose_cuda_archs()
-    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
-    return cpp_extension.CUDAExtension(
-        EXTENSION,
-        sources("*.cpp") + sources("*.cu"),
-        include_dirs=pip_cuda_include_dirs(),
-        extra_compile_args={"cxx": cxx + ["-DSDCP_WITH_CUDA"], "nvcc": nvcc + ["-DSDCP_WITH_CUDA"]},
-    )
+        ext = cpp_extension.CppExtension(EXTENSION, sources("*.cpp"), extra_compile_args={"cxx": cxx})
+    else:
+        nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+        ext = cpp_extension.CUDAExtension(
+            EXTENSION,
+            sources("*.cpp") + sources("*.cu"),
+            include_dirs=pip_cuda_include_dirs(),
+            extra_compile_args={"cxx": cxx + ["-DSDCP_WITH_CUDA"], "nvcc": nvcc + ["-DSDCP_WITH_CUDA"]},
+        )
+    torch_headers_as_system(ext)
+    return ext
 
 
 def describe_torch() -> str:
@@ -196,8 +231,7 @@ class BuildExtension(cpp_extension.BuildExtension):
         super().finalize_options()
         # A per-build folder, not pip's temporary one: ninja then finds its
         # objects again and recompiles only what changed.
-        kind = "cuda" if want_cuda() else "cpu"
-        self.build_temp = os.path.join(HERE, "build", f"{sys.implementation.cache_tag}-torch{torch.__version__}-{kind}")
+        self.build_temp = build_folder("cuda" if want_cuda() else "cpu")
 
     def build_extensions(self) -> None:
         for ext in self.extensions:

@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 
-from torch_sdcp.bench import tables
+import pytest
+
+from torch_sdcp.bench import parse_args, tables
 
 
 def run_bench(*args, timeout=300):
@@ -24,6 +26,7 @@ def test_bench_runs_every_boundary_on_the_host_backend(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["backend"] == "host" and data["meta"]["world_size"] == 2
+    assert data["meta"]["performance"] is False and "not performance" in data["meta"]["note"]
     assert list(data["results"]) == ["signal", "query", "topk", "output_lse", "decode"]
     for name in ("query", "topk", "output_lse"):
         rows = [r for r in data["results"][name] if "rows" in r]
@@ -48,6 +51,44 @@ def test_bench_rejects_unknown_boundaries(tmp_path):
     res = run_bench("--boundaries", "query,nope", "--out", str(tmp_path / "x"), timeout=120)
     assert res.returncode == 2 and "--boundaries" in res.stderr and "'nope'" in res.stderr
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--rows", "1,x", "expected comma-separated integers >= 1, got '1,x'"),
+    ("--rows", "8,0", "expected comma-separated integers >= 1, got '8,0'"),
+    ("--rows", "", "expected comma-separated integers >= 1, got ''"),
+    ("--world-size", "0", "expected an integer >= 1, got 0"),
+    ("--world-size", "two", "expected an integer >= 1, got 'two'"),
+    ("--heads", "-8", "expected an integer >= 1, got -8"),
+    ("--heads", "7", "expected a multiple of --world-size 2, got 7"),
+    ("--k", "0", "expected an integer >= 1, got 0"),
+    ("--requests", "0", "expected an integer >= 1, got 0"),
+    ("--context", "1.5", "expected an integer >= 1, got '1.5'"),
+    ("--layers", "0", "expected an integer >= 1, got 0"),
+    ("--replays", "0", "expected an integer >= 1, got 0"),
+    ("--trials", "-1", "expected an integer >= 1, got -1"),
+    ("--boundaries", ",", "expected names from ('signal', 'query', 'topk', 'output_lse', 'decode'), got none"),
+    ("--backend", "gpu", "invalid choice: 'gpu'"),
+])
+def test_a_bad_option_is_a_usage_error_naming_it(option, value, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--backend", "host", "--world-size", "2", option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {option}: {says}" in err and err.startswith("usage: python -m torch_sdcp.bench"), err
+
+
+def test_out_must_not_be_a_file(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--backend", "host", "--out", str(tmp_path / "f")])
+    assert e.value.code == 2 and "error: argument --out: expected a folder, got the file" in capsys.readouterr().err
+
+
+def test_a_bad_option_from_the_command_line_exits_2_without_a_traceback(tmp_path):
+    res = run_bench("--rows", "1,x", "--out", str(tmp_path / "x"), timeout=120)
+    assert res.returncode == 2 and "argument --rows: expected comma-separated" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not os.path.exists(tmp_path / "x")
 
 
 def test_tables_give_ratios_against_the_strongest_baseline():

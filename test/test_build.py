@@ -1,10 +1,15 @@
-"""The check of torch_sdcp._extension: an extension built against another torch,
-or one that does not load, is one ImportError naming both torches and the
-command that rebuilds it."""
+"""The build: setup.py's rule for when the CUDA kernels are built, its build
+folders (one per torch version and kind, reused when that torch comes back),
+and the check of torch_sdcp._extension: an extension built against another
+torch, or one that does not load, is one ImportError naming both torches and
+the command that rebuilds it on this machine."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import subprocess
 import sys
 import types
 
@@ -14,6 +19,7 @@ import torch
 import torch_sdcp
 from torch_sdcp import _extension
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REBUILD = "pip install --no-build-isolation --no-deps -e ."
 RUNNING = f"torch {torch.__version__} / " + (f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA")
 
@@ -89,3 +95,105 @@ def test_one_version():
     from torch_sdcp import _version
     assert torch_sdcp.__version__ == _version.__version__
     assert re.fullmatch(r"\d+\.\d+\.\d+", torch_sdcp.__version__)
+
+
+def test_rebuild_command_for_a_machine_without_a_gpu():
+    how = _extension.how_to_build_for("13.0", 0)
+    assert f"`SDCP_NO_CUDA=1 {REBUILD}` (CPU kernels and the host backend" in how
+    assert f'CUDA kernels for other machines: `TORCH_CUDA_ARCH_LIST="9.0;10.0" {REBUILD}`' in how
+
+
+def test_rebuild_command_for_a_gpu_machine():
+    how = _extension.how_to_build_for("13.0", 2)
+    assert how.startswith(f"in the checkout, `{REBUILD}` (CUDA kernels for the visible GPUs)")
+    assert "SDCP_NO_CUDA" not in how and "TORCH_CUDA_ARCH_LIST" not in how
+
+
+def test_rebuild_command_for_a_cpu_build_of_torch():
+    how = _extension.how_to_build_for(None, 0)
+    assert f"`SDCP_NO_CUDA=1 {REBUILD}`" in how and "this torch has no CUDA" in how
+    assert "TORCH_CUDA_ARCH_LIST" not in how
+
+
+def test_mismatch_error_names_the_command_for_this_machine(build_info, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ImportError) as e:
+        _extension.load_extension(build_info=build_info("2.11.0+cu128", "12.8"))
+    assert f"rebuild it against this torch: in the checkout, `SDCP_NO_CUDA=1 {REBUILD}`" in str(e.value)
+    if torch.version.cuda:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        with pytest.raises(ImportError) as e:
+            _extension.load_extension(build_info=build_info("2.11.0+cu128", "12.8"))
+        assert f"rebuild it against this torch: in the checkout, `{REBUILD}` (CUDA kernels" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    cwd = os.getcwd()
+    spec = importlib.util.spec_from_file_location("sdcp_setup_under_test", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)  # not __main__: defines the helpers, runs no setup()
+    finally:
+        os.chdir(cwd)
+    return module
+
+
+def test_build_rule(setup_py):
+    rule = setup_py.cuda_build_rule
+    arch = {"TORCH_CUDA_ARCH_LIST": "9.0;10.0"}
+    assert rule({}, "13.0", "/usr/local/cuda", 0) == (False, setup_py.NO_GPU_LINE)
+    assert rule({"TORCH_CUDA_ARCH_LIST": ""}, "13.0", "/usr/local/cuda", 0)[0] is False
+    assert rule(arch, "13.0", "/usr/local/cuda", 0) == (True, "TORCH_CUDA_ARCH_LIST=9.0;10.0")
+    assert rule({}, "13.0", "/usr/local/cuda", 2) == (True, "2 visible GPU(s)")
+    assert rule({**arch, "SDCP_NO_CUDA": "1"}, "13.0", "/usr/local/cuda", 2) == (False, "SDCP_NO_CUDA=1")
+    assert rule(arch, None, "/usr/local/cuda", 2) == (False, "a CPU build of torch")
+    assert rule(arch, "13.0", None, 2) == (False, "no CUDA toolkit (nvcc) found")
+    line = setup_py.NO_GPU_LINE
+    assert "building the CPU kernels only" in line and 'TORCH_CUDA_ARCH_LIST="9.0;10.0"' in line
+
+
+def test_build_folder_per_torch_version_and_kind(setup_py):
+    folder = setup_py.build_folder
+    assert folder("cpu", "2.14.1+cu130") == folder("cpu", "2.14.1+cu130")  # that torch comes back: the same folder
+    assert os.path.basename(folder("cpu", "2.14.1+cu130")) == f"{sys.implementation.cache_tag}-torch2.14.1+cu130-cpu"
+    assert folder("cpu", "2.11.0+cu128") != folder("cpu", "2.14.1+cu130")
+    assert folder("cuda", "2.14.1+cu130") != folder("cpu", "2.14.1+cu130")
+    assert os.path.dirname(folder("cpu")) == os.path.join(ROOT, "build")
+
+
+def test_torch_headers_are_system_headers(setup_py):
+    """Left out of the compiler's dependency lists, so a reinstalled torch (new mtimes) recompiles nothing."""
+    from torch.utils import cpp_extension
+
+    ext = cpp_extension.CppExtension("x._C", ["a.cpp"], include_dirs=["/mine"], extra_compile_args={"cxx": ["-O3"]})
+    setup_py.torch_headers_as_system(ext)
+    torch_dirs = cpp_extension.include_paths()
+    assert ext.include_dirs == ["/mine"]
+    assert ext.extra_compile_args["cxx"] == ["-O3"] + [f for d in torch_dirs for f in ("-isystem", d)]
+    ext = cpp_extension.CppExtension("x._C", ["a.cpp"], extra_compile_args={"cxx": [], "nvcc": ["-O3"]})
+    setup_py.torch_headers_as_system(ext)
+    assert ext.extra_compile_args["nvcc"] == ["-O3"] + [f for d in torch_dirs for f in ("-isystem", d)] + ["-MMD"]
+
+
+def test_build_ext_keeps_objects_per_torch(setup_py, monkeypatch):
+    from setuptools import Distribution
+
+    monkeypatch.setattr(setup_py, "want_cuda", lambda: False)
+    cmd = setup_py.BuildExtension(Distribution({"name": "x", "ext_modules": []}))
+    cmd.ensure_finalized()
+    assert cmd.force  # torch's: ninja decides what is out of date, not setuptools' check of the sources alone
+    assert cmd.build_temp == setup_py.build_folder("cpu")
+
+
+def test_without_a_gpu_the_install_builds_the_cpu_kernels_and_says_so():
+    """setup.py as the README's install runs it, with no GPU visible and no
+    TORCH_CUDA_ARCH_LIST: it chooses the CPU kernels and prints the line (no compile: `--name`)."""
+    if torch.cuda.device_count() > 0:
+        pytest.skip("a GPU is visible: the install builds the CUDA kernels for it")
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA_ARCH_LIST", "SDCP_NO_CUDA")}
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "--name"], capture_output=True, text=True,
+                         env=env, timeout=300, start_new_session=True)  # no terminal for the line to go to
+    assert res.returncode == 0 and res.stdout.strip() == "torch_sdcp", res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.startswith("torch_sdcp:")]
+    assert len(lines) == 1 and "building the CPU kernels only" in lines[0], res.stderr

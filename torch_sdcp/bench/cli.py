@@ -110,31 +110,56 @@ def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
         meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "world_size": world, "backend": backend,
                 "device": torch.cuda.get_device_name(device) if backend == "cuda" else "cpu (host backend)",
                 "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
+        if backend == "host":  # a reader of the JSON alone must not take these figures for speed
+            meta.update(performance=False, note="host backend: protocol checks on shared memory, not performance")
         with open(os.path.join(args.out, "bench.json"), "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the option in its usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def row_list(text: str) -> str:
+    """argparse type: comma-separated ints >= 1; kept as text, parsed where the defaults are chosen."""
+    try:
+        rows = [int(piece) for piece in text.split(",")]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return text
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_sdcp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    p.add_argument("--world-size", type=int, default=torch.cuda.device_count() if cuda else 2)
+    p.add_argument("--world-size", type=positive_int, default=torch.cuda.device_count() if cuda else 2)
     p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm-5", help="model geometry (default glm-5)")
-    p.add_argument("--heads", type=int, default=0, help="total heads (overrides the preset)")
-    p.add_argument("--k", type=int, default=0, help="index_topk (overrides the preset)")
-    p.add_argument("--rows", default=None, help="decode rows, comma separated (default 1,32,128,512,1024,4096 on "
-                                                "CUDA: up to vLLM's default bound and its MTP regime; 1,8,32 on the "
-                                                "host backend)")
+    p.add_argument("--heads", type=positive_int, default=0, help="total heads (overrides the preset)")
+    p.add_argument("--k", type=positive_int, default=0, help="index_topk (overrides the preset)")
+    p.add_argument("--rows", default=None, type=row_list,
+                   help="decode rows, comma separated (default 1,32,128,512,1024,4096 on CUDA: up to vLLM's "
+                        "default bound and its MTP regime; 1,8,32 on the host backend)")
     p.add_argument("--boundaries", default=",".join(BOUNDARIES))
     p.add_argument("--query-dtype", choices=("fp8", "bf16"), default="fp8")
-    p.add_argument("--requests", type=int, default=None,
+    p.add_argument("--requests", type=positive_int, default=None,
                    help="decode demo: concurrent requests (default 32; 4 on host)")
-    p.add_argument("--context", type=int, default=None,
+    p.add_argument("--context", type=positive_int, default=None,
                    help="decode demo: tokens per request (default 3072; 256 on host)")
-    p.add_argument("--layers", type=int, default=None, help="decode demo: layers per step (default 8; 2 on host)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="decode demo: layers per step (default 8; 2 on host)")
     p.add_argument("--sparse", action="store_true", help="decode demo: add the top-K boundary")
     p.add_argument("--eager-collective", action="store_true",
                    help="Output/LSE: also time the collective path with the correction as eager torch ops")
@@ -142,8 +167,8 @@ def parse_args(argv=None):
                    help="top-K: also time the owner's ordering step alone (sdcp::topk_select over one rank's C "
                         "candidates) for uniform, normal, 80-distinct-value and all-equal scores (the sort_* "
                         "entries of the kernel-alone line)")
-    p.add_argument("--replays", type=int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
-    p.add_argument("--trials", type=int, default=None, help="default 7 on CUDA, 3 on host")
+    p.add_argument("--replays", type=positive_int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
+    p.add_argument("--trials", type=positive_int, default=None, help="default 7 on CUDA, 3 on host")
     p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")
     args = p.parse_args(argv)
     host = choose_backend(args.backend, args.world_size) == "host"
@@ -152,8 +177,14 @@ def parse_args(argv=None):
     for b in args.boundaries:
         if b not in BOUNDARIES:
             p.error(f"argument --boundaries: expected names from {BOUNDARIES}, got {b!r}")
-    if args.world_size < 1 or any(r < 1 for r in args.rows):
-        p.error("argument --world-size and --rows: expected positive values")
+    if not args.boundaries:
+        p.error(f"argument --boundaries: expected names from {BOUNDARIES}, got none")
+    heads = args.heads or (8 * args.world_size if host else PRESETS[args.preset]["heads"])
+    if heads % args.world_size:
+        p.error(f"argument --heads: expected a multiple of --world-size {args.world_size}, got {heads}"
+                + ("" if args.heads else f" (preset {args.preset})"))
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"argument --out: expected a folder, got the file {args.out!r}")
     args.requests = args.requests or (4 if host else 32)
     args.context = args.context or (256 if host else 3072)
     args.layers = args.layers or (2 if host else 8)
