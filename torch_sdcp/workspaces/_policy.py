@@ -144,6 +144,8 @@ def agree_collective_path(ws: PeerWorkspace, rows: int) -> None:
              f"{ws.max_rows} on this rank and takes the collective path")
     mine = f"{_SAME_COLLECTIVES.get(what, what)}() with {rows} rows"
     try:
+        # hook: one order of these sections per group, held until the call ends (_leave)
+        ws._turn = arena.collective_turn(f"collective{ws._collective_calls}", ws.timeout_s, lambda: _peer_failure(ws))
         got = arena.agree_call(f"collective{ws._collective_calls}", mine.encode(), ws.timeout_s,
                                lambda: _peer_failure(ws))
     except AgreementAbandoned as e:

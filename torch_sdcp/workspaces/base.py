@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch_sdcp import _registry
 from torch_sdcp._checks import arg_error, check_bool
 from torch_sdcp.peer import PeerArena, liveness
+from torch_sdcp.peer.arena import creation_errors_posted
 from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._call import CallRefused, VoidedCallError, _Call
@@ -61,6 +62,13 @@ class PeerWorkspace:
     #: workspace on every rank (docs/PROTOCOL.md "Failure behaviour"); a
     #: family sets it once its kernels check headers and abort words.
     POISON_ON_ERROR = False
+    #: The group's collective-path turn that the call in progress holds (hook: released in _leave).
+    _turn: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:  # hook: a local check's error reaches the peers in creation's first step
+            cls.__init__ = creation_errors_posted(cls.__init__)  # type: ignore[method-assign]
 
     def __init__(self, group: dist.ProcessGroup | None, params: list[int], *, backend: str = "auto",
                  device: torch.device | None = None, timeout_s: float | None = None,
@@ -415,6 +423,9 @@ class PeerWorkspace:
 
     def _leave(self, held: bool) -> None:
         if held:
+            turn, self._turn = self._turn, None  # hook: the group's collective-path order
+            if turn is not None:
+                turn.release()
             self._caller = None
             self._call_lock.release()
 
