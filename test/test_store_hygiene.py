@@ -85,7 +85,7 @@ def _cycles_worker(rank, world, cycles):
 
 
 def test_cycles_of_create_void_abort_drop_and_close_leave_the_store_as_found():
-    results = run_workers(_cycles_worker, 2, args=(CYCLES,), timeout=240)
+    results = run_workers(_cycles_worker, 2, args=(CYCLES,), timeout=180 + CYCLES)
     for rank, r in enumerate(results):
         assert r["keys"][1] <= r["keys"][0], f"rank {rank}: the store grew: {r['keys']} keys after {CYCLES} cycles"
     print(f"{CYCLES} cycles (create, void call, collective-path call, abort or drop, close) at world 2: "
