@@ -96,3 +96,10 @@ def test_group_order_names_the_section_it_waits_for():
     leader.enter("ws2/collective1", 1.0).release()
     follower.enter("ws2/collective1", 1.0).release()
     assert store.num_keys() == 1  # the given-up verdict only: the order's keys are gone
+    # rank 0 ran a section of ws3 alone, and ws3's verdicts went with its close: closing ws3
+    # here tells the follower that the section will not run here
+    leader.enter("ws3/collective1", 1.0).release()
+    leader.enter("ws4/collective1", 1.0).release()
+    follower.forget("ws3")
+    follower.enter("ws4/collective1", 1.0).release()
+    assert store.num_keys() == 1

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from .backend import MemoryBackend
 from .collectives import (AgreementAbandoned, GroupOutOfStepError, StoreSync, Turn, _Agreement, arena_count,
-                          check_group, group_order, group_store, is_refused, next_arena_number, out_of_step,
-                          peek, peers_exited, refuse_group)
+                          check_group, forget_arena, group_order, group_store, is_refused, next_arena_number,
+                          out_of_step, peek, peers_exited, refuse_group)
 from .dlpack import _byte_tensor
 from .fd_exchange import _exchange_fds, _ExchangeSocket
 from .lifetime import _interpreter_exiting, _Mapping
@@ -455,6 +455,8 @@ class PeerArena:
             logger.warning("torch_sdcp: PeerArena rank %d: close() could not synchronise with "
                            "the group (%s); releasing locally", self.rank, e)
         finally:
+            if self._agreements is not None:
+                forget_arena(self._group, self._agreements.prefix)
             self._release_local()
 
     def _leftovers(self) -> List[str]:

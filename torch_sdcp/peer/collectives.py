@@ -126,6 +126,14 @@ def arena_count(group) -> int:
     return _state(group).arenas
 
 
+def forget_arena(group, prefix: str) -> None:
+    """An arena of ``group`` (its store prefix) is closed in this process: its sections of the
+    group's order will not run here."""
+    order = _state(group).order
+    if order is not None:
+        order.forget(prefix)
+
+
 def group_order(group) -> "GroupOrder":
     """The order of the collective-path sections on ``group`` in this process (one per group)."""
     state = _state(group)
@@ -169,6 +177,15 @@ class GroupOrder:
         self._cond = threading.Condition()
         self._next = 1  # the section to run next
         self._busy = False
+        self._closed: set = set()  # prefixes of the arenas closed in this process: their sections will not run here
+
+    def forget(self, prefix: str) -> None:
+        """The arena of ``prefix`` is closed in this process: a section of it that rank 0 named and
+        this rank never ran (rank 0 took the collective path alone, and its agreement was given up,
+        whose verdict went with the arena) is skipped."""
+        with self._cond:
+            self._closed.add(prefix)
+            self._cond.notify_all()
 
     def enter(self, name: str, timeout_s: float, give_up: Optional[Callable[[], Optional[str]]] = None) -> Turn:
         """Wait for the turn of the section ``name`` (the full name of its store agreement, alike on
@@ -193,7 +210,7 @@ class GroupOrder:
                             self._busy = True
                             self._read(seq)
                             return Turn(self, seq)
-                        if self._given_up(named):  # rank 0 ran it alone: it is over everywhere
+                        if named.rsplit("/", 1)[0] in self._closed or self._given_up(named):  # over everywhere
                             self._read(seq)
                             self._next += 1
                             continue
