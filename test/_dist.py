@@ -10,7 +10,9 @@ tests can check what a worker leaves in its temporary directory.
 
 The call fails (AssertionError) with the workers' output when a worker raises (its traceback is
 included), exits without a result, or the whole run exceeds `timeout` seconds (every worker is
-killed). Ranks listed in `may_die` may exit without a result; their result is None.
+killed). Ranks listed in `may_die` may exit without a result; their result is None. A worker that
+returned stays until every peer returned or exited (a peer's gloo call after an expected error
+must not meet a closed connection), with no gloo call of its own.
 
 `in_turn` runs several workers one after another in one process per rank (one spawn, one CUDA
 context): ``run_workers(in_turn, n, args=((fn_a, args_a), (fn_b, args_b)))`` returns, per rank,
@@ -30,7 +32,7 @@ import time
 import traceback
 
 
-def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, env, backend):
+def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, env, backend, deadline):
     log = open(os.path.join(workdir, f"log{rank}.txt"), "w", buffering=1)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -40,6 +42,7 @@ def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, en
     os.environ["SDCP_TEST_TMPDIR"] = worker_tmp
     tempfile.tempdir = worker_tmp
     result_path = os.path.join(workdir, f"result{rank}.pkl")
+    exits = None
     try:
         import torch
         import torch.distributed as dist
@@ -47,6 +50,9 @@ def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, en
         if backend == "nccl":  # one GPU per rank, round robin
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world_size)
+        # The harness's own keys live in a store of their own: tests count the group's keys.
+        exits = dist.FileStore(store_path + ".exit", world_size)
+        exits.set(f"pid/{rank}", str(os.getpid()))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         if backend == "gloo":
             # Every rank finishes connecting before any test code runs: a rank
@@ -64,8 +70,38 @@ def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, en
         f.write(data)
     os.replace(result_path + ".tmp", result_path)
     log.flush()
+    if payload[0] == "ok" and exits is not None:
+        _wait_for_peers(exits, rank, world_size, deadline)
     # No interpreter teardown: no atexit, no destructors, no collective at exit.
     os._exit(0)
+
+
+def _process_gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def _wait_for_peers(store, rank, world_size, deadline):
+    """A rank that finished stays until every peer finished too or exited (found by its pid),
+    so that its exit, which closes its gloo connections, cannot break a peer still inside a
+    collective of its own test code (a barrier after an expected error): gloo reports a closed
+    connection as "Connection closed by peer". Only the harness's own file store is used here
+    (its keys are never removed: no get waits); bounded by the run's deadline."""
+    try:
+        store.set(f"finished/{rank}", "1")
+        pending = [r for r in range(world_size) if r != rank]
+        while pending and time.time() < deadline:
+            for r in list(pending):
+                if store.check([f"finished/{r}"]):
+                    pending.remove(r)
+                elif store.check([f"pid/{r}"]) and _process_gone(int(store.get(f"pid/{r}"))):
+                    pending.remove(r)
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001  (the result is written; leaving is all that remains)
+        pass
 
 
 def _logs(workdir, world_size):
@@ -92,7 +128,7 @@ def run_workers(fn, world_size, *, args=(), timeout=60.0, may_die=(), env=None, 
             os.mkdir(worker_tmp, 0o700)
             p = ctx.Process(target=_worker_main,
                             args=(fn, r, world_size, args, workdir, worker_tmp, store_path,
-                                  dict(env or {}), backend),
+                                  dict(env or {}), backend, time.time() + timeout - 5.0),
                             daemon=True)
             p.start()
             procs.append(p)

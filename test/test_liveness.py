@@ -79,3 +79,87 @@ def test_killed_peer_is_reported_to_every_waiting_rank(mode, world, tmp_path):
     assert latencies[dead] is None
     for r, (s, _) in survivors.items():
         assert s < REPORTED_WITHIN_S, f"rank {r} learnt of the kill after {s:.3f} s"
+
+
+# ---------------------------------------------------------------------------
+# A stopped peer (SIGSTOP, then SIGCONT after more than timeout_s): whatever it
+# was doing (creating, calling, closing), every rank raises within bounded time
+# and the next round pairs. A stack dump (faulthandler) names any wait that
+# does not end. SDCP_SIGSTOP_RUNS sets the rounds (the stress: 60 and more).
+# ---------------------------------------------------------------------------
+
+SIGSTOP_RUNS = int(os.environ.get("SDCP_SIGSTOP_RUNS", "6"))
+STOPPED_S = 1.5  # > timeout_s = 1 s
+
+
+def _stopped_round(group, po, pl, calls):
+    import torch_sdcp
+
+    try:
+        ws = torch_sdcp.OutputLSEWorkspace(group, 4, 8, 64, dtype=torch.bfloat16, timeout_s=1.0, backend="host")
+    except Exception as e:  # noqa: BLE001  (what the round met is the result)
+        return f"creation: {type(e).__name__}"
+    outcome = "clean"
+    try:
+        for _ in range(calls):
+            ws.combine(po, pl)
+    except Exception as e:  # noqa: BLE001
+        outcome = f"call: {type(e).__name__}"
+    finally:
+        ws.close()
+    return outcome
+
+
+def _sigstop_worker(rank, world, rounds, seed):
+    import faulthandler
+    import random
+    import signal
+    import sys
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from _helpers import rank_partials
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    po, pl = rank_partials(2, seed=rank)
+    rng = random.Random(seed)
+    outcomes = []
+    for i in range(rounds):
+        delay = rng.uniform(0.0, 0.25)  # lands in creation, in the calls or in close
+        group = dist.new_group([0, 1])  # a round that refuses its group leaves the next one a new one
+        dist.barrier()
+        faulthandler.dump_traceback_later(30, exit=True, file=sys.stderr)  # a hang: every stack, then exit
+        stopper = None
+        if rank == 0:
+            def stop_then_continue():
+                time.sleep(delay)
+                os.kill(pids[1], signal.SIGSTOP)
+                time.sleep(STOPPED_S)
+                os.kill(pids[1], signal.SIGCONT)
+
+            stopper = threading.Thread(target=stop_then_continue)
+            stopper.start()
+        t0 = time.monotonic()
+        outcome = _stopped_round(group, po, pl, 200)
+        elapsed = time.monotonic() - t0
+        if stopper is not None:
+            stopper.join()
+        faulthandler.cancel_dump_traceback_later()
+        print(f"round {i}: stopped after {delay:.3f} s: {outcome} in {elapsed:.2f} s", flush=True)
+        outcomes.append((outcome, elapsed))
+        dist.barrier()
+    return outcomes
+
+
+def test_a_stopped_peer_ends_every_wait():
+    results = run_workers(_sigstop_worker, 2, args=(SIGSTOP_RUNS, 35), timeout=60 + 10 * SIGSTOP_RUNS)
+    tally = {}
+    for rank, outcomes in enumerate(results):
+        for outcome, elapsed in outcomes:
+            tally[(rank, outcome)] = tally.get((rank, outcome), 0) + 1
+            # a round ends within the stop and a few timeouts (creation, calls and close each bounded)
+            assert elapsed < STOPPED_S + 8.0, (rank, outcome, elapsed)
+    print(f"{SIGSTOP_RUNS} rounds with rank 1 stopped for {STOPPED_S} s: {sorted(tally.items())}")

@@ -8,7 +8,8 @@ and so is every failure of it; every blocking wait is bounded by ``timeout_s``.
 Modules: ``arena`` (PeerArena, its views and close), ``plan`` (argument checks, backend choice),
 ``backend`` (the MemoryBackend interface) with ``cuda_vmm`` (CUDA VMM) and ``host_shm``
 (memfd shared memory), ``collectives`` (the creation agreements and barriers on the group's c10d store, collective
-failures, :class:`GroupOutOfStepError`),
+failures, :class:`GroupOutOfStepError`, the one order of the collective-path sections of a group:
+``GroupOrder``),
 ``fd_exchange`` (SCM_RIGHTS over private AF_UNIX sockets, SO_PEERCRED checks), ``lifetime``
 (reference counting, interpreter exit) and ``dlpack`` (tensors with an explicit device).
 

@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 
 from .backend import MemoryBackend
-from .collectives import (AgreementAbandoned, GroupOutOfStepError, StoreSync, _Agreement, check_group, group_store,
-                          is_refused, next_arena_number, out_of_step, peers_exited)
+from .collectives import (AgreementAbandoned, GroupOutOfStepError, StoreSync, Turn, _Agreement, arena_count,
+                          check_group, forget_arena, group_order, group_store, is_refused, next_arena_number,
+                          out_of_step, peek, peers_exited, refuse_group)
 from .dlpack import _byte_tensor
 from .fd_exchange import _exchange_fds, _ExchangeSocket
 from .lifetime import _interpreter_exiting, _Mapping
 from .plan import local_plan, verdict
 
-__all__ = ["PeerArena"]
+__all__ = ["PeerArena", "creation_errors_posted", "post_creation_error"]
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -127,6 +128,9 @@ class PeerArena:
             result = action()
         except Exception as e:
             err = e
+        except BaseException as e:  # Ctrl-C inside the step: the peers fail at once, the group is refused
+            steps.interrupt(stage, e)
+            raise
         return steps.agree(stage, err, result)
 
     def _create(self, nbytes_per_rank, backend, device, allow_shared_device, timeout_s) -> None:
@@ -146,7 +150,11 @@ class PeerArena:
                     plan["socket"] = sock.open()
                 return plan
 
-            plans = self._step(steps, "validate", validate)
+            steps.publish_pid()  # before any wait: a rank killed in 'validate' is found by its exit
+            try:
+                plans = self._step(steps, "validate", validate)
+            finally:
+                steps.unpublish_pid()
             self.peer_pids = steps.peer_pids = {r: p["pid"] for r, p in enumerate(plans) if r != me}
             self.backend, self.stride = verdict(plans)
             mem = candidates[self.backend]
@@ -367,11 +375,8 @@ class PeerArena:
         """The message rank ``rank`` left with :meth:`post_note`, or None; never waits."""
         if self._agreements is None:
             return None
-        key = f"{self._agreements.prefix}/note/{rank}"
-        store = self._agreements.store
-        if not store.check([key]):
-            return None
-        return bytes(store.get(key)).decode(errors="replace")
+        note = peek(self._agreements.store, f"{self._agreements.prefix}/note/{rank}")
+        return None if note is None else note.decode(errors="replace")
 
     def barrier(self) -> None:
         """Barrier over the group (host-side, on the group's store; bounded by timeout_s). Does not
@@ -382,10 +387,13 @@ class PeerArena:
         self._barriers += 1
         self._meet(f"barrier{self._barriers}", "barrier")
 
-    def _meet(self, name: str, stage: str) -> None:
+    def _meet(self, name: str, stage: str, leftovers: Optional[List[str]] = None) -> None:
         assert self._agreements is not None
         try:
-            self._agreements.meet(name, self.timeout_s, give_up=peers_exited(self.peer_pids))
+            if leftovers is None:
+                self._agreements.meet(name, self.timeout_s, give_up=peers_exited(self.peer_pids))
+            else:  # the closing agreement: what every rank left on the store goes with it
+                self._agreements.finish(name, self.timeout_s, True, leftovers, peers_exited(self.peer_pids))
         except AgreementAbandoned as e:
             err = out_of_step(self._group, stage, e, self.rank, self.timeout_s)
             raise GroupOutOfStepError(f"torch_sdcp: PeerArena {stage} failed: {err}") from None
@@ -393,6 +401,10 @@ class PeerArena:
             gave_up = AgreementAbandoned(self.rank, [], 0.0, True, f"the group's store failed: {e}")
             err = out_of_step(self._group, stage, gave_up, self.rank, self.timeout_s)
             raise GroupOutOfStepError(f"torch_sdcp: PeerArena {stage} failed: {err}") from e
+        except BaseException as e:  # Ctrl-C: meet() gave it up for the peers; this rank refuses the group too
+            refuse_group(self._group, stage, AgreementAbandoned(self.rank, [], 0.0, True,
+                                                                f"interrupted on rank {self.rank} ({e!r})"))
+            raise
 
     def agree_call(self, name: str, payload: bytes, timeout_s: float,
                    give_up: Optional[Callable[[], Optional[str]]] = None) -> List[bytes]:
@@ -403,6 +415,19 @@ class PeerArena:
         check_group(self._group, "the collective path")
         assert self._agreements is not None
         return self._agreements.meet(name, timeout_s, payload, give_up)
+
+    def collective_turn(self, name: str, timeout_s: float,
+                        give_up: Optional[Callable[[], Optional[str]]] = None) -> Turn:
+        """The turn of the collective-path section whose agreement is ``name`` (the name given to
+        agree_call), in the one order of such sections on this arena's group (GroupOrder): held
+        by the calling thread from now on, through the agreement and the collectives that follow,
+        until ``Turn.release()``. AgreementAbandoned (this rank's, with its reason) when the turn
+        does not come within ``timeout_s`` or ``give_up()`` returns a reason; nothing collective
+        ran then."""
+        self._check_open("collective_turn")
+        check_group(self._group, "the collective path")
+        assert self._agreements is not None
+        return group_order(self._group).enter(f"{self._agreements.prefix}/{name}", timeout_s, give_up)
 
     def close(self, barrier: bool = True) -> None:
         """Idempotent. Synchronise the device, barrier over the group's store (if `barrier`, the
@@ -421,16 +446,24 @@ class PeerArena:
                 if is_refused(self._group):
                     pass  # nothing to agree on after a timed-out agreement: release locally
                 elif barrier:
-                    self._meet("close", "close barrier")
+                    self._meet("close", "close barrier", self._leftovers())
                 else:  # peers that hold the close barrier complete it instead of waiting out timeout_s
-                    gave_up = self._agreements.post("close")
+                    gave_up = self._agreements.finish("close", self.timeout_s, False, self._leftovers())
                     if gave_up is not None:  # a peer gave it up before: the group is out of step
                         raise out_of_step(self._group, "close barrier", gave_up, self.rank, self.timeout_s)
         except Exception as e:
             logger.warning("torch_sdcp: PeerArena rank %d: close() could not synchronise with "
                            "the group (%s); releasing locally", self.rank, e)
         finally:
+            if self._agreements is not None:
+                forget_arena(self._group, self._agreements.prefix)
             self._release_local()
+
+    def _leftovers(self) -> List[str]:
+        """The keys that may stay under this arena's prefix until every rank closed it: every
+        rank's note (post_note)."""
+        assert self._agreements is not None
+        return [f"{self._agreements.prefix}/note/{r}" for r in range(self.world_size)]
 
     def _release_local(self) -> None:
         self._base_u8 = None  # drops the storage reference unless views keep it alive
@@ -460,3 +493,77 @@ class PeerArena:
         return (f"PeerArena(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={self.device}, nbytes_per_rank={self.nbytes_per_rank}, "
                 f"stride={self.stride}, {state})")
+
+
+# ---------------------------------------------------------------------------------------------
+# a creation that fails its local checks on one rank: the peers learn it in the first step
+# ---------------------------------------------------------------------------------------------
+
+
+def post_creation_error(group: Optional[dist.ProcessGroup], error: BaseException, timeout_s: float) -> None:
+    """This rank's creation of a PeerArena on ``group`` failed its local checks (``error``) before
+    the arena was created: take this rank's part in the creation's first step ('validate') with
+    ``error`` posted, so that every peer raises it at once (PeerArena creation failed at step
+    'validate': rank r: ...) instead of waiting ``timeout_s``, and the group stays in step. Returns
+    when the step is over (or was given up: the group is then refused, as any timed-out step
+    does); the caller raises ``error`` itself. Nothing happens for a group this process cannot
+    agree on (none initialised, not a member, refused)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if group is None:
+        group = dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup) or dist.get_rank(group) < 0 or is_refused(group):
+        return
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        next_arena_number(group)
+        return
+    number = next_arena_number(group)
+    steps = _Agreement(group, StoreSync(group_store(group), rank, world, f"sdcp/arena{number}"), timeout_s)
+    steps.publish_pid()
+    try:
+        steps.agree("validate", error if isinstance(error, Exception) else RuntimeError(repr(error)), None)
+    except Exception as e:  # noqa: BLE001  (the every-rank error names this one; the caller raises its own)
+        if isinstance(e, GroupOutOfStepError):
+            logger.warning("torch_sdcp: rank %d: the peers did not come to creation step 'validate' to learn "
+                           "this rank's error (%s): %s", rank, error, e)
+    finally:
+        steps.unpublish_pid()
+
+
+def _timeout_of(kwargs: Dict[str, Any]) -> float:
+    """The bound of the posted step: the caller's ``timeout_s``, else SDCP_TIMEOUT_S, else 300 s
+    (a bad value is the error being posted: the default bounds it)."""
+    for raw in (kwargs.get("timeout_s"), os.environ.get("SDCP_TIMEOUT_S")):
+        if raw is None or isinstance(raw, bool):
+            continue
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(value) and 1e-3 <= value <= 86400.0:
+            return value
+    return 300.0
+
+
+def creation_errors_posted(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap the ``__init__(self, group, ...)`` of a class that creates one PeerArena on ``group``
+    (collectively, on every rank): an exception raised before the arena's creation began (a
+    local argument check) is posted to the peers in the creation's first step
+    (post_creation_error), then raised. Errors of the creation itself are collective already."""
+
+    def wrapped(self, *args: Any, **kwargs: Any) -> None:
+        group = args[0] if args else kwargs.get("group")
+        valid = group is None or isinstance(group, dist.ProcessGroup)
+        begun = arena_count(group if group is not None else dist.group.WORLD) \
+            if valid and dist.is_available() and dist.is_initialized() else None
+        try:
+            init(self, *args, **kwargs)
+        except Exception as e:
+            if begun is not None and arena_count(group if group is not None else dist.group.WORLD) == begun:
+                post_creation_error(group, e, _timeout_of(kwargs))
+            raise
+
+    wrapped.__wrapped__ = init  # type: ignore[attr-defined]
+    wrapped.__name__, wrapped.__qualname__, wrapped.__doc__ = init.__name__, init.__qualname__, init.__doc__
+    return wrapped

@@ -144,6 +144,7 @@ class CallState:
         self.stream: torch.cuda.Stream | None = None
         self.captured = False
         self.collective_calls = 0
+        self.turn: Any = None  # the group's collective-path turn the call in progress holds (peer.collectives)
         self.logged: set[str] = set()
 
     def guard(self, host: CallHost, what: str, poison: bool = True) -> _Call:
@@ -231,6 +232,9 @@ class CallState:
 
     def leave(self, held: bool) -> None:
         if held:
+            turn, self.turn = self.turn, None  # the group's collective-path order
+            if turn is not None:
+                turn.release()
             self.caller = None
             self.lock.release()
 
@@ -311,10 +315,14 @@ class CallState:
             return  # no peer to agree with (under tracing, no call to agree on)
         self.collective_calls += 1
         handle = host.handle
+        peer_failure = functools.partial(_peer_failure, handle)
+        # One order of these sections per group in this process (two workspaces of one group on two
+        # threads), held from the agreement until the call ends (leave).
+        self.turn = arena.collective_turn(f"collective{self.collective_calls}", host.timeout_s, peer_failure)
         agree_collective_path(arena, name=_name(host), rank=host.rank,
                               max_rows=host.max_rows, timeout_s=host.timeout_s,
                               what=self.caller[2] if self.caller is not None else "call", rows=rows,
-                              index=self.collective_calls, peer_failure=lambda: _peer_failure(handle))
+                              index=self.collective_calls, peer_failure=peer_failure)
 
     def log_once(self, host: CallHost, key: str, message: str) -> None:
         """Log a policy decision once per workspace and ``key``."""

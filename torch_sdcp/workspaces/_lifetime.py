@@ -34,6 +34,9 @@ def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena, watch:
     """Finalizer of a workspace garbage-collected without close(): local only
     (no collective from a finalizer or at interpreter exit)."""
     watch.cancel()
+    with contextlib.suppress(Exception):  # the peers fail at once naming this rank ("left")
+        arena.post_note(f"left: its {name} was dropped without close() (garbage-collected) in pid {os.getpid()}")
+        torch.ops.sdcp.workspace_abort(handle)
     with contextlib.suppress(Exception):  # interpreter exit: the library may be gone
         torch.ops.sdcp.workspace_unregister(handle)
     _registry.remove(handle)

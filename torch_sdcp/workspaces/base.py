@@ -18,6 +18,7 @@ from torch_sdcp import _registry
 from torch_sdcp._checks import arg_error, check_bool
 from torch_sdcp.families import Family
 from torch_sdcp.peer import PeerArena, liveness
+from torch_sdcp.peer.arena import creation_errors_posted
 from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._call import CallRefused, CallState, VoidedCallError, _Call
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
@@ -72,6 +73,8 @@ class PeerWorkspace:
         family = cls.__dict__.get("family")
         if family is not None:
             cls.kind, cls.PARAMS, cls.PARTS = family.kind, family.params, family.parts
+        if "__init__" in cls.__dict__:  # a local check's error reaches the peers in creation's first step
+            cls.__init__ = creation_errors_posted(cls.__init__)  # type: ignore[method-assign]
 
     def __init__(self, group: dist.ProcessGroup | None, params: list[int], *, backend: str = "auto",
                  device: torch.device | None = None, timeout_s: float | None = None,

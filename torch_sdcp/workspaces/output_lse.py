@@ -38,6 +38,9 @@ def _validate_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_l
         if partial_lse.shape[d] != partial_out.shape[d]:
             raise arg_error("partial_lse", f"size {partial_out.shape[d]} at dim {d} (that of 'partial_out')",
                             f"{partial_lse.shape[d]} (shape {list(partial_lse.shape)})")
+    if partial_out.device != ws.device:  # blame the tensor that is wrong (a meta one)
+        raise arg_error("partial_out", f"a tensor on {ws.device} (the device of this OutputLSEWorkspace)",
+                        f"a tensor on {partial_out.device}")
     if partial_lse.device != partial_out.device:
         raise arg_error("partial_lse", f"device {partial_out.device} (that of 'partial_out')",
                         f"device {partial_lse.device}")

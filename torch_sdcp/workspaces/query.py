@@ -82,6 +82,7 @@ class QueryWorkspace(PeerWorkspace):
         nope+rope] (None in collective mode). Read it only between
         gather_view() and release(), and only the rows that gather_view()
         returned (the rest holds the sentinel)."""
+        self._calls.require_open(self, "inbox")  # a clear error after close()
         if self.arena is None:
             return None
         width = self.nope_dim + self.rope_dim
