@@ -128,5 +128,5 @@ def expect_failure(ws, mode, call, match, *, within=30.0):
         with pytest.raises(RuntimeError, match=match):
             call()
     assert time.monotonic() - t0 < within
+    expect_poisoned(ws, ws.check)  # check() asks the op too: a failed call of the raw op poisons as well
     assert ws.poisoned
-    expect_poisoned(ws, ws.check)

@@ -60,8 +60,12 @@ def route_without_rows(workspace: Moded | None) -> Route:
 
 
 def route(workspace: Routed | None, rows: int) -> Route:
-    """The path of a call of ``rows`` rows on ``workspace`` (None: none exists)."""
-    decision = route_without_rows(workspace)
-    if decision.peer and rows > workspace.max_rows:
+    """The path of a call of ``rows`` rows on ``workspace`` (None: none exists).
+    Written out, not over ``route_without_rows``: it runs on every call."""
+    if workspace is None:
+        return Route(False, Why.NO_WORKSPACE)
+    if not workspace.peer:
+        return Route(False, Why.PEER_UNAVAILABLE)
+    if rows > workspace.max_rows:
         return Route(False, Why.ROWS_OVER_BOUND)
-    return decision
+    return PEER
