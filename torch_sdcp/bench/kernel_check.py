@@ -26,7 +26,7 @@ BACKEND = os.environ.get("SDCP_CHECK_BACKEND", "cuda")
 
 def check_output_lse(dev: torch.device) -> None:
     import torch_sdcp
-    from torch_sdcp import reference
+    from torch_sdcp import reference, semantics
 
     h, d = 16, 512
     ws = torch_sdcp.OutputLSEWorkspace(None, 2100, h, d, backend=BACKEND, device=dev)
@@ -46,7 +46,7 @@ def check_output_lse(dev: torch.device) -> None:
             seq_lens = torch.randint(0, 3, (requests,), generator=g).to(torch.int32)
             got, got_lse = ws.combine(po.to(dev), pl.to(dev), return_lse=True, seq_lens=seq_lens.to(dev),
                                       query_start_loc=qsl.to(dev))
-            masked = reference.mask_empty_shards(pl, seq_lens, qsl)
+            masked = semantics.mask_empty_shards(pl, seq_lens, qsl)
             ref, ref_lse = reference.lse_combine_ref64(po[None], masked[None])
             got, got_lse = got.cpu().double(), got_lse.cpu().double()
             assert torch.equal(torch.isneginf(got_lse), torch.isneginf(ref_lse)), f"empty rows differ at {rows}"

@@ -164,7 +164,7 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
 
     def collective_path():
         # Raw bytes: gloo has no float8 (and not every build has bf16).
-        return collective._all_gather_stack(x.view(torch.uint8), g.pg).view(x.dtype)
+        return collective.all_gather_stack(x.view(torch.uint8), g.pg).view(x.dtype)
 
     stacked = _face.call(_ALL_GATHER, Site(g, {"row_shape": row_shape, "dtype": x.dtype}, x.device), x.shape[0],
                          lambda ws: ws.all_gather(x), collective_path)  # [N, *x.shape]

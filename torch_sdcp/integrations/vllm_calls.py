@@ -22,8 +22,8 @@ from torch import Tensor
 
 from torch_sdcp.integrations._core import EngineHooks, Face, Seam, Site, normalise_device
 from torch_sdcp.integrations._engine import engine_logger, query_geometry, workspace_options
-from torch_sdcp.reference import check_mask_args as _check_mask_args
-from torch_sdcp.reference import mask_empty_shards
+from torch_sdcp._checks import check_mask_args as _check_mask_args
+from torch_sdcp.semantics import mask_empty_shards
 from torch_sdcp_plugins.settings import VLLM
 
 __all__ = [
@@ -289,8 +289,8 @@ def _local_candidates(logits: Tensor, topk_indices: Tensor, dcp_rank: int, dcp_w
     """(scores fp32 [T, C], global ids int32 [T, C], -1 = none) of this rank's
     local top-K positions: the score at ``row_start + position`` (column
     clamped to the row as vLLM does), the global token through the KV
-    interleave (``torch_sdcp.reference.token_global_index``)."""
-    from torch_sdcp import reference
+    interleave (``torch_sdcp.semantics.token_global_index``)."""
+    from torch_sdcp import semantics
 
     rows = topk_indices.shape[0]
     local = topk_indices.long()
@@ -302,7 +302,7 @@ def _local_candidates(logits: Tensor, topk_indices: Tensor, dcp_rank: int, dcp_w
         col = pos if row_starts is None else pos + row_starts[:rows].to(local.device).long().unsqueeze(1)
         col = col.clamp(0, logits.shape[1] - 1)
         scores = logits[:rows].gather(1, col).float().masked_fill(~valid, -math.inf)
-    ids = reference.token_global_index(pos, dcp_rank, dcp_world_size, cp_interleave)
+    ids = semantics.token_global_index(pos, dcp_rank, dcp_world_size, cp_interleave)
     ids = torch.where(valid, ids, -1).to(torch.int32)
     return scores.contiguous(), ids.contiguous()
 
