@@ -391,9 +391,10 @@ def _bad_input_worker(rank, world, device):
     dist.barrier()
     if rank == 0:
         time.sleep(1.0)  # rank 1 is waiting in its call by now
-        # Found by the op (a Python-found error would be a void call instead).
-        with pytest.raises(ValueError, match="argument 'partial_lse': expected a contiguous tensor"):
-            ws.combine(po, pl.t().contiguous().t())
+        # No tensor tells the rows: no void placeholder, so the call poisons
+        # (an argument error with one is a void call instead).
+        with pytest.raises(ValueError, match="argument 'partial_out': expected a Tensor"):
+            ws.combine(po.tolist(), pl.tolist())
         expect_poisoned(ws, lambda: ws.combine(po, pl))
     else:
         expect_failure(ws, device, lambda: ws.combine(po, pl), "peer 0 aborted: a call raised an error on that rank",

@@ -281,13 +281,11 @@ def _query_caught_error_worker(rank, world, device, mode):
     dist.barrier()
     if rank == 0:
         time.sleep(1.0)  # rank 1 is waiting in its call by now
-        # Found by the op, after the call's argument checks (a Python-found
-        # error would be a void call instead): q_pe of the wrong dtype; for
-        # all_gather_heads, a query of 3 heads, not the workspace's 2.
-        bad = [q[0], q[1].float(), q[2], q[3]]
-        if mode == "heads":
-            bad[0] = torch.zeros(2, 3, 32, dtype=torch.float8_e4m3fn, device=where)
-        with pytest.raises((ValueError, RuntimeError), match="'q_pe'|'q'"):
+        # No tensor tells the rows (a list for the query): no void
+        # placeholder, so the call poisons (an argument error with one is a
+        # void call instead).
+        bad = [q[0].tolist(), q[1].float(), q[2], q[3]]
+        with pytest.raises(ValueError, match="'ql_nope'|'q'"):
             call(bad)
         with pytest.raises(RuntimeError, match="on rank 0 is poisoned"):
             call(q)  # carries on: refused
@@ -317,8 +315,10 @@ def test_query_caught_error_poisons_and_aborts_the_peer(mode):
 
 def _query_bad_position_worker(rank, world, device):
     """A position outside cos_sin_cache on rank 0: the host backend raises at
-    once (ValueError, naming the row); CUDA records it in the kernel (no trap)
-    and raises at the next check(). Either way rank 1 learns rank 0's abort."""
+    once (ValueError, naming the row) before it publishes anything, a void
+    call (rank 1 raises VoidedCallError, nothing is poisoned); CUDA records it
+    in the kernel (no trap), after publishing, and raises at the next check(),
+    and rank 1 learns rank 0's abort."""
     import torch.distributed as dist
 
     import torch_sdcp
@@ -340,6 +340,15 @@ def _query_bad_position_worker(rank, world, device):
         else:
             with pytest.raises(ValueError, match=r"'positions'.*99 at row 1"):
                 ws.gather(*q, scale)
+            assert not ws.poisoned
+            ws.close()
+            return True
+    elif device == "host":
+        with pytest.raises(torch_sdcp.VoidedCallError, match=r"rank 0 voided call.*'positions'.*99 at row 1"):
+            ws.gather(*q, scale)
+        assert not ws.poisoned
+        ws.close()
+        return True
     else:
         match = "peer 0 aborted: a (kernel on that rank met bad input|call raised an error on that rank)"
         if device != "host":

@@ -300,12 +300,14 @@ def test_all_gather_heads_opcheck_compile_and_misuse_world1(world1):
             # Above max_rows: the collective path, same result.
             (big,) = poisoned_queries(1, 9, 4, 64, torch.bfloat16, seed=3)
             assert torch.equal(ws.all_gather_heads(big.to(device)).cpu().view(torch.int16), big.view(torch.int16))
-        # An argument error found by the op poisons the workspace (a peer may
-        # already wait in the call); one found by the Python checks before the
-        # op is a void call, which leaves the workspace usable.
+        # An argument error found before this rank published anything, by the
+        # Python checks or by the op, is a void call, which leaves the
+        # workspace usable; one without a tensor that tells the rows has no
+        # placeholder and poisons the workspace.
         for bad, match, void in ((lambda ws: ws.all_gather_heads(q.half()), "'q'.*dtype torch.bfloat16", True),
-                                 (lambda ws: ws.all_gather_heads(q[:, :2]), "'q'.*size 4 at dim 1", False),
-                                 (lambda ws: ws.all_gather_heads(q, out=out[:2]), "'out'.*shape", False)):
+                                 (lambda ws: ws.all_gather_heads(q[:, :2]), "'q'.*size 4 at dim 1", True),
+                                 (lambda ws: ws.all_gather_heads(q, out=out[:2]), "'out'.*shape", True),
+                                 (lambda ws: ws.all_gather_heads(q.tolist()), "'q'.*a Tensor", False)):
             with torch_sdcp.QueryWorkspace(world1, 8, 4, nope_dim=64, rope_dim=0, dtype=torch.bfloat16,
                                            device=torch.device(device),
                                            backend="cuda" if device == "cuda" else "host") as ws:

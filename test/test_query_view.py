@@ -94,15 +94,12 @@ def test_view_misuse_is_an_error(world1):
         with pytest.raises(RuntimeError, match="no view is open"):
             ws.release()
         view = ws.gather_view(*q, scale)
-        with pytest.raises(RuntimeError, match="still open"):
-            ws.gather_view(*q, scale)
-        with pytest.raises(RuntimeError, match="still open"):
-            ws.gather(*q, scale)
         with pytest.raises(ValueError, match="'inbox'.*gather_view"):
             ops.query_release(view.clone(), ws.handle)
         ws.release()
-        with pytest.raises(RuntimeError, match="no view is open"):
+        with pytest.raises(RuntimeError, match="no view is open"):  # changes nothing: not poisoned
             ws.release()
+        assert not ws.poisoned
         want = reference.query_rope_quant_ref(*q, scale, out_dtype=torch.float8_e4m3fn)
         assert torch.equal(as_bytes(ws.gather_view(*q, scale)), as_bytes(want))
         ws.release()
@@ -113,6 +110,14 @@ def test_view_misuse_is_an_error(world1):
         assert torch.equal(as_bytes(ws.gather_view(*big, scale)),
                            as_bytes(reference.query_rope_quant_ref(*big, scale, out_dtype=torch.float8_e4m3fn)))
         ws.release()
+        # A view call while the view is open would leave this rank a call
+        # behind its peers: it poisons (and aborts on every rank).
+        ws.gather_view(*q, scale)
+        with pytest.raises(RuntimeError, match="still open.*aborted on every rank"):
+            ws.gather(*q, scale)
+        assert ws.poisoned
+        with pytest.raises(RuntimeError, match="is poisoned: gather_view"):
+            ws.gather_view(*q, scale)
 
 
 def _view_graph_worker(rank, world, replays):

@@ -12,8 +12,9 @@ created with ``fallback=True``. Nothing falls back as error recovery.
 One caller at a time: the signalling protocol assumes that a workspace's calls
 are ordered (docs/PROTOCOL.md). A call from a second stream while the first
 still runs a call is an error, and so is a call from a second thread while
-another thread is inside a call; switching streams or threads when the first
-is idle (for example eager warm-up, then capture on a side stream) is fine. A
+another thread is inside a call: either aborts the workspace on every rank
+(this rank's calls would no longer pair with its peers'); switching streams
+or threads when the first is idle (for example eager warm-up, then capture on a side stream) is fine. A
 workspace that was captured in a CUDA graph cannot be resized: the graph keeps
 its addresses. A closed workspace refuses every call.
 

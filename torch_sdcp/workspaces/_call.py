@@ -45,8 +45,11 @@ class VoidedCallError(RuntimeError):
 
 
 class CallRefused(RuntimeError):
-    """A call refused before it touched the workspace (the ordering rules, an
-    open view): the workspace is not poisoned."""
+    """A call refused without any effect on the call sequence of any rank (a
+    ``release()`` with no view open): the workspace is not poisoned, and every
+    rank stays in step. A refusal that would leave this rank a call behind its
+    peers (an open view, a second thread or stream) poisons and aborts the
+    workspace instead (docs/PROTOCOL.md "Failure behaviour")."""
 
 
 class CallHost(Protocol):
@@ -114,8 +117,10 @@ class CallState:
       of the call inside it;
     - ``arguments``: the call's arguments (``KeptArguments``), for its void
       placeholder;
-    - ``committed``: the call reached its op or collective (no void call
-      after that);
+    - ``committed``: the call took the collective path (no void call after
+      that: peers may be inside its collectives); a call on the peer path is
+      not committed, since a peer op's argument errors publish nothing
+      (csrc/README.md "The argument contract of the peer ops");
     - ``poisoned``: why, once a call failed after it was entered or a peer
       aborted;
     - ``abort_lock``: abort() against unregistration (an RLock: a signal
@@ -194,11 +199,13 @@ class CallState:
         # A capture starts from a synchronised device (torch.cuda.graph does
         # it); querying another stream during a global capture is not allowed.
         if last is not None and last != stream and not capturing and not last.query():
-            raise CallRefused(
+            # Inside the call guard: it poisons and aborts (the call is skipped
+            # on this rank only, which would pair every later call wrongly).
+            raise RuntimeError(
                 f"torch_sdcp: {_name(host)} on rank {host.rank} is used from stream "
                 f"{stream.cuda_stream:#x} while stream {last.cuda_stream:#x} still runs an earlier call on it: "
                 "calls on one workspace must be ordered; use one workspace per stream, or make this stream "
-                "wait for the other (stream.wait_stream)")
+                "wait for the other (stream.wait_stream); the workspace is aborted on every rank")
         self.stream = stream
 
     # -- entering and leaving -------------------------------------------------------------------
@@ -216,10 +223,14 @@ class CallState:
             other = self.caller
             inside = (f"thread {other[1]!r} (id {other[0]}) is inside {other[2]}()" if other is not None
                       else "another thread is inside a call")
-            raise RuntimeError(
-                f"torch_sdcp: {_name(host)} on rank {host.rank}: {what}() from thread {me.name!r} "
-                f"(id {me.ident}) while {inside} on this workspace: calls on one workspace must be ordered; "
-                "use one workspace per thread, or serialise the calls")
+            message = (f"torch_sdcp: {_name(host)} on rank {host.rank}: {what}() from thread {me.name!r} "
+                       f"(id {me.ident}) while {inside} on this workspace: calls on one workspace must be "
+                       "ordered; use one workspace per thread, or serialise the calls")
+            # This rank's call sequence is no longer the peers' (this call is
+            # skipped here, or the two threads' calls interleave): abort on
+            # every rank, so that no rank returns a result of a mis-paired call.
+            self.abort(host, message)
+            raise RuntimeError(f"{message}; the workspace is aborted on every rank")
         try:
             self.require_open(host, what)  # poisoning is reported when the call ends, after its arguments
         except BaseException:
@@ -245,8 +256,8 @@ class CallState:
         if poisoned_before and not isinstance(error, (ValueError, TypeError)):
             self.leave(held)
             raise RuntimeError(self.poisoned_message(host, what)) from error
-        # An argument error before the call reached its op: a void call keeps
-        # every rank in step, and nothing is poisoned (the error propagates).
+        # An argument error before this rank published anything: a void call
+        # keeps every rank in step, and nothing is poisoned (the error propagates).
         if isinstance(error, (ValueError, TypeError)) and held and poison and not poisoned_before:
             try:
                 voided = self.void(host, what, error)
@@ -281,16 +292,23 @@ class CallState:
     # -- the path of a call (torch_sdcp.route decides) ------------------------------------------
 
     def take_path(self, host: CallHost, rows: int | None, arg: str) -> bool:
-        """The call's argument checks are over (an error from here on
-        poisons): True when it takes the peer path, False when it takes the
-        collective path, after acting on why. ``rows`` None: a call bounded in
-        bytes, not rows (the exchange: more bytes than its bound is an
-        argument error of its op, never a reason to fall back)."""
-        self.committed = True
+        """The call's Python argument checks are over: True when it takes
+        the peer path, False when it takes the collective path, after acting
+        on why. ``rows`` None: a call bounded in bytes, not rows (the
+        exchange: more bytes than its bound is an argument error of its op,
+        never a reason to fall back).
+
+        On the peer path the call stays void-able: a ``ValueError`` or
+        ``TypeError`` from the peer op is raised before the op publishes
+        anything (csrc/README.md "The argument contract of the peer ops"), so
+        it voids like a Python-side argument error; every other error
+        poisons. On the collective path the call is committed from here on:
+        every error poisons (its agreement and collectives involve the peers)."""
         decision = route(host, rows) if rows is not None else route_without_rows(host)
         if decision.peer:
             self.require_ordered_stream(host)
             return True
+        self.committed = True
         if decision.why is Why.ROWS_OVER_BOUND:
             assert rows is not None
             self.collective_over_rows(host, rows, arg)
@@ -356,13 +374,14 @@ class CallState:
     def fail(self, host: CallHost, error: BaseException, held: bool) -> None:
         """A call raised after it was entered: poison the workspace on this
         rank and abort it on every rank, so that a peer waiting in this call
-        gives up at once instead of after its timeout. Refusals of the
-        ordering rules (a second stream) are not failures of the call."""
+        gives up at once instead of after its timeout. A ``CallRefused``
+        (a refusal with no effect on any rank's call sequence) is not a
+        failure of the call."""
         if not held or not self.poison_on_error or host.handle is None or isinstance(error, CallRefused):
             return
-        if self.poisoned is None:
+        if self.poisoned is None:  # the first failure is the one the peers are told of
             self.poisoned = f"{type(error).__name__}: {error}"
-        self.leave_note(host, f"{type(error).__name__}: {error}")
+            self.leave_note(host, f"{type(error).__name__}: {error}")
         try:
             torch.ops.sdcp.workspace_abort(host.handle)
         except Exception as e:  # noqa: BLE001  (the error of the call is what the caller needs)
@@ -430,10 +449,11 @@ class CallState:
     # -- void calls (docs/PROTOCOL.md "Void calls") ---------------------------------------------
 
     def void(self, host: CallHost, what: str, error: BaseException) -> bool:
-        """The call failed its argument checks before it reached its op: make
-        its placeholder, marked void, so that every rank stays in step and the
-        peers learn of this rank's error for that call only. True when done
-        (the workspace is not poisoned); False to poison as before."""
+        """The call failed its argument checks before this rank published
+        anything (in Python, or in its peer op): make its placeholder, marked
+        void, so that every rank stays in step and the peers learn of this
+        rank's error for that call only. True when done (the workspace is not
+        poisoned); False to poison as before."""
         kept = self.arguments
         if (not host.peer or not self.poison_on_error or host.handle is None or kept is None
                 or kept[0] != threading.get_ident() or self.committed):
@@ -502,8 +522,9 @@ class _Call:
     (``CallState.enter``: refuses a closed workspace and a second thread; a
     poisoned one raises when the call ends, unless its arguments were wrong,
     so that every rank reports its own argument error before a peer's abort);
-    leaving ends it (``CallState.finish``): an argument error found before the
-    call reached its op makes it a void call (its placeholder keeps every rank
+    leaving ends it (``CallState.finish``): an argument error found before
+    this rank published anything (Python checks, or the peer op's own) makes
+    it a void call (its placeholder keeps every rank
     in step, nothing is poisoned); any other error poisons and aborts, unless
     ``poison`` is False, as for resize and close, which release a poisoned
     workspace; a call without one raises the void that a peer's call met

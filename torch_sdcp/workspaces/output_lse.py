@@ -114,10 +114,14 @@ class OutputLSEWorkspace(PeerWorkspace):
 
     def void_placeholder(self, what, arguments):
         """A void combine: the rows of ``partial_out``, every shard empty
-        (LSE -inf), the call's LSE base."""
+        (LSE -inf), the call's LSE base; base e when the call's is not a base
+        (a peer that called with base 2 then meets a base mismatch, and the
+        call poisons)."""
         rows = leading_rows((arguments.get("partial_out"), 3), (arguments.get("partial_lse"), 2))
         base = arguments.get("lse_base", "e")
-        if rows is None or rows > self.max_rows or base not in ops.LSE_BASES:
+        if not isinstance(base, str) or base not in ops.LSE_BASES:
+            base = "e"
+        if rows is None or rows > self.max_rows:
             return None
         out = torch.zeros(rows, self.total_heads, self.head_dim, dtype=self.dtype, device=self.device)
         lse = torch.full((rows, self.total_heads), -math.inf, device=self.device)

@@ -103,10 +103,18 @@ class QueryWorkspace(PeerWorkspace):
         super()._release(barrier)
 
     def _require_no_open_view(self, what: str) -> None:
+        """Inside the call guard: the refusal poisons and aborts the workspace
+        on every rank. Neither refusing alone (this rank would be a call
+        behind its peers: every later call mis-paired, silently) nor a void
+        call is safe: a void placeholder must publish into the peers' view
+        inboxes and release this rank's own, whose rows the caller still
+        reads (the producers may store the next view call's query only after
+        that release)."""
         if self._open_view is not None:
-            raise CallRefused(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by "
-                              "the last gather_view() is still open; call release() once its reader is done, "
-                              "before producing the next query")
+            raise RuntimeError(f"torch_sdcp: QueryWorkspace.{what} on rank {self.rank}: the view returned by "
+                               "the last gather_view() is still open; call release() once its reader is done, "
+                               "before producing the next query (the workspace is aborted on every rank: "
+                               "this rank would be a call behind its peers)")
 
     def void_placeholder(self, what, arguments):
         """A void gather, gather_view or all_gather_heads: the rows of the

@@ -1,0 +1,257 @@
+"""Refusals on one rank of two (host backend) keep every rank in step, or
+poison and abort on every rank: no rank ever returns a wrong result without
+an error (docs/PROTOCOL.md "Failure behaviour").
+
+- An argument error that the peer op finds (a non-contiguous tensor, a
+  dtype, an ``out`` shape, a list where a tensor belongs) or that Python finds
+  (``lse_base="10"``, a misspelt keyword) is a void call on every family: the
+  bad rank raises its own ValueError/TypeError, the peer raises
+  VoidedCallError naming it, and the next good calls pair and are right.
+- A view call while the last view is still open, and a call from a second
+  thread while another is inside a call, poison and abort on every rank (each
+  rank raises a named error).
+- A release() with no view open is refused without any effect: the next
+  calls pair and are right.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from _dist import run_workers
+from _helpers import HOST, make_query, rank_candidates, rank_partials
+
+ROWS = 2
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last two dimensions' strides swapped (same values, not contiguous)."""
+    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _families(rank):
+    """name: (create, good call, [(what, bad call, error, the argument it names)])."""
+    import torch_sdcp
+
+    nope, pe, pos, cache = make_query(ROWS, 2, nope=64, rope=16, max_pos=8, seed=rank)
+    scale = torch.full((1,), 0.5)
+    q = torch.full((ROWS, 2, 80), 0.25 * (rank + 1)).to(torch.float8_e4m3fn)
+    scores, ids = rank_candidates(ROWS, 8, seed=rank)
+    po, pl = rank_partials(ROWS, seed=rank)
+    out, out_lse = torch.empty(ROWS, 4, 64, dtype=torch.bfloat16), torch.empty(ROWS, 4)
+    x = torch.arange(8, dtype=torch.float32).view(2, 4) + 10 * rank
+
+    def query():
+        return torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, timeout_s=60, **HOST)
+
+    def view(ws, *args, **kwargs):
+        got = ws.gather_view(*args, **kwargs).clone()
+        ws.release()
+        return got
+
+    def combine_out(ws, *args, **kwargs):
+        ws.combine_out(*args, **kwargs)
+        return torch.cat([args[2].float().flatten(), args[3].flatten()])
+
+    return {
+        "gather": (query, lambda ws: ws.gather(nope, pe, pos, cache, scale), [
+            ("ql_nope non-contiguous", lambda ws: ws.gather(_strided(nope), pe, pos, cache, scale), ValueError,
+             "ql_nope"),
+            ("q_pe dtype", lambda ws: ws.gather(nope, pe.float(), pos, cache, scale), ValueError, "q_pe"),
+            ("positions a list", lambda ws: ws.gather(nope, pe, pos.tolist(), cache, scale), ValueError,
+             "positions"),
+            ("q_scale a list", lambda ws: ws.gather(nope, pe, pos, cache, [0.5]), ValueError, "q_scale"),
+        ]),
+        "gather_view": (query, lambda ws: view(ws, nope, pe, pos, cache, scale), [
+            ("q_pe dtype", lambda ws: view(ws, nope, pe.float(), pos, cache, scale), ValueError, "q_pe"),
+            ("cos_sin_cache non-contiguous", lambda ws: view(ws, nope, pe, pos, _strided(cache), scale),
+             ValueError, "cos_sin_cache"),
+        ]),
+        "all_gather_heads": (query, lambda ws: ws.all_gather_heads(q), [
+            ("q non-contiguous", lambda ws: ws.all_gather_heads(_strided(q.view(torch.uint8)).view(q.dtype)),
+             ValueError, "q"),
+            ("out shape", lambda ws: ws.all_gather_heads(q, torch.empty(ROWS, 2, 80, dtype=q.dtype)), ValueError,
+             "out"),
+            ("out a list", lambda ws: ws.all_gather_heads(q, []), ValueError, "out"),
+        ]),
+        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 4, 4, candidates_per_rank=8, timeout_s=60, **HOST),
+                  lambda ws: ws.merge(scores, ids), [
+            ("scores dtype", lambda ws: ws.merge(scores.double(), ids), ValueError, "scores"),
+            ("ids dtype", lambda ws: ws.merge(scores, ids.long()), ValueError, "ids"),
+            ("ids non-contiguous", lambda ws: ws.merge(scores, _strided(ids)), ValueError, "ids"),
+            ("ids a list", lambda ws: ws.merge(scores, ids.tolist()), ValueError, "ids"),
+        ]),
+        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
+                    lambda ws: ws.combine(po, pl), [
+            ("partial_out non-contiguous", lambda ws: ws.combine(_strided(po), pl), ValueError, "partial_out"),
+            ("partial_lse non-contiguous", lambda ws: ws.combine(po, _strided(pl)), ValueError, "partial_lse"),
+            ("lse_base '10'", lambda ws: ws.combine(po, pl, lse_base="10"), ValueError, "lse_base"),
+            ("seq_lens a list", lambda ws: ws.combine(po, pl, seq_lens=[1], query_start_loc=[0, 1]), ValueError,
+             "seq_lens"),
+        ]),
+        "combine base 2": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
+                           lambda ws: ws.combine(po, pl, lse_base="2"), [
+            # The placeholder takes the call's valid base, not the default.
+            ("a misspelt keyword beside lse_base '2'",
+             lambda ws: ws.combine(po, pl, lse_base="2", retrun_lse=True), TypeError, None),
+        ]),
+        "combine_out": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
+                        lambda ws: combine_out(ws, po, pl, out, out_lse), [
+            ("out shape", lambda ws: combine_out(ws, po, pl, out[:, :3], out_lse), ValueError, "out"),
+            ("out_lse a list", lambda ws: combine_out(ws, po, pl, out, []), ValueError, "out_lse"),
+            ("lse_base '10'", lambda ws: combine_out(ws, po, pl, out, out_lse, lse_base="10"), ValueError,
+             "lse_base"),
+        ]),
+        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **HOST),
+                       lambda ws: ws.all_gather(x), [
+            ("x non-contiguous", lambda ws: ws.all_gather(_strided(x)), ValueError, "x"),
+        ]),
+    }
+
+
+def _void_worker(rank, world):
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    torch.set_num_threads(1)
+    wrong = []
+    for name, (make, good, bad_calls) in _families(rank).items():
+        ws = make()
+        want = good(ws).clone()  # the same inputs give this result again while the ranks pair
+        for what, bad, error, arg in bad_calls:
+            case = f"{name}: {what}"
+            dist.barrier()
+            t0 = time.monotonic()
+            try:
+                if rank == 1:
+                    match = f"argument '{arg}'" if arg is not None else "unexpected keyword argument"
+                    with pytest.raises(error, match=match):
+                        bad(ws)
+                else:
+                    with pytest.raises(torch_sdcp.VoidedCallError, match="rank 1 voided call") as raised:
+                        good(ws)
+                    assert f"[rank 1: {error.__name__}: torch_sdcp:" in str(raised.value), str(raised.value)
+                assert time.monotonic() - t0 < 30
+                assert not ws.poisoned
+                ws.check()
+                assert torch.equal(good(ws), want), "the next good call is wrong"
+            except Exception as e:  # noqa: BLE001  (collected: every case is reported)
+                wrong.append(f"{case}: {type(e).__name__}: {e}")
+                if ws.poisoned:  # the ranks are no longer paired on this workspace: the next family's
+                    break
+        ws.close()
+        dist.barrier()
+    return wrong
+
+
+def test_refusals_before_publishing_are_void_calls_on_every_family():
+    results = run_workers(_void_worker, 2, timeout=300)
+    assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _open_view_worker(rank, world, second):
+    """Rank 1 makes ``second`` while its last view is still open: every rank
+    raises a named error, none returns a result of a mis-paired call."""
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    q = make_query(ROWS, 2, nope=64, rope=16, max_pos=8, seed=rank)
+    scale = torch.ones(1)
+    ws = torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, timeout_s=60, **HOST)
+    ws.gather_view(*q, scale)
+    if rank == 1:
+        call = {"gather_view": lambda: ws.gather_view(*q, scale), "gather": lambda: ws.gather(*q, scale),
+                "all_gather_heads": lambda: ws.all_gather_heads(torch.zeros(ROWS, 2, 80, dtype=ws.dtype))}[second]
+        with pytest.raises(RuntimeError, match=f"{second} on rank 1: the view returned by the last gather_view"
+                                               r"\(\) is still open.*aborted on every rank"):
+            call()
+        assert ws.poisoned
+    ws.release() if rank == 0 else None
+    dist.barrier()
+    if rank == 0:  # the next view call: the peer's abort, named, with its error
+        with pytest.raises(RuntimeError, match=r"peer 1 aborted.*\[rank 1: RuntimeError: .*still open"):
+            ws.gather_view(*q, scale)
+    else:  # a caller that releases and goes on: poisoned, named
+        with pytest.raises(RuntimeError, match="is poisoned: release"):
+            ws.release()
+        with pytest.raises(RuntimeError, match="is poisoned: gather_view"):
+            ws.gather_view(*q, scale)
+    assert ws.poisoned
+    ws.close()
+    return True
+
+
+@pytest.mark.parametrize("second", ["gather_view", "gather", "all_gather_heads"])
+def test_a_call_while_the_view_is_open_aborts_every_rank(second):
+    assert run_workers(_open_view_worker, 2, args=(second,), timeout=120) == [True, True]
+
+
+def _extra_release_worker(rank, world):
+    """A release() with no view open (twice, or after a gather_view that
+    raised) is refused and changes nothing: the next calls pair and are right."""
+    import torch.distributed as dist
+
+    import torch_sdcp
+    from torch_sdcp import reference
+    from torch_sdcp.workspaces.base import CallRefused
+
+    qs = [make_query(ROWS, 2, nope=64, rope=16, max_pos=8, seed=r) for r in range(world)]
+    scale = torch.ones(1)
+    want = torch.cat([reference.query_rope_quant_ref(*q, scale, out_dtype=torch.float8_e4m3fn) for q in qs], 1)
+    ws = torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, timeout_s=60, **HOST)
+    for _ in range(3):
+        view = ws.gather_view(*qs[rank], scale)
+        assert torch.equal(view.view(torch.uint8), want.view(torch.uint8))
+        ws.release()
+        if rank == 1:
+            with pytest.raises(CallRefused, match="release on rank 1: no view is open"):
+                ws.release()
+        assert not ws.poisoned
+        assert torch.equal(ws.gather(*qs[rank], scale).view(torch.uint8), want.view(torch.uint8))
+    dist.barrier()
+    ws.check()
+    ws.close()
+    return True
+
+
+def test_a_release_with_no_view_open_keeps_every_rank_in_step():
+    assert run_workers(_extra_release_worker, 2, timeout=120) == [True, True]
+
+
+def _no_placeholder_worker(rank, world, family):
+    """A bad call with no tensor that tells its rows (or bytes) has no
+    placeholder: it poisons and aborts on every rank, each naming the error."""
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    scores, ids = rank_candidates(ROWS, 8, seed=rank)
+    x = torch.arange(4, dtype=torch.float32)
+    make, good, bad, arg = {
+        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 4, 4, candidates_per_rank=8, timeout_s=60, **HOST),
+                  lambda ws: ws.merge(scores, ids), lambda ws: ws.merge(scores.tolist(), ids.tolist()), "scores"),
+        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **HOST),
+                       lambda ws: ws.all_gather(x), lambda ws: ws.all_gather(x.tolist()), "x"),
+    }[family]
+    ws = make()
+    good(ws)
+    dist.barrier()
+    if rank == 1:
+        with pytest.raises(ValueError, match=f"argument '{arg}'"):
+            bad(ws)
+    else:
+        with pytest.raises(RuntimeError, match=rf"peer 1 aborted.*\[rank 1: ValueError: torch_sdcp: argument '{arg}'"):
+            good(ws)
+    assert ws.poisoned
+    ws.close()
+    return True
+
+
+@pytest.mark.parametrize("family", ["merge", "all_gather"])
+def test_a_refusal_without_a_placeholder_aborts_every_rank(family):
+    assert run_workers(_no_placeholder_worker, 2, args=(family,), timeout=120) == [True, True]
