@@ -717,6 +717,10 @@ def _close_one_rank_worker(rank, ws):
         b.close()
         out["post_s"] = time.monotonic() - t0
     dist.barrier()
+    # The last reader of a key removes it: on a loaded machine that may land just after the barrier.
+    deadline = time.monotonic() + 5.0
+    while store.num_keys() > keys0 + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     out["keys"] = (keys0, store.num_keys())
     out["left"] = _agreement_keys_left(store, b)
     # close() on rank 0 only: its barrier times out, is logged, and the group is refused
