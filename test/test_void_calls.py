@@ -89,6 +89,7 @@ def _families(rank):
             ("partial_out non-contiguous", lambda ws: ws.combine(_strided(po), pl), ValueError, "partial_out"),
             ("partial_lse non-contiguous", lambda ws: ws.combine(po, _strided(pl)), ValueError, "partial_lse"),
             ("lse_base '10'", lambda ws: ws.combine(po, pl, lse_base="10"), ValueError, "lse_base"),
+            ("return_lse 'no'", lambda ws: ws.combine(po, pl, return_lse="no"), ValueError, "return_lse"),
             ("seq_lens a list", lambda ws: ws.combine(po, pl, seq_lens=[1], query_start_loc=[0, 1]), ValueError,
              "seq_lens"),
         ]),

@@ -82,15 +82,6 @@ def resolve_group(group: object) -> tuple[dist.ProcessGroup | None, int, int]:
     return group, rank, dist.get_world_size(group)
 
 
-def require_tensor(t: object, arg: str, dims: int, names: str) -> None:
-    """A Tensor of ``dims`` dimensions. The checks of a call build their
-    message only when they fail, so that torch.compile traces none of it."""
-    if not isinstance(t, Tensor):
-        raise arg_error(arg, "a Tensor", type(t).__name__)
-    if t.dim() != dims:
-        raise arg_error(arg, f"{dims} dimensions {names}", f"{t.dim()} (shape {list(t.shape)})")
-
-
 def leading_rows(*candidates: tuple[object, int]) -> int | None:
     """The rows (dim 0) of the first of a call's ``(tensor, dims)`` that is a
     tensor of those dimensions, or None: what a void call's placeholder needs

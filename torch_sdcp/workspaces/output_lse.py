@@ -10,11 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp import collective, ops, reference
-from torch_sdcp._checks import arg_error, check
+from torch_sdcp import collective, ops
+from torch_sdcp.semantics import mask_empty_shards
+from torch_sdcp._checks import arg_error, check, check_bool, check_dim, check_mask_args
 from torch_sdcp.families import OUTPUT_LSE
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, require_tensor, resolve_group, validate_size_param
+from torch_sdcp.workspaces._policy import leading_rows, resolve_group, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -22,8 +23,8 @@ def _validate_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_l
     """The inputs of combine and combine_out, checked alike on the peer and the
     collective path (the C++ op checks the same, but cannot tell two dtypes of
     one element size apart)."""
-    require_tensor(partial_out, "partial_out", 3, "[T, H, D]")
-    require_tensor(partial_lse, "partial_lse", 2, "[T, H]")
+    check_dim(partial_out, "partial_out", 3, "[T, H, D]")
+    check_dim(partial_lse, "partial_lse", 2, "[T, H]")
     if partial_out.dtype != ws.dtype:
         raise arg_error("partial_out", f"dtype {ws.dtype} (the dtype of this OutputLSEWorkspace)",
                         f"dtype {partial_out.dtype}")
@@ -49,7 +50,7 @@ def _validate_combine_inputs(ws: OutputLSEWorkspace, partial_out: Any, partial_l
 def _validate_mask(partial_out: Tensor, seq_lens: Any, query_start_loc: Any) -> bool:
     """The empty-shard mask's arguments, checked alike on both paths (as
     csrc/output_lse.cpp checks them); True when a mask is asked for."""
-    if not reference.check_mask_args(seq_lens, query_start_loc):
+    if not check_mask_args(seq_lens, query_start_loc):
         return False
     for t, arg in ((seq_lens, "seq_lens"), (query_start_loc, "query_start_loc")):
         if not t.is_contiguous():
@@ -135,19 +136,20 @@ class OutputLSEWorkspace(PeerWorkspace):
         LSE [T, H/N]). With vLLM's seq_lens [R] and query_start_loc [R + 1]
         (this rank's, int32 or int64, on the inputs' device), padding rows and
         rows of empty shards get no weight, inside the one combine kernel
-        (torch_sdcp.reference.mask_empty_shards)."""
+        (torch_sdcp.semantics.mask_empty_shards)."""
         with self._call("combine"):
             _validate_combine_inputs(self, partial_out, partial_lse)
             self._require_on_device(partial_out=partial_out, partial_lse=partial_lse, seq_lens=seq_lens,
                                 query_start_loc=query_start_loc)
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
+            check_bool(return_lse, "return_lse")
             if self._take_path(partial_out.shape[0], "partial_out"):
                 out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base,
                                                   seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:  # the fused collective path, made contiguous like the peer path's output
                 if masked:
-                    partial_lse = reference.mask_empty_shards(partial_lse, seq_lens, query_start_loc)
+                    partial_lse = mask_empty_shards(partial_lse, seq_lens, query_start_loc)
                 out, lse = (t.contiguous() for t in collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group))
             return (out, lse) if return_lse else out
@@ -171,7 +173,7 @@ class OutputLSEWorkspace(PeerWorkspace):
                                            seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:
                 if masked:
-                    partial_lse = reference.mask_empty_shards(partial_lse, seq_lens, query_start_loc)
+                    partial_lse = mask_empty_shards(partial_lse, seq_lens, query_start_loc)
                 collective.lse_all_gather_correct_reduce_scatter(
                     partial_out, partial_lse, base2=base2, return_lse=True, group=self.group, out=out,
                     out_lse=out_lse)

@@ -8,15 +8,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import collective, ops
-from torch_sdcp._checks import arg_error, check
+from torch_sdcp._checks import arg_error, check, check_dim
 from torch_sdcp.families import QUERY
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, require_tensor, validate_size_param
+from torch_sdcp.workspaces._policy import leading_rows, validate_size_param
 from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace, VoidedCallError
 
 
 def _validate_query_inputs(ql_nope: object, q_pe: object) -> None:
-    require_tensor(ql_nope, "ql_nope", 3, "[T, H, nope]")
+    check_dim(ql_nope, "ql_nope", 3, "[T, H, nope]")
     if not isinstance(q_pe, Tensor):
         raise arg_error("q_pe", "a Tensor", type(q_pe).__name__)
 
@@ -235,7 +235,7 @@ class QueryWorkspace(PeerWorkspace):
         with self._call("all_gather_heads"):
             if not torch.compiler.is_compiling():
                 self._require_no_open_view("all_gather_heads")
-            require_tensor(q, "q", 3, "[T, H_loc, W]")
+            check_dim(q, "q", 3, "[T, H_loc, W]")
             if q.dtype != self.dtype:
                 raise arg_error("q", f"dtype {self.dtype} (the dtype of this QueryWorkspace)", f"dtype {q.dtype}")
             if out is not None and not isinstance(out, Tensor):

@@ -9,10 +9,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import collective, ops
-from torch_sdcp._checks import arg_error
+from torch_sdcp._checks import arg_error, check_dim
 from torch_sdcp.families import TOPK
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, require_tensor, validate_size_param
+from torch_sdcp.workspaces._policy import leading_rows, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -58,7 +58,7 @@ class TopKWorkspace(PeerWorkspace):
         """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
         top-k ids [T, k] int32 in selection order, identical on every rank."""
         with self._call("merge"):
-            require_tensor(scores, "scores", 2, "[T, C]")
+            check_dim(scores, "scores", 2, "[T, C]")
             if not isinstance(ids, Tensor):
                 raise arg_error("ids", "a Tensor", type(ids).__name__)
             self._require_on_device(scores=scores, ids=ids)
