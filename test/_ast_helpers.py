@@ -34,13 +34,13 @@ def param_list(fn: ast.FunctionDef) -> str:
     out = []
     positional = a.posonlyargs + a.args
     defaults = [None] * (len(positional) - len(a.defaults)) + list(a.defaults)
-    for arg, default in zip(positional, defaults):
+    for arg, default in zip(positional, defaults, strict=False):
         out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
     if a.vararg:
         out.append("*" + a.vararg.arg)
     elif a.kwonlyargs:
         out.append("*")
-    for arg, default in zip(a.kwonlyargs, a.kw_defaults):
+    for arg, default in zip(a.kwonlyargs, a.kw_defaults, strict=False):
         out.append(arg.arg if default is None else f"{arg.arg}={ast.unparse(default)}")
     if a.kwarg:
         out.append("**" + a.kwarg.arg)

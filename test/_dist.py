@@ -33,7 +33,7 @@ import traceback
 
 
 def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, env, backend, deadline):
-    log = open(os.path.join(workdir, f"log{rank}.txt"), "w", buffering=1)
+    log = open(os.path.join(workdir, f"log{rank}.txt"), "w", buffering=1)  # noqa: SIM115  (stdout and stderr until exit)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
@@ -60,11 +60,11 @@ def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, en
             dist.barrier()
         value = fn(rank, world_size, *args)
         payload = ("ok", value)
-    except BaseException as e:  # noqa: BLE001
+    except BaseException as e:
         payload = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
     try:
         data = pickle.dumps(payload)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         data = pickle.dumps(("error", f"unpicklable result: {e!r}", traceback.format_exc()))
     with open(result_path + ".tmp", "wb") as f:
         f.write(data)
@@ -95,12 +95,11 @@ def _wait_for_peers(store, rank, world_size, deadline):
         pending = [r for r in range(world_size) if r != rank]
         while pending and time.time() < deadline:
             for r in list(pending):
-                if store.check([f"finished/{r}"]):
-                    pending.remove(r)
-                elif store.check([f"pid/{r}"]) and _process_gone(int(store.get(f"pid/{r}"))):
+                exited = store.check([f"pid/{r}"]) and _process_gone(int(store.get(f"pid/{r}")))
+                if store.check([f"finished/{r}"]) or exited:
                     pending.remove(r)
             time.sleep(0.01)
-    except Exception:  # noqa: BLE001  (the result is written; leaving is all that remains)
+    except Exception:
         pass
 
 

@@ -6,10 +6,9 @@ canonical words."""
 from __future__ import annotations
 
 import torch
+from _helpers import make_query
 
 from torch_sdcp import reference
-
-from _helpers import make_query
 
 
 def as_bytes(x):

@@ -17,7 +17,6 @@ import types
 
 import torch
 import torch.distributed as dist
-
 from _engine_stand_in import all_gather_bytes, packages
 
 H_LOC, D, R = 2, 32, 16  # local heads, kv_lora_rank, qk_rope_head_dim

@@ -18,10 +18,9 @@ import types
 
 import torch
 import torch.distributed as dist
+from _engine_stand_in import Collect, InModules, all_gather_bytes, packages
 
 from torch_sdcp import collective
-
-from _engine_stand_in import Collect, InModules, all_gather_bytes, packages
 
 DCP = "vllm.v1.attention.ops.dcp"
 INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
@@ -70,9 +69,7 @@ def mask_loop(lse, seq_lens, qsl):
         return lse
     starts, lens = qsl.tolist(), seq_lens.tolist()
     for t in range(lse.shape[0]):
-        if not lens or t >= starts[-1]:
-            lse[t] = -math.inf
-        elif lens[min(bisect.bisect_right(starts, t) - 1, len(lens) - 1)] == 0:
+        if not lens or t >= starts[-1] or lens[min(bisect.bisect_right(starts, t) - 1, len(lens) - 1)] == 0:
             lse[t] = -math.inf
     return lse
 

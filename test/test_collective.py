@@ -13,10 +13,9 @@ from datetime import timedelta
 
 import pytest
 import torch
-
-from _helpers import poisoned_partials
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _helpers import poisoned_partials
 
 import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
 from torch_sdcp import collective

@@ -11,13 +11,12 @@ import importlib.util
 
 import pytest
 import torch
-
+from _dist import run_workers
 from _helpers import poisoned_partials
 
 import torch_sdcp  # noqa: F401
 from torch_sdcp import competitors, reference
 
-from _dist import run_workers
 
 def test_module_imports_without_cuda():
     assert competitors.SymmMemOutputLSE and competitors.VllmA2AOutputLSE

@@ -14,7 +14,6 @@ import time
 
 import pytest
 import torch
-
 from _dist import in_turn, run_workers
 from _helpers import GPU_WORLD, SHARED_GPU_WORLDS, rank_workspace_args, requires_gpus
 
@@ -180,7 +179,7 @@ def _tagged_bytes_worker(rank, world, mode):
     device = args.get("device", torch.device("cpu"))
     g = torch.Generator().manual_seed(7)
     with torch_sdcp.ExchangeWorkspace(None, 1024, timeout_s=30, **args) as ws:
-        for i, nbytes in enumerate((1, 3, 4, 13, 64, 1000, 1024)):
+        for _i, nbytes in enumerate((1, 3, 4, 13, 64, 1000, 1024)):
             data = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g) for _ in range(world)]
             for r in range(world):
                 data[r][: (nbytes // 2)] = 0xFF  # all-ones words, the sentinel of other paths

@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-
 from _dist import run_workers
 from _helpers import rank_workspace_args, requires_gpus
 
@@ -97,13 +96,13 @@ def _stopped_round(group, po, pl, calls):
 
     try:
         ws = torch_sdcp.OutputLSEWorkspace(group, 4, 8, 64, dtype=torch.bfloat16, timeout_s=1.0, backend="host")
-    except Exception as e:  # noqa: BLE001  (what the round met is the result)
+    except Exception as e:
         return f"creation: {type(e).__name__}"
     outcome = "clean"
     try:
         for _ in range(calls):
             ws.combine(po, pl)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         outcome = f"call: {type(e).__name__}"
     finally:
         ws.close()
@@ -119,7 +118,6 @@ def _sigstop_worker(rank, world, rounds, seed):
     import time
 
     import torch.distributed as dist
-
     from _helpers import rank_partials
 
     pids = [None] * world

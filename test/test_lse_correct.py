@@ -14,12 +14,11 @@ import math
 
 import pytest
 import torch
-
-import torch_sdcp  # noqa: F401  (registers torch.ops.sdcp)
-from torch_sdcp import collective, ops, reference
-
 from _dist import run_workers
 from _helpers import devices, poisoned_partials
+
+import torch_sdcp
+from torch_sdcp import collective, ops, reference
 
 INF, NAN = math.inf, math.nan
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -124,7 +123,7 @@ def test_lse_correct_fake_matches_the_kernel():
     fake_out, fake_lse = mode.from_tensor(mine), mode.from_tensor(lse)
     with mode:
         fake = torch.ops.sdcp.lse_correct(fake_out, fake_lse, 1, False)
-    for a, b in zip(real, fake):
+    for a, b in zip(real, fake, strict=False):
         assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
 
 

@@ -8,12 +8,20 @@ import time
 
 import pytest
 import torch
+from _dist import in_turn, run_workers
+from _helpers import (
+    GPU_WORLD,
+    HOST,
+    SHARED_GPU_WORLDS,
+    devices,
+    expect_failure,
+    expect_poisoned,
+    rank_partials,
+    rank_workspace_args,
+    requires_gpus,
+)
 
 from torch_sdcp import ops, reference
-
-from _dist import in_turn, run_workers
-from _helpers import (GPU_WORLD, HOST, SHARED_GPU_WORLDS, devices, expect_failure, expect_poisoned,
-                      rank_partials, rank_workspace_args, requires_gpus)
 
 
 def make_partials(n, t, h, d, dtype=torch.bfloat16, device="cpu", seed=0):

@@ -11,11 +11,10 @@ import math
 
 import pytest
 import torch
-
-from torch_sdcp import ops, reference
-
 from _dist import in_turn, run_workers
 from _helpers import GPU_WORLD, SHARED_GPU_WORLDS, rank_workspace_args, requires_gpus
+
+from torch_sdcp import ops, reference
 
 
 def mask_loop(lse, seq_lens, qsl):
@@ -198,12 +197,13 @@ def test_masked_op_rejects_bad_arguments(world1):
            ((s, q.to(torch.int16)), "'query_start_loc'.*dtype int32 or int64"),
            ((torch.ones(4, dtype=torch.int32)[::2], q), "'seq_lens'.*contiguous")]
     for (seq_lens, qsl), message in bad:
-        with torch_sdcp.OutputLSEWorkspace(world1, 8, 4, 128, backend="host") as ws:
-            with pytest.raises(ValueError, match=message):
-                torch.ops.sdcp.output_lse_combine(out, lse, ws.handle, False, seq_lens, qsl)
-        with torch_sdcp.OutputLSEWorkspace(world1, 8, 4, 128, backend="host") as ws:
-            with pytest.raises(ValueError, match=message):  # the same words from the workspace, before either path
-                ws.combine(out, lse, seq_lens=seq_lens, query_start_loc=qsl)
+        with torch_sdcp.OutputLSEWorkspace(world1, 8, 4, 128, backend="host") as ws, \
+                pytest.raises(ValueError, match=message):
+            torch.ops.sdcp.output_lse_combine(out, lse, ws.handle, False, seq_lens, qsl)
+        # the same words from the workspace, before either path
+        with torch_sdcp.OutputLSEWorkspace(world1, 8, 4, 128, backend="host") as ws, \
+                pytest.raises(ValueError, match=message):
+            ws.combine(out, lse, seq_lens=seq_lens, query_start_loc=qsl)
     with torch_sdcp.OutputLSEWorkspace(world1, 8, 4, 128, backend="host") as ws:
         got = ws.combine(out, lse, seq_lens=s, query_start_loc=q)
         assert torch.equal(got, ops.output_lse_combine(out, lse, ws.handle, seq_lens=s, query_start_loc=q)[0])
@@ -266,7 +266,7 @@ def _masked_graph_worker(rank, world, mode, replays):
             # New rows per request (zero-length ones included), new padding, new empty shards.
             lens = torch.randint(0, 5, (requests,), generator=torch.Generator().manual_seed(r)).tolist()
             out, lse, seq_lens, qsl = rank_case(world, rows, lens, h, d, seed=100 + r, nasty=r % 2 == 1)
-            for t, v in zip(static, (out[rank], lse[rank], seq_lens[rank], qsl)):
+            for t, v in zip(static, (out[rank], lse[rank], seq_lens[rank], qsl), strict=False):
                 t.copy_(v)
             graph.replay()
             torch.cuda.synchronize()

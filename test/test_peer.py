@@ -19,16 +19,13 @@ import time
 
 import pytest
 import torch
-
 import torch.distributed as dist
+from _dist import run_workers
+from _helpers import requires_gpus
 
 from torch_sdcp import peer as peer_mod
 from torch_sdcp.peer import PeerArena, fd_exchange
 from torch_sdcp.peer.collectives import AgreementAbandoned, GroupOutOfStepError, StoreSync, group_store
-
-from _dist import run_workers
-from _helpers import requires_gpus
-
 
 LEAK_CYCLES = 1000
 
@@ -192,18 +189,18 @@ def _failure_worker(rank, ws):
     nbytes = 8192 if rank == 1 else 4096
     try:
         PeerArena(None, nbytes, backend="host", timeout_s=20)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["mismatch"] = (type(e).__name__, str(e))
     assert _sdcp_entries() == [], _sdcp_entries()
     # (b) one rank passes an invalid size: every rank raises it
     try:
         PeerArena(None, 0 if rank == ws - 1 else 4096, backend="host", timeout_s=20)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["invalid"] = (type(e).__name__, str(e))
     # (c) one rank asks for an unknown backend
     try:
         PeerArena(None, 4096, backend="gpu" if rank == 0 else "host", timeout_s=20)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["backend"] = (type(e).__name__, str(e))
     # (d) one rank fails after the plan: allocation
     def hook(stage):
@@ -212,7 +209,7 @@ def _failure_worker(rank, ws):
     peer_mod._TEST_HOOK = hook
     try:
         PeerArena(None, 4096, backend="host", timeout_s=20)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["hook"] = (type(e).__name__, str(e))
     finally:
         peer_mod._TEST_HOOK = None
@@ -265,7 +262,7 @@ def _dying_worker(rank, ws, victim, stage, timeout_s):
     t0 = time.monotonic()
     try:
         PeerArena(None, 4096, backend="host", timeout_s=timeout_s)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return {"error": (type(e).__name__, str(e)), "elapsed": time.monotonic() - t0,
                 "leftover": _sdcp_entries(), "mappings": len(_arena_mappings())}
     return {"error": None, "elapsed": time.monotonic() - t0}
@@ -339,7 +336,7 @@ def _cuda_shared_worker(rank, ws):
     out = {}
     try:  # several ranks on one GPU without the opt-in: refused on every rank
         PeerArena(None, 4096, backend="cuda", timeout_s=60)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["refused"] = (type(e).__name__, str(e))
     with PeerArena(None, 4096, timeout_s=60) as h:  # "auto" on a shared GPU: host
         out["auto"] = h.backend
@@ -748,7 +745,7 @@ def test_close_on_one_rank_only_leaves_nothing_in_flight():
     refusal = ("the process group '0' is out of step after a timed-out close barrier on rank 0 (waited for ranks "
                "[1]); re-create the process group")
     assert results[1]["post_s"] < 1.0, results
-    for rank, r in enumerate(results):
+    for _rank, r in enumerate(results):
         assert r["left"] == [], r  # every key of the arena's agreements is gone
         assert r["keys"][1] <= r["keys"][0] + 1, r  # and no more (gloo's own keys come and go)
         assert r["sum"] == 3.0, r

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from torch_sdcp import ops
-
 from _dist import in_turn, run_workers
 from _helpers import GPU_WORLD, expect_failure, make_query, rank_workspace_args, requires_gpus
 from _query import as_bytes, expected_gather
+
+from torch_sdcp import ops
 
 
 def _stop_worker(rank, world, mode, stop_after):
@@ -97,7 +96,8 @@ def _stop_cuda_worker(rank, world):
         except RuntimeError as e:
             elapsed = time.monotonic() - start
             ctypes.CDLL(None).fflush(None)  # the kernel's printf went to C stdout, this rank's log
-            log = open(os.readlink("/proc/self/fd/1")).read()
+            with open(os.readlink("/proc/self/fd/1")) as f:
+                log = f.read()
             assert f"timeout: rank {rank} block" in log, log[-2000:]
             # Whichever wait ran out first: the peer's call header or its data.
             assert f"for peer {world - 1}'s data" in log or f"for peer {world - 1}'s call header" in log, log[-2000:]

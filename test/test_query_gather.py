@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dist import run_workers
+from _helpers import GPU_WORLD, devices, make_query, requires_gpus
+from _query import (
+    CANONICAL_FP8,
+    CANONICAL_PAIR,
+    GATHER_DTYPES,
+    SENTINEL,
+    as_bytes,
+    expected_gather,
+    global_query,
+    poisoned_queries,
+)
 
 from torch_sdcp import ops, reference
 from torch_sdcp.workspaces import WorkspaceKind
-
-from _dist import run_workers
-from _helpers import GPU_WORLD, devices, make_query, requires_gpus
-from _query import (CANONICAL_FP8, CANONICAL_PAIR, GATHER_DTYPES, SENTINEL, as_bytes, expected_gather, global_query,
-                    poisoned_queries)
-
 
 # ---------------------------------------------------------------------------
 # Peer gather: the inbox equals, byte for byte, producing on every rank and
@@ -101,7 +107,7 @@ def _graph_worker(rank, world, replays):
             check = r % 100 == 0 or r == replays - 1
             if check:
                 inputs = global_query(world, t, h, seed=r + 1)
-                for dst, src in zip(static, inputs[rank]):
+                for dst, src in zip(static, inputs[rank], strict=False):
                     dst.copy_(src)
             graph.replay()
             if check:

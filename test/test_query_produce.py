@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from torch_sdcp import ops, reference
-
 from _dist import run_workers
 from _helpers import GPU_WORLD, devices, make_query, rank_workspace_args, requires_gpus
 from _query import as_bytes, expected_gather, global_query
+
+from torch_sdcp import ops, reference
 
 
 @pytest.mark.parametrize("device", devices())

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-
 from _dist import in_turn, run_workers
 from _helpers import SHARED_GPU_WORLDS, requires_gpus
 from _query import GATHER_DTYPES
 from test_query_gather import _heads_worker, _peer_gather_worker
 from test_query_produce import _nan_producer_worker
 from test_query_view import _view_worker
-
 
 # DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only): the
 # fused producer's gather (rows 1 and max_rows, both dtypes and RoPE styles),

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from torch_sdcp import ops, reference
-
 from _dist import run_workers
 from _helpers import GPU_WORLD, make_query, rank_workspace_args, requires_gpus
 from _query import as_bytes, expected_gather, global_query
 
+from torch_sdcp import ops, reference
 
 # ---------------------------------------------------------------------------
 # Zero-copy view: the inbox is read in place until release(); a late reader
@@ -149,7 +147,7 @@ def _view_graph_worker(rank, world, replays):
             check = r % 100 == 0 or r == replays - 1
             if check:
                 inputs = global_query(world, t, h, seed=r + 1)
-                for dst, src in zip(static, inputs[rank]):
+                for dst, src in zip(static, inputs[rank], strict=False):
                     dst.copy_(src)
             graph.replay()
             if check:

@@ -275,9 +275,9 @@ def brute_force_topk(scores, ids, k):
     """Python sorted() over (class, score, -id) tuples, largest first: valid
     numbers, then valid NaNs; -0.0 == 0.0 in Python; the lower id wins ties."""
     out = []
-    for srow, irow in zip(scores.tolist(), ids.tolist()):
+    for srow, irow in zip(scores.tolist(), ids.tolist(), strict=False):
         cands = []
-        for s, i in zip(srow, irow):
+        for s, i in zip(srow, irow, strict=False):
             if i < 0:
                 continue
             cands.append(((0, 0.0, -i) if math.isnan(s) else (1, s, -i), i))

@@ -17,10 +17,16 @@ import time
 
 import pytest
 import torch
-
 from _dist import run_workers
-from _helpers import (HOST, expect_poisoned, make_query, rank_candidates, rank_partials, rank_workspace_args,
-                      requires_gpus)
+from _helpers import (
+    HOST,
+    expect_poisoned,
+    make_query,
+    rank_candidates,
+    rank_partials,
+    rank_workspace_args,
+    requires_gpus,
+)
 
 
 def _refuse_probe(stage):  # the capability gate fails on every rank
@@ -180,7 +186,7 @@ def _calls_worker(rank, world):
                                              "torch.float64"):
             ws.combine(po, pl.double())
         with poisons(match=r"argument 'partial_out': expected size 64 at dim 2 \(head_dim of this "
-                                             r"OutputLSEWorkspace\), got 32 \(shape \[%d, 8, 32\]\)" % rows):
+                                             rf"OutputLSEWorkspace\), got 32 \(shape \[{rows}, 8, 32\]\)"):
             ws.combine(po[..., :32].contiguous(), pl)
         with poisons(match=r"argument 'partial_lse': expected size 8 at dim 1 .*got 4"):
             ws.combine(po, pl[:, :4].contiguous())
@@ -289,9 +295,9 @@ def _calls_worker(rank, world):
         expect_poisoned(tk, lambda: tk.merge(s2, i2))  # an error inside a call: re-create the workspace
         tk.resize(2)
         assert torch.equal(tk.merge(s2, i2), want2)
-    with torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, rows_fallback=False, **HOST) as olse:
-        with pytest.raises(ValueError, match="argument 'partial_out': expected at most max_rows = 2 rows"):
-            olse.combine(po, pl)
+    with torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, rows_fallback=False, **HOST) as olse, \
+            pytest.raises(ValueError, match="argument 'partial_out': expected at most max_rows = 2 rows"):
+        olse.combine(po, pl)
     return True
 
 

@@ -20,7 +20,6 @@ import os
 import sys
 
 import pytest
-
 from _ast_helpers import SourceTrees, find_definition, param_list
 
 from torch_sdcp.integrations import sglang as face

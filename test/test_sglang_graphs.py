@@ -12,11 +12,18 @@ import math
 
 import torch
 import torch.distributed as dist
-
 from _dist import run_workers
 from _helpers import requires_gpus
-from _sglang_stand_in import BOUND, H_LOC, Coordinator, D, R, ref_all_gather_q_for_mla_decode, \
-    ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce
+from _sglang_stand_in import (
+    BOUND,
+    H_LOC,
+    Coordinator,
+    D,
+    R,
+    ref_all_gather_q_for_mla_decode,
+    ref_cp_lse_ag_out_rs_mla,
+    ref_dcp_a2a_lse_reduce,
+)
 
 ROWS = 6  # one captured batch size below the bound
 

@@ -24,14 +24,29 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import run_workers
 from _engine_stand_in import InModules
-
 from _sglang_stand_in import (
-    BOUND, COMM, FORWARD_MLA, H_LOC, MODEL_RUNNER, PARALLEL_STATE, REGISTRY, RUNNER, TOKENS_PER_REQ, D, R,
-    Coordinator, MLA, _real_registry, build_fake_sglang, decode_step, ref_all_gather_q_for_mla_decode,
-    ref_cp_lse_ag_out_rs_mla, ref_dcp_a2a_lse_reduce, step_inputs,
+    BOUND,
+    COMM,
+    FORWARD_MLA,
+    H_LOC,
+    MLA,
+    MODEL_RUNNER,
+    PARALLEL_STATE,
+    REGISTRY,
+    RUNNER,
+    TOKENS_PER_REQ,
+    Coordinator,
+    D,
+    R,
+    _real_registry,
+    build_fake_sglang,
+    decode_step,
+    ref_all_gather_q_for_mla_decode,
+    ref_cp_lse_ag_out_rs_mla,
+    ref_dcp_a2a_lse_reduce,
+    step_inputs,
 )
 
 
@@ -206,10 +221,9 @@ def test_what_stays_sglangs(fake):
 
 
 def test_step_check_fails_the_step(fake, monkeypatch):
-    from torch_sdcp.integrations import sglang as face
-
     from torch_sdcp import integrations
     from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import sglang as face
 
     class Poisoned:
         peer = True
@@ -323,7 +337,7 @@ def _compile_worker(rank, world):
             assert got.shape == (rows, H_LOC, D) and got.is_contiguous() and torch.equal(got, eager)
             torch.testing.assert_close(got, ref_dcp_a2a_lse_reduce(out, lse, coord, base_e), rtol=1.6e-2, atol=1e-2)
         g_nope, g_pe = gather(q_nope, q_pe)
-        for a, b in zip((g_nope, g_pe), ref_all_gather_q_for_mla_decode(q_nope, q_pe, coord)):
+        for a, b in zip((g_nope, g_pe), ref_all_gather_q_for_mla_decode(q_nope, q_pe, coord), strict=False):
             assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
         assert g_nope.data_ptr() == g_pe.data_ptr() + R * 2, "not two views of one cat([q_pe, q_nope])"
     ops = [{str(n.target) for n in gm.graph.nodes if n.op == "call_function"} for gm in graphs]

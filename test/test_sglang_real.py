@@ -23,7 +23,6 @@ import subprocess
 import sys
 
 import pytest
-
 from _dist import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,6 +216,7 @@ def _real_worker(rank, world, rows_list):
     torch.set_num_threads(1)
     load_plugins()
     import sglang.srt.layers.dcp.comm as comm
+
     from torch_sdcp.integrations import sglang as face
 
     assert face.is_installed()
@@ -249,7 +249,7 @@ def _real_worker(rank, world, rows_list):
                 compared.append(("ag_rs+a2a", rows, str(dtype), base_e))
         got = comm.all_gather_q_for_mla_decode(q_nope, q_pe)
         want = own["all_gather_q_for_mla_decode"](q_nope, q_pe)
-        for a, b in zip(got, want):
+        for a, b in zip(got, want, strict=False):
             assert a.shape == b.shape and a.dtype == b.dtype and a.stride(-1) == b.stride(-1) == 1
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), "the gather is not bit-exact"
         assert got[0].shape == (rows, world * H_LOC, D) and got[1].shape == (rows, world * H_LOC, R)

@@ -27,7 +27,6 @@ import time
 
 import pytest
 import torch
-
 from _dist import in_turn, run_workers
 from _helpers import HOST, rank_partials
 
@@ -158,7 +157,7 @@ def _creation_error_worker(rank, world):
 
 def test_creation_posts_a_local_argument_error_to_every_rank():
     results = run_workers(in_turn, 2, args=((_creation_error_worker, ()), (_dropped_worker, ())), timeout=120)
-    for rank, (created, dropped) in enumerate(results):
+    for rank, (created, _dropped) in enumerate(results):
         assert created["max_rows_s"] < 5.0, (rank, created)  # not timeout_s = 60
     r1 = results[1][1]
     assert r1["failed"] - results[0][1]["dropped"] < 2.0, results  # the dropped workspace's peer: at once

@@ -12,13 +12,21 @@ import time
 
 import pytest
 import torch
+from _dist import in_turn, run_workers
+from _helpers import (
+    GPU_WORLD,
+    HOST,
+    SHARED_GPU_WORLDS,
+    devices,
+    expect_failure,
+    expect_poisoned,
+    rank_candidates,
+    rank_workspace_args,
+    requires_gpus,
+)
 
 from torch_sdcp import ops, reference
 from torch_sdcp.workspaces import WorkspaceKind
-
-from _dist import in_turn, run_workers
-from _helpers import (GPU_WORLD, HOST, SHARED_GPU_WORLDS, devices, expect_failure, expect_poisoned,
-                      rank_candidates, rank_workspace_args, requires_gpus)
 
 
 def make_candidates(t, c, *, seed=0, id_base=0, stride=1, nasty=False):
@@ -219,7 +227,7 @@ HOST_CASES = [(1, 512, 512, True), (16, 512, 1024, False), (17, 1024, 1024, True
 def test_peer_merge_host_identical_on_every_rank(world):
     picked = run_workers(_peer_merge_worker, world, args=("host", HOST_CASES, 64), timeout=240)
     for r in range(1, world):
-        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r], strict=False))
 
 
 GPU_CASES = [(t, k, k, nasty) for t in (1, 16, 17, 64, 96, 128) for k in (512, 1024, 2048)
@@ -242,7 +250,7 @@ SHARED_GPU_CASES = [(1, 2048, 2048, False), (17, 1024, 1024, True), (3, 77, 77, 
 @requires_gpus(1)
 def test_peer_merge_cuda_two_ranks_on_one_gpu():
     picked = run_workers(_peer_merge_worker, 2, args=("cuda", SHARED_GPU_CASES, 32, True), timeout=300)
-    assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[1]))
+    assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[1], strict=False))
     assert len(picked[0]) == len(SHARED_GPU_CASES)
 
 
@@ -259,14 +267,14 @@ def test_peer_merge_cuda_shared_gpu(world):
     picked = run_workers(_peer_merge_worker, world, args=("cuda", SHARED_GPU_WORLD_CASES, 32, True), timeout=240)
     assert len(picked[0]) == len(SHARED_GPU_WORLD_CASES)
     for r in range(1, world):
-        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r], strict=False))
 
 
 @requires_gpus(GPU_WORLD)
 def test_peer_merge_cuda():
     picked = run_workers(_peer_merge_worker, GPU_WORLD, args=("cuda", GPU_CASES, 256), timeout=400)
     for r in range(1, GPU_WORLD):
-        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r]))
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r], strict=False))
 
 
 def _graph_worker(rank, world, replays):
@@ -377,7 +385,7 @@ def _topk_mismatch_worker(rank, world, device):
         ("rows0", 0, 3, "rank 0 called with 0 rows, rank 1 with 3 rows"),
         ("rows0-last", 5, 0, "rank 0 called with 5 rows, rank 1 with 0 rows"),
     ]
-    for name, *rows, text in cases:
+    for _name, *rows, text in cases:
         with torch_sdcp.TopKWorkspace(None, 8, TOPK_K, candidates_per_rank=TOPK_C, timeout_s=60, **dev) as ws:
             every = _topk_every(2, 1, world)
             got = ws.merge(*(x.to(ws.device) for x in every[rank])).cpu()  # a good call first: the workspace works

@@ -21,11 +21,9 @@ import os
 import sys
 
 import pytest
-
 from _ast_helpers import SourceTrees, find_definition, param_list
 
 from torch_sdcp.integrations import vllm as plugin
-
 
 _tree = SourceTrees("vllm", "vLLM", "vLLM is not installed")
 _vllm_dir = _tree.root

@@ -21,12 +21,12 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist import run_workers
-from torch_sdcp_plugins import vllm as vllm_entry
 from _helpers import requires_gpus
-from _vllm_stand_in import D, H_LOC, W, Coordinator, FakeVllm, _Collect, build_fake_vllm
+from _vllm_stand_in import H_LOC, Coordinator, D, FakeVllm, W, _Collect, build_fake_vllm
 from _vllm_stand_in import config as _config
+
+from torch_sdcp_plugins import vllm as vllm_entry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENVS = ("SDCP_VLLM", "SDCP_VLLM_MAX_ROWS", "SDCP_VLLM_TIMEOUT_S", "SDCP_VLLM_SEAMS", "VLLM_USE_DIRECT_DCP_A2A",
@@ -490,9 +490,8 @@ def test_require_mode_fails_the_build_with_the_line(env, stubs):
 
 def test_require_mode_fails_registration_on_a_refused_version(env, collect):
     env.setenv("SDCP_VLLM", "require")
-    with FakeVllm(version="0.34.0"):
-        with pytest.raises(RuntimeError, match="SDCP_VLLM=require"):
-            vllm_entry.register()
+    with FakeVllm(version="0.34.0"), pytest.raises(RuntimeError, match="SDCP_VLLM=require"):
+        vllm_entry.register()
     vllm_entry._logged.clear()
 
 

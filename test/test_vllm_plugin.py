@@ -27,17 +27,16 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_workers
+from _helpers import requires_gpus
+from _vllm_stand_in import BOUND, H_LOC, Coordinator, D, FakeVllm, P, W, _Collect, build_fake_vllm
+from _vllm_stand_in import config as _config
+from _vllm_stand_in import mask_loop as _mask_loop
+from _vllm_stand_in import vllm_select as _vllm_select
 
 from torch_sdcp import reference
 from torch_sdcp.integrations import vllm_calls
 from torch_sdcp.integrations._core import query_direct
-
-from _dist import run_workers
-from _helpers import requires_gpus
-from _vllm_stand_in import BOUND, D, H_LOC, P, W, Coordinator, FakeVllm, _Collect, build_fake_vllm
-from _vllm_stand_in import config as _config
-from _vllm_stand_in import mask_loop as _mask_loop
-from _vllm_stand_in import vllm_select as _vllm_select
 from torch_sdcp_plugins import vllm as vllm_entry
 from torch_sdcp_plugins.settings import VLLM
 
@@ -226,7 +225,7 @@ def _protocol_worker(rank, world, rows_list, threads):
                 fell_back += _step(ns, managers, rank, world, rows, seed=1000 * ub + 10 * i,
                                    qdtype=torch.float8_e4m3fn)
             results[ub] = fell_back
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             import traceback
 
             errors.append(f"micro-batch {ub}: {e}\n{traceback.format_exc()}")
@@ -630,7 +629,7 @@ def _gpu_capture_worker(rank, world, shared=False):
     for seed in (1, 2, 3):
         per_rank, qsl, qs, cands = load(seed)
         for dst, src in zip((s_out, s_lse, s_seq, s_qsl, s_q, s_logits, s_local, s_starts),
-                            (*per_rank[rank], qsl, qs[rank], *cands[rank][:3])):
+                            (*per_rank[rank], qsl, qs[rank], *cands[rank][:3]), strict=False):
             dst.copy_(src)
         s_topk.copy_(s_local)
         graph.replay()

@@ -100,5 +100,5 @@ def test_real_manager_seams_equal_vllms_own():
     finally:
         for p in ranks:
             p.kill()
-    for r, (p, out) in enumerate(zip(ranks, outs)):
+    for r, (p, out) in enumerate(zip(ranks, outs, strict=False)):
         assert p.returncode == 0 and f"rank {r}: " in out and "checks passed" in out, f"rank {r}:\n{out[-6000:]}"

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-
 from _dist import run_workers
 from _helpers import GPU_WORLD, rank_workspace_args, requires_gpus
 
@@ -92,10 +91,16 @@ def test_workspace_argument_errors_and_teardown():
 
 def test_layout_names_the_cpp_layout():
     import torch_sdcp
-    from torch_sdcp.workspaces import (ExchangeWorkspace, OutputLSEWorkspace, QueryWorkspace, TopKWorkspace,
-                                       WorkspaceKind, WorkspaceLayout, workspace_layout)
-
     from torch_sdcp.families import FAMILIES
+    from torch_sdcp.workspaces import (
+        ExchangeWorkspace,
+        OutputLSEWorkspace,
+        QueryWorkspace,
+        TopKWorkspace,
+        WorkspaceKind,
+        WorkspaceLayout,
+        workspace_layout,
+    )
 
     # The family records are the Python side's one list of families: kinds
     # 0..n-1 in order, as the C++ table (kFamilies) numbers them, each class

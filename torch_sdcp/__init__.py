@@ -15,8 +15,11 @@ baseline): torch_sdcp.collective.
 import importlib
 
 # Loading the extension registers every torch.ops.sdcp operator. A failure here
-# is an installation problem and must be loud, never a silent fallback.
+# is an installation problem and must be loud, never a silent fallback. First:
+# the fake implementations and the typed wrappers below need the operators.
 from torch_sdcp._extension import _C  # noqa: F401
+
+# isort: split
 from torch_sdcp import fake  # noqa: F401  (registers the fake implementations)
 from torch_sdcp import ops as ops
 from torch_sdcp._version import __version__ as __version__

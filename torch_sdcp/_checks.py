@@ -17,7 +17,8 @@ paths, the engine faces and the references.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,8 +38,8 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_int(value: Any, arg: str, minimum: Optional[int] = None, *, expected: str = "an int",
-              bound: Optional[str] = None) -> int:
+def check_int(value: Any, arg: str, minimum: int | None = None, *, expected: str = "an int",
+              bound: str | None = None) -> int:
     """``value`` is an int and, with ``minimum``, at least ``minimum``.
 
     A wrong type reads ``expected {expected}, got <type name>``; a value below
@@ -76,7 +77,7 @@ def check_tensor(t: Any, arg: str) -> Tensor:
     return t
 
 
-def check_dim(t: Any, arg: str, ndim: Union[int, Tuple[int, ...]], names: str = "") -> Tensor:
+def check_dim(t: Any, arg: str, ndim: int | tuple[int, ...], names: str = "") -> Tensor:
     """A Tensor of ``ndim`` dimensions (an int, or a tuple of the allowed
     ones), in the words of csrc (``check_dim``): ``expected 3 dimensions, got 2
     (shape [2, 4])``. ``names`` (``"[T, H, D]"``) follows the count."""
@@ -88,7 +89,7 @@ def check_dim(t: Any, arg: str, ndim: Union[int, Tuple[int, ...]], names: str = 
     return t
 
 
-def check_dtype(value: Union[Tensor, torch.dtype], arg: str, *allowed: torch.dtype) -> object:
+def check_dtype(value: Tensor | torch.dtype, arg: str, *allowed: torch.dtype) -> object:
     """A tensor's dtype (``expected dtype torch.float32, got dtype torch.int32``),
     or a dtype argument (``expected torch.bfloat16 or torch.float16, got
     torch.float32``; ``expected a torch.dtype`` for anything else). With no
@@ -130,7 +131,7 @@ def check_same_device(t: Tensor, arg: str, ref: Tensor, ref_arg: str) -> None:
 
 
 def check_query_inputs(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                       q_scale: Optional[Tensor], out_dtype: torch.dtype, allow_fp32: bool = False) -> None:
+                       q_scale: Tensor | None, out_dtype: torch.dtype, allow_fp32: bool = False) -> None:
     """The query producer's inputs (csrc/query.cpp ``check_query_inputs``);
     ``allow_fp32`` admits the references' float32 output."""
     check_dim(ql_nope, "ql_nope", 3)
@@ -187,7 +188,7 @@ def check_partials(partial_out: Tensor, partial_lse: Tensor, lse_dim: int, *lse_
     check_same_device(partial_lse, "partial_lse", partial_out, "partial_out")
 
 
-def check_mask_args(seq_lens: Optional[Tensor], query_start_loc: Optional[Tensor]) -> bool:
+def check_mask_args(seq_lens: Tensor | None, query_start_loc: Tensor | None) -> bool:
     """True when the empty-shard mask is asked for: ``seq_lens [R]`` and
     ``query_start_loc [R + 1]``, both or neither, 1-D int32 or int64 (the
     checks of csrc/output_lse.cpp, in its order). Shapes only: no device work."""

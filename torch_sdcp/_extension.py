@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Optional, Tuple
 
 import torch
 
@@ -22,7 +21,7 @@ INSTALL = "pip install --no-build-isolation --no-deps -e ."
 CUDA_ARCHS_HINT = "9.0;10.0"  # setup.py's CUDA_ARCHS_HINT
 
 
-def how_to_build_for(torch_cuda: Optional[str], visible_gpus: int) -> str:
+def how_to_build_for(torch_cuda: str | None, visible_gpus: int) -> str:
     """The rebuild command for a machine: with a GPU, the install builds the CUDA
     kernels for it; without one (or with a CPU build of torch), the CPU kernels,
     said explicitly, and how to add CUDA kernels for other GPUs."""
@@ -40,15 +39,15 @@ def how_to_build() -> str:
     return how_to_build_for(torch.version.cuda, torch.cuda.device_count() if torch.version.cuda else 0)
 
 
-def describe(torch_version: str, cuda_version: Optional[str]) -> str:
+def describe(torch_version: str, cuda_version: str | None) -> str:
     return f"torch {torch_version} / " + (f"CUDA {cuda_version}" if cuda_version else "no CUDA")
 
 
-def running_torch() -> Tuple[str, Optional[str]]:
+def running_torch() -> tuple[str, str | None]:
     return str(torch.__version__), torch.version.cuda
 
 
-def built_torch(build_info: str = BUILD_INFO) -> Optional[Tuple[str, Optional[str]]]:
+def built_torch(build_info: str = BUILD_INFO) -> tuple[str, str | None] | None:
     """(torch version, CUDA version) the extension was built against, or None
     for a build that did not record them."""
     try:

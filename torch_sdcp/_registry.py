@@ -17,7 +17,7 @@ from torch_sdcp._checks import arg_error
 
 _lock = threading.Lock()
 _handles = itertools.count(1)
-_live: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_live: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def new_handle() -> int:

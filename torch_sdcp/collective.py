@@ -17,14 +17,22 @@ use too.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp._checks import (check, check_bool, check_contiguous, check_dim, check_dtype, check_partials,
-                                check_query_inputs, check_same_device, check_tensor, check_topk_inputs)
+from torch_sdcp._checks import (
+    check,
+    check_bool,
+    check_contiguous,
+    check_dim,
+    check_dtype,
+    check_partials,
+    check_query_inputs,
+    check_same_device,
+    check_tensor,
+    check_topk_inputs,
+)
 from torch_sdcp.semantics import lse_weights
 
 __all__ = [
@@ -42,12 +50,12 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _unsupported_on_gloo(error: Exception, group: Optional[dist.ProcessGroup]) -> bool:
+def _unsupported_on_gloo(error: Exception, group: dist.ProcessGroup | None) -> bool:
     """Whether ``error`` is gloo refusing a collective it does not implement."""
     return "gloo" in str(dist.get_backend(group)) and "support" in str(error).lower()
 
 
-def all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: bool = False) -> Tensor:
+def all_gather_stack(x: Tensor, group: dist.ProcessGroup | None, use_list: bool = False) -> Tensor:
     """``[N, *x.shape]`` rank-major stack of every rank's ``x`` (at least 1-D;
     raw bytes through gloo need ``x.view(torch.uint8)`` for dtypes it lacks).
     ``use_list`` forces the list form of all_gather (tests cover both)."""
@@ -73,7 +81,7 @@ def all_gather_stack(x: Tensor, group: Optional[dist.ProcessGroup], use_list: bo
 _all_gather_stack = all_gather_stack  # the former private name, kept for callers that still use it
 
 
-def _reduce_scatter_dim0(x: Tensor, group: Optional[dist.ProcessGroup], use_all_reduce: bool = False) -> Tensor:
+def _reduce_scatter_dim0(x: Tensor, group: dist.ProcessGroup | None, use_all_reduce: bool = False) -> Tensor:
     """Sum of every rank's ``x`` (in ``x.dtype``), keeping this rank's
     ``1/N`` slice of dim 0."""
     n, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -93,9 +101,9 @@ def _reduce_scatter_dim0(x: Tensor, group: Optional[dist.ProcessGroup], use_all_
 
 
 def query_all_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                     q_scale: Optional[Tensor] = None, neox: bool = False,
+                     q_scale: Tensor | None = None, neox: bool = False,
                      out_dtype: torch.dtype = torch.bfloat16,
-                     group: Optional[dist.ProcessGroup] = None) -> Tensor:
+                     group: dist.ProcessGroup | None = None) -> Tensor:
     """Collective query path: the local producer kernel, then all_gather on heads.
     Returns ``[T, N*H_loc, Dn + R]`` in ``out_dtype``."""
     check_query_inputs(ql_nope, q_pe, positions, cos_sin_cache, q_scale, out_dtype)
@@ -108,7 +116,7 @@ def query_all_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_c
     return gathered.view(out_dtype)
 
 
-def all_gather_heads(q: Tensor, group: Optional[dist.ProcessGroup] = None, out: Optional[Tensor] = None) -> Tensor:
+def all_gather_heads(q: Tensor, group: dist.ProcessGroup | None = None, out: Tensor | None = None) -> Tensor:
     """Collective all_gather on heads of a query produced elsewhere:
     ``q [T, H_loc, W]`` on every rank -> ``[T, N*H_loc, W]`` (into ``out`` when
     given: contiguous, that shape, ``q``'s dtype and device), raw bytes (gloo
@@ -131,7 +139,7 @@ def all_gather_heads(q: Tensor, group: Optional[dist.ProcessGroup] = None, out: 
 
 
 def topk_all_gather_merge(scores: Tensor, ids: Tensor, k: int,
-                          group: Optional[dist.ProcessGroup] = None) -> Tensor:
+                          group: dist.ProcessGroup | None = None) -> Tensor:
     """Collective top-K path: all_gather of the ``(score, id)`` pairs, then
     ``torch.ops.sdcp.topk_select`` over the ``N*C`` gathered candidates.
     Returns ``[T, k]`` int32 global ids."""
@@ -154,8 +162,8 @@ def _check_lse_options(base2: object, return_lse: object) -> None:
 
 
 def lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool = False,
-                                  return_lse: bool = False, group: Optional[dist.ProcessGroup] = None,
-                                  ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                                  return_lse: bool = False, group: dist.ProcessGroup | None = None,
+                                  ) -> Tensor | tuple[Tensor, Tensor]:
     """Collective Output/LSE path (vLLM's ``cp_lse_ag_out_rs``): all_gather the
     LSE, rescale this rank's partial output by its weight, reduce_scatter on heads.
 
@@ -168,8 +176,8 @@ def lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base
 
 
 def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool, return_lse: bool,
-                                   group: Optional[dist.ProcessGroup], use_all_reduce: bool = False,
-                                   ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                                   group: dist.ProcessGroup | None, use_all_reduce: bool = False,
+                                   ) -> Tensor | tuple[Tensor, Tensor]:
     # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
     _check_lse_options(base2, return_lse)
     check_partials(partial_out, partial_lse, 2, torch.float32)
@@ -191,9 +199,9 @@ def _lse_all_gather_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, bas
 
 
 def lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool = False,
-                                          return_lse: bool = False, group: Optional[dist.ProcessGroup] = None,
-                                          *, out: Optional[Tensor] = None, out_lse: Optional[Tensor] = None,
-                                          ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                                          return_lse: bool = False, group: dist.ProcessGroup | None = None,
+                                          *, out: Tensor | None = None, out_lse: Tensor | None = None,
+                                          ) -> Tensor | tuple[Tensor, Tensor]:
     """Collective Output/LSE path as engines run it (the fallback and the
     baseline): all_gather of the LSE ``[T, H]`` into ``[N, T, H]``, ONE fused
     correction kernel (``torch.ops.sdcp.lse_correct``: the global LSE and this
@@ -213,9 +221,9 @@ def lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Tens
 
 
 def _lse_all_gather_correct_reduce_scatter(partial_out: Tensor, partial_lse: Tensor, base2: bool, return_lse: bool,
-                                           group: Optional[dist.ProcessGroup], out: Optional[Tensor] = None,
-                                           out_lse: Optional[Tensor] = None, use_all_reduce: bool = False,
-                                           ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                                           group: dist.ProcessGroup | None, out: Tensor | None = None,
+                                           out_lse: Tensor | None = None, use_all_reduce: bool = False,
+                                           ) -> Tensor | tuple[Tensor, Tensor]:
     # use_all_reduce forces the all_reduce + slice fallback (tests cover both).
     _check_lse_options(base2, return_lse)
     check_partials(partial_out, partial_lse, 2, torch.float32)

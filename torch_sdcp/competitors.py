@@ -45,10 +45,10 @@ Benchmark-only: a module for comparisons, not part of the torch_sdcp API.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -67,12 +67,17 @@ def _symmetric_memory():
     return symm_mem
 
 
+def _default_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch_sdcp competitors: initialise torch.distributed first")
+    return group
+
+
 def _enable_for_group(symm_mem, group) -> None:
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        try:
+        with contextlib.suppress(Exception):  # newer torch: enabled by default
             symm_mem.enable_symm_mem_for_group(group.group_name)
-        except Exception:  # newer torch: enabled by default
-            pass
 
 
 class SymmMemOutputLSE:
@@ -80,7 +85,7 @@ class SymmMemOutputLSE:
                  device: torch.device):
         symm_mem = _symmetric_memory()
 
-        self.group = group or dist.group.WORLD
+        self.group = group if group is not None else _default_group()
         self.n = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         self.hl = total_heads // self.n
@@ -117,7 +122,7 @@ class SymmMemOutputLSE:
 # ---------------------------------------------------------------------------
 
 
-def a2a_weights(inbox_lse: Tensor, base2: bool) -> Tuple[Tensor, Tensor]:
+def a2a_weights(inbox_lse: Tensor, base2: bool) -> tuple[Tensor, Tensor]:
     """The combine step's weights ``[N, T, H]`` and global LSE ``[T, H]`` (in
     the caller's base) from the received LSEs ``[N, T, H]`` fp32, as the
     kernel forms them: base 2 inside, ``exp2(l - m) * (1 / sum)``."""
@@ -136,7 +141,7 @@ def a2a_weights(inbox_lse: Tensor, base2: bool) -> Tuple[Tensor, Tensor]:
     return e * inv, big_l
 
 
-def a2a_combine_math(inbox: Tensor, inbox_lse: Tensor, base2: bool = False) -> Tuple[Tensor, Tensor]:
+def a2a_combine_math(inbox: Tensor, inbox_lse: Tensor, base2: bool = False) -> tuple[Tensor, Tensor]:
     """The combine step in plain torch: received payloads ``[N, T, H, D]`` and
     LSEs ``[N, T, H]`` -> ``([T, H, D]`` in the payload dtype, ``[T, H]`` fp32).
     fp32 accumulation in source order, one rounding; a zero-weight payload
@@ -149,7 +154,7 @@ def a2a_combine_math(inbox: Tensor, inbox_lse: Tensor, base2: bool = False) -> T
     return acc.to(inbox.dtype), big_l
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _a2a_kernels():
     """The two Triton kernels (defined on first use: importing this module
     needs no Triton, and TRITON_INTERPRET is read when they are defined)."""
@@ -244,7 +249,7 @@ def a2a_dispatch(partial_out: Tensor, partial_lse: Tensor, inbox: Tensor, inbox_
 
 
 def a2a_combine(inbox: Tensor, inbox_lse: Tensor, epoch: Tensor, rows: int, base2: bool,
-                out: Optional[Tensor] = None, out_lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                out: Tensor | None = None, out_lse: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Step 4: combine slot ``epoch % 2`` of this rank's inbox into
     ``([T, H/N, D], [T, H/N] fp32)``."""
     _, combine = _a2a_kernels()
@@ -283,7 +288,7 @@ class VllmA2AOutputLSE:
             raise ValueError(f"vLLM a2a: argument 'dtype': expected bfloat16 or float16, got {dtype}")
         if head_dim % 8:
             raise ValueError(f"vLLM a2a: argument 'head_dim': expected a multiple of 8, got {head_dim}")
-        self.group = group or dist.group.WORLD
+        self.group = group if group is not None else _default_group()
         self.n = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)
         if total_heads % self.n:

@@ -14,8 +14,6 @@ dispatcher (whose refusal is a bare ``RuntimeError``)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -82,7 +80,7 @@ def lse_is_base2(lse_base: str) -> bool:
 
 
 def query_rope_quant(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                     q_scale: Optional[Tensor] = None, *, rope_style: str = "interleaved",
+                     q_scale: Tensor | None = None, *, rope_style: str = "interleaved",
                      out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """RoPE on q_pe [T, H, R], concatenated after ql_nope [T, H, Dn]:
     [T, H, Dn + R] in bf16, or float8_e4m3fn as saturate(x / q_scale)."""
@@ -150,7 +148,7 @@ def topk_merge(scores: Tensor, ids: Tensor, workspace: int, k: int) -> Tensor:
 
 
 def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                 q_scale: Optional[Tensor], workspace: int, *, rope_style: str = "interleaved",
+                 q_scale: Tensor | None, workspace: int, *, rope_style: str = "interleaved",
                  out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Produce this rank's head shard into every peer's buffer and its own
     heads into the result; returns the gathered [T, N * H_loc, Dn + R]
@@ -161,7 +159,7 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
 
 
 def query_publish(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                  q_scale: Optional[Tensor], workspace: int, *, rope_style: str = "interleaved",
+                  q_scale: Tensor | None, workspace: int, *, rope_style: str = "interleaved",
                   out_dtype: torch.dtype = torch.bfloat16) -> None:
     """As query_gather, but the gathered query stays in this rank's inbox (the
     view buffer) for a zero-copy reader, which must call query_release when it

@@ -26,15 +26,23 @@ and a sum into one FMA, which would break the bit-exactness they promise.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from torch_sdcp._checks import (check, check_dim, check_dtype, check_mask_args, check_partials, check_positive_int,
-                                check_query_inputs, check_size, check_topk_inputs)
-from torch_sdcp.semantics import (lse_weights, mask_empty_shards, token_global_index, token_local_index,
-                                  token_owner)
+from torch_sdcp._checks import (
+    check,
+    check_dim,
+    check_dtype,
+    check_mask_args,
+    check_partials,
+    check_positive_int,
+    check_query_inputs,
+    check_size,
+    check_topk_inputs,
+)
+from torch_sdcp.semantics import lse_weights, mask_empty_shards, token_global_index, token_local_index, token_owner
 
 __all__ = [
     "token_owner",
@@ -69,7 +77,7 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def query_rope_quant_ref(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                         q_scale: Optional[Tensor] = None, neox: bool = False,
+                         q_scale: Tensor | None = None, neox: bool = False,
                          out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Reference query producer: RoPE on ``q_pe``, concatenation with ``ql_nope``,
     then bf16 or saturating float8_e4m3fn (``x / q_scale``).
@@ -99,10 +107,7 @@ def query_rope_quant_ref(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_s
     # the kernels do (no FMA, no addcmul): this is what makes it bit-exact.
     first = torch.sub(torch.mul(x0, cos), torch.mul(x1, sin))
     second = torch.add(torch.mul(x1, cos), torch.mul(x0, sin))
-    if neox:
-        roped = torch.cat([first, second], dim=-1)
-    else:
-        roped = torch.stack([first, second], dim=-1).flatten(-2)
+    roped = torch.cat([first, second], dim=-1) if neox else torch.stack([first, second], dim=-1).flatten(-2)
     out = torch.cat([ql_nope.float(), roped], dim=-1)
     if out_dtype == torch.float32:
         return out
@@ -196,7 +201,7 @@ def topk_select_ref(scores: Tensor, ids: Tensor, k: int) -> Tensor:
     return out
 
 
-def topk_merge_ref(shards: Sequence[Tuple[Tensor, Tensor]], k: int) -> Tensor:
+def topk_merge_ref(shards: Sequence[tuple[Tensor, Tensor]], k: int) -> Tensor:
     """Top-k over the union of per-rank candidate shards ``[(scores, ids), ...]``:
     ``topk_select_ref`` over their concatenation along dim 1."""
     check(len(shards) >= 1, "shards", "at least one (scores, ids) shard", len(shards))
@@ -230,7 +235,7 @@ def _check_lse_stack(partial_out: Tensor, partial_lse: Tensor) -> None:
     check(partial_out.size(0) >= 1, "partial_out", "at least one shard at dim 0", partial_out.size(0))
 
 
-def lse_combine_ref(partial_out: Tensor, partial_lse: Tensor, base2: bool = False) -> Tuple[Tensor, Tensor]:
+def lse_combine_ref(partial_out: Tensor, partial_lse: Tensor, base2: bool = False) -> tuple[Tensor, Tensor]:
     """LSE-weighted combine of ``N`` stacked partials ``[N, T, H, D]`` / ``[N, T, H]``.
 
     Weights and accumulation in fp32, one rounding to ``partial_out.dtype``.
@@ -241,15 +246,15 @@ def lse_combine_ref(partial_out: Tensor, partial_lse: Tensor, base2: bool = Fals
     return _weighted_sum(partial_out, w).to(partial_out.dtype), big_l
 
 
-def lse_combine_ref64(partial_out: Tensor, partial_lse: Tensor, base2: bool = False) -> Tuple[Tensor, Tensor]:
+def lse_combine_ref64(partial_out: Tensor, partial_lse: Tensor, base2: bool = False) -> tuple[Tensor, Tensor]:
     """``lse_combine_ref`` in float64 (for tests): returns float64 ``(out, lse)``."""
     _check_lse_stack(partial_out, partial_lse)
     w, big_l = lse_weights(partial_lse.double(), base2)
     return _weighted_sum(partial_out, w), big_l
 
 
-def output_lse_shard(out: Tensor, lse: Optional[Tensor], rank: int, world_size: int
-                     ) -> Tuple[Tensor, Optional[Tensor]]:
+def output_lse_shard(out: Tensor, lse: Tensor | None, rank: int, world_size: int
+                     ) -> tuple[Tensor, Tensor | None]:
     """Rank ``rank``'s heads ``[rank*H/N, (rank+1)*H/N)`` of a combined
     ``out [T, H, D]`` and ``lse [T, H]`` (``lse`` may be None)."""
     n = check_positive_int(world_size, "world_size", named=True)

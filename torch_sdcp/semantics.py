@@ -13,7 +13,6 @@ They run eagerly on any device (csrc/semantics.h is their C++ twin).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -22,7 +21,7 @@ from torch_sdcp._checks import check, check_int, check_mask_args, check_positive
 
 __all__ = ["token_owner", "token_local_index", "token_global_index", "lse_weights", "mask_empty_shards"]
 
-IntOrTensor = Union[int, Tensor]
+IntOrTensor = int | Tensor
 
 
 def _check_index(value: IntOrTensor, arg: str) -> None:
@@ -73,7 +72,7 @@ def token_global_index(j: IntOrTensor, rank: IntOrTensor, world_size: int, inter
 # ---------------------------------------------------------------------------
 
 
-def lse_weights(lse: Tensor, base2: bool) -> Tuple[Tensor, Tensor]:
+def lse_weights(lse: Tensor, base2: bool) -> tuple[Tensor, Tensor]:
     """Combine weights ``w [N, ...]`` and global LSE ``L [...]`` of stacked shard
     LSEs ``lse [N, ...]``, computed in ``lse.dtype`` (docs/DESIGN.md section 2)."""
     exp = torch.exp2 if base2 else torch.exp
@@ -94,7 +93,7 @@ def lse_weights(lse: Tensor, base2: bool) -> Tuple[Tensor, Tensor]:
     return w, big_l
 
 
-def mask_empty_shards(lse: Tensor, seq_lens: Optional[Tensor], query_start_loc: Optional[Tensor]) -> Tensor:
+def mask_empty_shards(lse: Tensor, seq_lens: Tensor | None, query_start_loc: Tensor | None) -> Tensor:
     """vLLM's empty-shard mask (``mask_dcp_empty_shards_``), out of place:
     ``lse [T, H]`` with -inf in every row that must get no weight, rows at or
     past ``query_start_loc[-1]`` (CUDA-graph padding) and rows of requests

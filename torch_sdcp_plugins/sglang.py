@@ -41,7 +41,7 @@ def register() -> None:
 
         if not face.install() and SGLANG.required():
             raise RuntimeError(f"{ENV_ENABLE}=require: the SGLang plugin could not install (see the error above)")
-    except Exception as e:  # noqa: BLE001  (nothing of ours reaches SGLang's start-up)
+    except Exception as e:
         _log_once(logging.ERROR, "register", "torch_sdcp: the SGLang plugin stays off: %s: %s", type(e).__name__, e)
         if SGLANG.required():
             raise

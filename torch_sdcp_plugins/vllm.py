@@ -11,6 +11,7 @@ is :mod:`torch_sdcp.integrations.vllm`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -65,7 +66,7 @@ def register() -> None:
 
         if not plugin.install() and VLLM.required():
             raise RuntimeError(f"{ENV_ENABLE}=require: the vLLM plugin could not install (see the error above)")
-    except Exception as e:  # noqa: BLE001  (nothing of ours may abort vLLM's start-up, unless required)
+    except Exception as e:
         _log_once(logging.ERROR, "register", "torch_sdcp: the vLLM plugin is off, vLLM keeps its own DCP paths: "
                   "%s: %s", type(e).__name__, e, exc_info=True)
         _undo()
@@ -80,7 +81,5 @@ def _undo() -> None:
     plugin = sys.modules.get("torch_sdcp.integrations.vllm")
     if plugin is None:
         return
-    try:
+    with contextlib.suppress(Exception):
         plugin.uninstall()
-    except Exception:  # noqa: BLE001  (already logged the cause; stay quiet)
-        pass

@@ -8,9 +8,9 @@ import statistics
 
 import torch
 
-import torch_sdcp  # noqa: F401
+import torch_sdcp
 from torch_sdcp import ops
-from torch_sdcp.inputs import score_distribution, SCORE_DISTRIBUTIONS
+from torch_sdcp.inputs import SCORE_DISTRIBUTIONS, score_distribution
 
 
 def time_k8(fn, replays=100, trials=7):

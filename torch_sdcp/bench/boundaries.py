@@ -151,7 +151,7 @@ def bench_decode(ctx, out: list) -> None:
         want = demo.step("collective")
         got = demo.step("sdcp")
         err = max(((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-                  for a, b in zip(got, want))
+                  for a, b in zip(got, want, strict=False))
         errs: list = [None] * ctx.world
         dist.all_gather_object(errs, err)
         row = {"requests": ctx.requests, "context": ctx.context, "layers": ctx.layers, "sparse": ctx.sparse,

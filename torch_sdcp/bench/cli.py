@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -70,7 +69,7 @@ def choose_backend(requested: str, world: int) -> str:
     return "cuda" if cuda_built and torch.cuda.is_available() and torch.cuda.device_count() >= world else "host"
 
 
-def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
+def run_rank(rank: int, world: int, args, store_path: str | None) -> None:
     import torch_sdcp  # noqa: F401
 
     # NVLink multicast stays off (docs/DESIGN.md section 6), for NCCL and for
@@ -102,7 +101,7 @@ def run_rank(rank: int, world: int, args, store_path: Optional[str]) -> None:
                 {"signal": bench_signal, "query": bench_query, "topk": bench_topk,
                  "output_lse": bench_output_lse}[name](
                     ctx, args.rows, results[name])
-        except Exception as e:  # noqa: BLE001  (reported in the table)
+        except Exception as e:
             results[name].append({"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})
             if rank == 0:
                 traceback.print_exc()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -89,33 +88,33 @@ class DecodeStep:
                 end.record()
                 end.synchronize()
                 times[name] = start.elapsed_time(end) * 1e3 / 20
-            except Exception:  # noqa: BLE001  (a candidate that cannot run here is not chosen)
+            except Exception:
                 times[name] = None
         every: list = [None] * self.ctx.world
         dist.all_gather_object(every, times)
         worst = {name: (None if any(t[name] is None for t in every) else max(t[name] for t in every))
                  for name in times}
         ran = {name: us for name, us in worst.items() if us is not None}
-        return (min(ran, key=ran.get) if ran else "matmul"), worst
+        return (min(ran, key=lambda name: ran[name]) if ran else "matmul"), worst
 
     def close(self) -> None:
         for ws in (self.query_ws, self.olse_ws, self.topk_ws):
             if ws is not None:
                 ws.close()
 
-    def attention(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
+    def attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None):
         if self.attention_name == "sdpa" and mask is None:
             return self.attention_sdpa(q, kv, mask)
         return self.attention_matmul(q, kv, mask)
 
-    def attention_sdpa(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
+    def attention_sdpa(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None):
         d = self.ctx.head_dim
         # One KV head for every query head: batch T, 1 head, H query rows.
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q.unsqueeze(1), kv.unsqueeze(1), kv[..., :d].unsqueeze(1), None, True, 0.0, False, scale=self.scale)[:2]
         return out[:, 0].contiguous(), lse[:, 0, : q.shape[1]].contiguous()
 
-    def attention_matmul(self, q: torch.Tensor, kv: torch.Tensor, mask: Optional[torch.Tensor]):
+    def attention_matmul(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None):
         scores = torch.matmul(q, kv.transpose(1, 2)).float() * self.scale  # [T, H, L]
         if mask is not None:
             scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
@@ -131,6 +130,7 @@ class DecodeStep:
         top = torch.topk(idx, self.k, dim=-1)  # this rank's local candidates
         cand_ids = torch.gather(self.gid, 1, top.indices).to(torch.int32)
         if mode == "sdcp":
+            assert self.topk_ws is not None  # made with the sparse step
             chosen = self.topk_ws.merge(top.values.contiguous(), cand_ids.contiguous())
         else:
             chosen = collective.topk_all_gather_merge(top.values.contiguous(), cand_ids.contiguous(), self.k)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import textwrap
-from typing import Optional
 
 from torch_sdcp.bench.decode import DecodeStep
 
@@ -109,7 +108,7 @@ def bandwidth_line(row: dict, paths: list, names: dict) -> str:
             + f" (of {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
 
 
-def strongest_baseline(row: dict) -> Optional[tuple]:
+def strongest_baseline(row: dict) -> tuple | None:
     """(name, k8 us) of the fastest baseline path of a row, or None."""
     timed = [(row[p]["k8"], p) for p in PATHS
              if p in row and p not in OURS and isinstance(row[p].get("k8"), (int, float))]
@@ -131,7 +130,7 @@ def legend(names, host: bool = False) -> list:
         for path, what in LEGEND.get(name, []):
             if host:
                 what = what.replace("NCCL; gloo on the host backend", "gloo").replace("NCCL", "gloo")
-                path = HOST_PATH_NAMES.get(PATH_KEYS.get(path), path)
+                path = HOST_PATH_NAMES.get(PATH_KEYS.get(path, ""), path)
             lines.append(f"  {name} / {path}: {what}")
     return lines
 
@@ -199,7 +198,7 @@ def tables(data: dict) -> str:
                     lines.append(f"  attention: {att}: {DecodeStep.ATTENTION.get(att, att)}"
                                  + (f" (one layer, timed: {timed})" if timed else ""))
                 if c and s:
-                    share = lambda t: max(0.0, (t - comp) / t) if comp else float("nan")  # noqa: E731
+                    share = lambda t, comp=comp: max(0.0, (t - comp) / t) if comp else float("nan")  # noqa: E731
                     step = (f"  step: {names['collective']} {c:.1f} us ({share(c):.0%} crossing the group), "
                             f"torch_sdcp {s:.1f} us ({share(s):.0%})")
                     lines.append(step + (f", {1 - s / c:.0%} lower" if cuda else ""))
@@ -221,7 +220,7 @@ def host_plot_header(meta: dict, width: float) -> tuple:
     return title, note, 0.25 * len(title) + 0.19 * len(note) + 0.1
 
 
-def plot(data: dict, path: str) -> Optional[str]:
+def plot(data: dict, path: str) -> str | None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -239,12 +238,12 @@ def plot(data: dict, path: str) -> Optional[str]:
     if not cuda:
         title, note, header_in = host_plot_header(meta, width)
     fig, axes = plt.subplots(1, len(boundaries), figsize=(width, 4 if cuda else 4 + header_in), squeeze=False)
-    for ax, name in zip(axes[0], boundaries):
+    for ax, name in zip(axes[0], boundaries, strict=False):
         rows = [r for r in data["results"][name] if "rows" in r]
         for p in PATHS:
             pts = [(r["rows"], r[p]["k8"]) for r in rows if p in r and "k8" in r[p]]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=names[p])
+                ax.plot(*zip(*pts, strict=False), marker="o", label=names[p])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows (decode tokens)")
         ax.set_ylabel("us per call (k8)" if cuda else "CPU wall clock us per call (k8)")

@@ -71,11 +71,11 @@ def guarded(timer: Timer, fn_factory: Callable[[], Callable[[], object]], ks=(8,
     rank agrees on the verdict, so no rank is left waiting in a collective."""
     try:
         fn, err = fn_factory(), None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         fn, err = None, f"{type(e).__name__}: {e}".splitlines()[0][:160]
     errs: list = [None] * dist.get_world_size()
     dist.all_gather_object(errs, err)
     first = next((e for e in errs if e), None)
-    if first:
+    if first or fn is None:
         return {"error": first}
     return timer.measure(fn, ks)

@@ -162,6 +162,8 @@ def engine_group(group: Any, via: str, arg: str) -> Group:
             raise RuntimeError("torch_sdcp: the integrations need an initialised torch.distributed "
                                "(call torch.distributed.init_process_group first)")
         if group is None:
+            if dist.group.WORLD is None:
+                raise RuntimeError("torch_sdcp: the integrations need an initialised default process group")
             pg = dist.group.WORLD
         elif isinstance(group, dist.ProcessGroup):
             pg = group
@@ -591,7 +593,7 @@ class Face:
         for _, entry in entries:
             try:
                 entry.workspace.close()
-            except Exception as e:  # noqa: BLE001  (close the rest, then report)
+            except Exception as e:
                 errors.append(e)
         if errors:
             raise errors[0]
@@ -608,7 +610,7 @@ class Face:
                 if entry.workspace.peer:
                     entry.workspace.abort(reason)  # poisoned: close() releases locally, no barrier
                 entry.workspace.close()
-            except Exception as e:  # noqa: BLE001  (the rest are released; shutdown goes on)
+            except Exception as e:
                 self.log_once("warning", ("release", type(e).__name__), "torch_sdcp: releasing a %s workspace "
                               "locally failed (%s: %s)", self.name, type(e).__name__, e)
 

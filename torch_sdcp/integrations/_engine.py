@@ -41,7 +41,7 @@ def engine_logger(engine: str, init_logger: str | None = None) -> Callable[[], l
         if init_logger is not None:
             try:
                 return importlib.import_module(init_logger).init_logger(f"{engine}.torch_sdcp")
-            except Exception:  # noqa: BLE001  (an engine without init_logger: plain logging)
+            except Exception:
                 pass
         return logging.getLogger(f"{engine}.torch_sdcp")
 

@@ -395,7 +395,7 @@ def _after_pre_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -
                     plan.decide(seam, False, f"peer memory unavailable or a geometry not covered ({shape}, {dtype})",
                                 "a DCP group inside one node whose GPUs map each other's memory, bf16/fp16/fp32")
         plan.emit(lambda level, text: _log_once(level, ("plan", plan.group), "%s", text))
-    except Exception as e:  # noqa: BLE001  (no exception of ours reaches SGLang's start-up, unless required)
+    except Exception as e:
         if SGLANG.required():
             raise
         _log_once("error", ("prepare-failed", type(e).__name__), "torch_sdcp: preparing the SGLang DCP workspaces "

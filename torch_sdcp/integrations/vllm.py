@@ -378,7 +378,7 @@ def _install_step_check() -> None:
             return
         try:
             owner, name, value = _resolve(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens")
-        except Exception as e:  # noqa: BLE001  (an import that raises anything: every seam stays vLLM's)
+        except Exception as e:
             _state.step_check = f"no step health check: {type(e).__name__}: {e}"
             _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
                       "stays vLLM's", _GPU_WORKER, _state.step_check)

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from torch_sdcp._checks import check_mask_args as _check_mask_args
 from torch_sdcp.integrations._core import EngineHooks, Face, Seam, Site, normalise_device
 from torch_sdcp.integrations._engine import engine_logger, query_geometry, workspace_options
-from torch_sdcp._checks import check_mask_args as _check_mask_args
 from torch_sdcp.semantics import mask_empty_shards
 from torch_sdcp_plugins.settings import VLLM
 

@@ -48,7 +48,7 @@ def _destroy_model_parallel(*args, **kwargs):
     close is logged; vLLM's shutdown goes on."""
     try:
         teardown()
-    except Exception as e:  # noqa: BLE001  (shutdown must go on)
+    except Exception as e:
         _log_once("error", ("teardown", str(e)), "torch_sdcp: closing the workspaces at vLLM's shutdown failed "
                   "(%s: %s); vLLM's shutdown goes on", type(e).__name__, e)
     # A next engine in this process logs its seams again, even under a DCP group name seen before.

@@ -9,19 +9,36 @@ mapping, close() is idempotent and collective only outside destructors and inter
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .backend import MemoryBackend
-from .collectives import (AgreementAbandoned, GroupOutOfStepError, StoreSync, Turn, _Agreement, arena_count,
-                          check_group, forget_arena, group_order, group_store, is_refused, next_arena_number,
-                          out_of_step, peek, peers_exited, refuse_group)
+from .collectives import (
+    AgreementAbandoned,
+    GroupOutOfStepError,
+    StoreSync,
+    Turn,
+    _Agreement,
+    arena_count,
+    check_group,
+    forget_arena,
+    group_order,
+    group_store,
+    is_refused,
+    next_arena_number,
+    out_of_step,
+    peek,
+    peers_exited,
+    refuse_group,
+)
 from .dlpack import _byte_tensor
 from .fd_exchange import _exchange_fds, _ExchangeSocket
 from .lifetime import _interpreter_exiting, _Mapping
@@ -75,13 +92,13 @@ class PeerArena:
     View lifetime: docs/DESIGN.md, section "Peer-addressable objects".
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup], nbytes_per_rank: int, *,
-                 backend: str = "auto", device: Optional[torch.device] = None,
+    def __init__(self, group: dist.ProcessGroup | None, nbytes_per_rank: int, *,
+                 backend: str = "auto", device: torch.device | None = None,
                  allow_shared_device: bool = False, timeout_s: float = 60.0,
-                 agree: Optional[Dict[str, Any]] = None) -> None:
+                 agree: dict[str, Any] | None = None) -> None:
         self._closed = True  # until creation completes; guards __del__ and close()
-        self._mapping: Optional[_Mapping] = None
-        self._base_u8: Optional[torch.Tensor] = None
+        self._mapping: _Mapping | None = None
+        self._base_u8: torch.Tensor | None = None
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch_sdcp: PeerArena needs an initialised torch.distributed "
                                "process group (call torch.distributed.init_process_group first)")
@@ -99,8 +116,8 @@ class PeerArena:
         self.device = torch.device("cpu")
         self.stride = 0
         self.base_address = 0
-        self.peer_pids: Dict[int, int] = {}  # rank -> pid of every other rank, once created
-        self.native_peer_atomics: Optional[bool] = None
+        self.peer_pids: dict[int, int] = {}  # rank -> pid of every other rank, once created
+        self.native_peer_atomics: bool | None = None
         try:
             self.timeout_s = float(timeout_s)
         except (TypeError, ValueError):
@@ -109,7 +126,7 @@ class PeerArena:
             self.timeout_s = 60.0  # the bound of the agreement that reports the bad value on every rank
         self._agree = dict(agree or {})
         self._barriers = 0
-        self._agreements: Optional[StoreSync] = None
+        self._agreements: StoreSync | None = None
         check_group(group, "PeerArena creation")
         number = next_arena_number(group)  # the same on every rank: creations on a group are collective
         self._agreements = StoreSync(group_store(group), rank, self.world_size, f"sdcp/arena{number}")
@@ -137,9 +154,9 @@ class PeerArena:
         N, me = self.world_size, self.rank
         assert self._agreements is not None
         steps = _Agreement(self._group, self._agreements, self.timeout_s)
-        candidates: Dict[str, MemoryBackend] = {}
+        candidates: dict[str, MemoryBackend] = {}
         sock = _ExchangeSocket()
-        received: Dict[int, int] = {}
+        received: dict[int, int] = {}
         try:
             # 1. validate locally, publish the plan, check it on the gathered plans
             def validate():
@@ -207,10 +224,8 @@ class PeerArena:
             self._base_u8 = None
             sock.close()
             for f in received.values():
-                try:
+                with contextlib.suppress(OSError):
                     os.close(f)
-                except OSError:
-                    pass
             for b in candidates.values():
                 b.release()
             raise
@@ -218,9 +233,15 @@ class PeerArena:
         self._mapping = m
         self._closed = False
 
+    def _mapped_bytes(self) -> torch.Tensor:
+        """Every rank's region as one byte tensor (open arenas only: views check that first)."""
+        if self._base_u8 is None:
+            raise RuntimeError(f"torch_sdcp: PeerArena rank {self.rank} has no mapping (closed)")
+        return self._base_u8
+
     def _raw_words(self, r: int, offset: int, count: int) -> torch.Tensor:
         start = r * self.stride + offset
-        return self._base_u8[start:start + 8 * count].view(torch.int64)
+        return self._mapped_bytes()[start:start + 8 * count].view(torch.int64)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -230,7 +251,7 @@ class PeerArena:
         N, me, stride = self.world_size, self.rank, self.stride
         tail = stride - 8 * N if stride >= 16 * N else None
         # write: word(me, dst) at 8*me of the head and of the tail of every region
-        err: Optional[Exception] = None
+        err: Exception | None = None
         try:
             _hook("probe")
             for dst in range(N):
@@ -243,7 +264,7 @@ class PeerArena:
         steps.agree("probe write", err)
         # verify our region, re-zero the probe words, check peer capabilities
         err = None
-        atomics: Optional[bool] = True
+        atomics: bool | None = True
         try:
             bad = []
             for off in (0, tail):
@@ -291,7 +312,7 @@ class PeerArena:
         self._check_open("address")
         return self.base_address + self._check_rank(rank, "address") * self.stride
 
-    def _view_geometry(self, what: str, dtype, shape, offset) -> Tuple[torch.dtype, Tuple[int, ...], int]:
+    def _view_geometry(self, what: str, dtype, shape, offset) -> tuple[torch.dtype, tuple[int, ...], int]:
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"torch_sdcp: argument 'dtype' of PeerArena.{what}: expected a "
                              f"torch.dtype, got {dtype!r}")
@@ -327,7 +348,7 @@ class PeerArena:
         return dtype, shape, offset
 
     @staticmethod
-    def _contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides, acc = [], 1
         for s in reversed(shape):
             strides.append(acc)
@@ -337,7 +358,7 @@ class PeerArena:
     def _region_view(self, rank: int, what: str, dtype, shape, offset) -> torch.Tensor:
         dtype, shape, offset = self._view_geometry(what, dtype, shape, offset)
         itemsize = dtype.itemsize
-        full = self._base_u8.view(dtype)
+        full = self._mapped_bytes().view(dtype)
         return full.as_strided(shape, self._contiguous_strides(shape),
                                (rank * self.stride + offset) // itemsize)
 
@@ -360,7 +381,7 @@ class PeerArena:
         self._check_open("rank_major_view")
         dtype, shape, offset = self._view_geometry("rank_major_view", dtype, shape, offset)
         itemsize = dtype.itemsize
-        full = self._base_u8.view(dtype)
+        full = self._mapped_bytes().view(dtype)
         return full.as_strided((self.world_size,) + shape,
                                (self.stride // itemsize,) + self._contiguous_strides(shape),
                                offset // itemsize)
@@ -371,7 +392,7 @@ class PeerArena:
         if self._agreements is not None:
             self._agreements.store.set(f"{self._agreements.prefix}/note/{self.rank}", text[:200])
 
-    def peer_note(self, rank: int) -> Optional[str]:
+    def peer_note(self, rank: int) -> str | None:
         """The message rank ``rank`` left with :meth:`post_note`, or None; never waits."""
         if self._agreements is None:
             return None
@@ -387,7 +408,7 @@ class PeerArena:
         self._barriers += 1
         self._meet(f"barrier{self._barriers}", "barrier")
 
-    def _meet(self, name: str, stage: str, leftovers: Optional[List[str]] = None) -> None:
+    def _meet(self, name: str, stage: str, leftovers: list[str] | None = None) -> None:
         assert self._agreements is not None
         try:
             if leftovers is None:
@@ -407,7 +428,7 @@ class PeerArena:
             raise
 
     def agree_call(self, name: str, payload: bytes, timeout_s: float,
-                   give_up: Optional[Callable[[], Optional[str]]] = None) -> List[bytes]:
+                   give_up: Callable[[], str | None] | None = None) -> list[bytes]:
         """Every rank's ``payload`` for ``name`` (unique in this arena, alike on every rank), agreed
         on the group's store within ``timeout_s`` (a workspace's rows-fallback decision), or
         AgreementAbandoned; the group stays usable: nothing collective ran."""
@@ -417,7 +438,7 @@ class PeerArena:
         return self._agreements.meet(name, timeout_s, payload, give_up)
 
     def collective_turn(self, name: str, timeout_s: float,
-                        give_up: Optional[Callable[[], Optional[str]]] = None) -> Turn:
+                        give_up: Callable[[], str | None] | None = None) -> Turn:
         """The turn of the collective-path section whose agreement is ``name`` (the name given to
         agree_call), in the one order of such sections on this arena's group (GroupOrder): held
         by the calling thread from now on, through the agreement and the collectives that follow,
@@ -459,7 +480,7 @@ class PeerArena:
                 forget_arena(self._group, self._agreements.prefix)
             self._release_local()
 
-    def _leftovers(self) -> List[str]:
+    def _leftovers(self) -> list[str]:
         """The keys that may stay under this arena's prefix until every rank closed it: every
         rank's note (post_note)."""
         assert self._agreements is not None
@@ -480,7 +501,7 @@ class PeerArena:
         except BaseException:
             pass
 
-    def __enter__(self) -> "PeerArena":
+    def __enter__(self) -> PeerArena:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -500,7 +521,7 @@ class PeerArena:
 # ---------------------------------------------------------------------------------------------
 
 
-def post_creation_error(group: Optional[dist.ProcessGroup], error: BaseException, timeout_s: float) -> None:
+def post_creation_error(group: dist.ProcessGroup | None, error: BaseException, timeout_s: float) -> None:
     """This rank's creation of a PeerArena on ``group`` failed its local checks (``error``) before
     the arena was created: take this rank's part in the creation's first step ('validate') with
     ``error`` posted, so that every peer raises it at once (PeerArena creation failed at step
@@ -523,7 +544,7 @@ def post_creation_error(group: Optional[dist.ProcessGroup], error: BaseException
     steps.publish_pid()
     try:
         steps.agree("validate", error if isinstance(error, Exception) else RuntimeError(repr(error)), None)
-    except Exception as e:  # noqa: BLE001  (the every-rank error names this one; the caller raises its own)
+    except Exception as e:
         if isinstance(e, GroupOutOfStepError):
             logger.warning("torch_sdcp: rank %d: the peers did not come to creation step 'validate' to learn "
                            "this rank's error (%s): %s", rank, error, e)
@@ -531,7 +552,7 @@ def post_creation_error(group: Optional[dist.ProcessGroup], error: BaseException
         steps.unpublish_pid()
 
 
-def _timeout_of(kwargs: Dict[str, Any]) -> float:
+def _timeout_of(kwargs: dict[str, Any]) -> float:
     """The bound of the posted step: the caller's ``timeout_s``, else SDCP_TIMEOUT_S, else 300 s
     (a bad value is the error being posted: the default bounds it)."""
     for raw in (kwargs.get("timeout_s"), os.environ.get("SDCP_TIMEOUT_S")):

@@ -16,10 +16,12 @@ subclass, listed in ``plan.BACKENDS``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from typing import Any, Callable, ClassVar, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -55,18 +57,18 @@ class MemoryBackend:
         """Raise ValueError if `device` cannot be the local device of an explicit request."""
 
     @classmethod
-    def wanted_for_auto(cls, device: Optional[torch.device]) -> bool:
+    def wanted_for_auto(cls, device: torch.device | None) -> bool:
         """Whether backend "auto" should plan this backend for `device`."""
         return True
 
     @classmethod
-    def plans_error(cls, infos: List[Dict[str, Any]],
-                    allow_shared_device: bool) -> Optional[Exception]:
+    def plans_error(cls, infos: list[dict[str, Any]],
+                    allow_shared_device: bool) -> Exception | None:
         """The error that rules this backend out for the gathered `infos` (one per rank), or
         None. Runs on identical data on every rank."""
         return None
 
-    def local_plan(self, nbytes_per_rank: int, device: Optional[torch.device]) -> Dict[str, Any]:
+    def local_plan(self, nbytes_per_rank: int, device: torch.device | None) -> dict[str, Any]:
         """Check that this rank can use the backend; return what the peers need to know (picklable),
         at least "stride": nbytes_per_rank rounded up to the allocation granularity."""
         raise NotImplementedError
@@ -86,12 +88,12 @@ class MemoryBackend:
         """A descriptor of our allocation for the peers to import; kept in own_fd."""
         raise NotImplementedError
 
-    def map_peers(self, fds: Dict[int, int]) -> int:
+    def map_peers(self, fds: dict[int, int]) -> int:
         """Map the memory of every rank r (fds[r]; ours included) at base + r * stride of one
         reserved range, zero our region and wait for it. Returns base."""
         raise NotImplementedError
 
-    def check_peer_access(self, infos: List[Dict[str, Any]]) -> Optional[bool]:
+    def check_peer_access(self, infos: list[dict[str, Any]]) -> bool | None:
         """Capability checks after the write-and-verify probe; raise if a peer is unusable.
         Returns whether every peer supports native atomics (None: unknown)."""
         return True
@@ -119,12 +121,10 @@ class MemoryBackend:
             try:
                 return fn(*args)
             except BaseException as e:
-                try:
+                with contextlib.suppress(BaseException):  # logging itself may be torn down at interpreter exit
                     (logger.debug if quiet else logger.warning)(
                         "torch_sdcp: PeerArena rank %d: %s failed during release: %s",
                         self.rank, what, e)
-                except BaseException:  # logging itself may be torn down at interpreter exit
-                    pass
                 return None
 
         self._release_memory(attempt)

@@ -10,13 +10,15 @@ behaviour")."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,8 +38,8 @@ class AgreementAbandoned(Exception):
     """An agreement given up: by this rank (``mine``) or by rank ``by_rank`` before this rank came;
     ``missing``: the ranks it waited for; ``reason``: why it gave up (None: the timeout)."""
 
-    def __init__(self, by_rank: int, missing: List[int], waited_s: float, mine: bool,
-                 reason: Optional[str] = None) -> None:
+    def __init__(self, by_rank: int, missing: list[int], waited_s: float, mine: bool,
+                 reason: str | None = None) -> None:
         super().__init__(f"rank {by_rank} gave up after {waited_s:.3g} s waiting for ranks {missing}"
                          + (f": {reason}" if reason else ""))
         self.by_rank, self.missing, self.waited_s, self.mine, self.reason = by_rank, missing, waited_s, mine, reason
@@ -53,11 +55,11 @@ class _GroupState:
 
     def __init__(self) -> None:
         self.arenas = 0  # PeerArena creations on the group in this process: the same on every rank
-        self.refused: Optional[str] = None
-        self.order: Optional["GroupOrder"] = None  # of the collective-path sections, once one ran
+        self.refused: str | None = None
+        self.order: GroupOrder | None = None  # of the collective-path sections, once one ran
 
 
-_groups: "weakref.WeakKeyDictionary[Any, _GroupState]" = weakref.WeakKeyDictionary()
+_groups: weakref.WeakKeyDictionary[Any, _GroupState] = weakref.WeakKeyDictionary()
 _groups_lock = threading.Lock()
 
 
@@ -134,7 +136,7 @@ def forget_arena(group, prefix: str) -> None:
         order.forget(prefix)
 
 
-def group_order(group) -> "GroupOrder":
+def group_order(group) -> GroupOrder:
     """The order of the collective-path sections on ``group`` in this process (one per group)."""
     state = _state(group)
     with _groups_lock:
@@ -153,7 +155,7 @@ class Turn:
     ``release()`` (idempotent; a Turn that holds nothing: the section's agreement was already
     given up, which the agreement itself reports)."""
 
-    def __init__(self, order: Optional["GroupOrder"], seq: int) -> None:
+    def __init__(self, order: GroupOrder | None, seq: int) -> None:
         self._order, self.seq = order, seq
 
     def release(self) -> None:
@@ -187,7 +189,7 @@ class GroupOrder:
             self._closed.add(prefix)
             self._cond.notify_all()
 
-    def enter(self, name: str, timeout_s: float, give_up: Optional[Callable[[], Optional[str]]] = None) -> Turn:
+    def enter(self, name: str, timeout_s: float, give_up: Callable[[], str | None] | None = None) -> Turn:
         """Wait for the turn of the section ``name`` (the full name of its store agreement, alike on
         every rank) and hold it; AgreementAbandoned (``mine``, with its reason) when the turn does not
         come within ``timeout_s`` or ``give_up()`` returns a reason."""
@@ -267,12 +269,12 @@ class StoreSync:
         self.store, self.rank, self.world_size, self.prefix = store, rank, world_size, prefix
         self.abandoned: set = set()  # names of the agreements this rank saw given up: their verdicts stay
 
-    def _keys(self, name: str) -> Tuple[str, List[str], str, str]:
+    def _keys(self, name: str) -> tuple[str, list[str], str, str]:
         base = f"{self.prefix}/{name}"
         return base, [f"{base}/{r}" for r in range(self.world_size)], f"{base}/v", f"{base}/n"
 
     def meet(self, name: str, timeout_s: float, payload: bytes = b"",
-             give_up: Optional[Callable[[], Optional[str]]] = None) -> List[bytes]:
+             give_up: Callable[[], str | None] | None = None) -> list[bytes]:
         """Every rank's payload (rank-major) once every rank has come, or AgreementAbandoned
         (nothing left pending either way). ``give_up()``, polled while waiting, returns a reason
         to stop waiting before ``timeout_s``, or None."""
@@ -289,15 +291,13 @@ class StoreSync:
             try:
                 store.compare_set(verdict_key, "", _record(me, [], 0.0, f"interrupted on rank {me} ({e!r})"))
                 store.delete_key(keys[me])
-            except Exception:  # noqa: BLE001  (the error that interrupted is the one to raise)
+            except Exception:
                 pass
             raise
         if verdict != _DONE:
             self.abandoned.add(name)
-            try:
+            with contextlib.suppress(Exception):
                 store.delete_key(keys[me])  # the verdict alone tells a late rank
-            except Exception:  # noqa: BLE001  (what it tells the caller is the verdict)
-                pass
             raise _abandoned(verdict, me)
         got = _multi_get(store, others) if payload else [b""] * len(others)
         got.insert(me, payload)
@@ -312,13 +312,11 @@ class StoreSync:
         if self.world_size == 1:
             return
         self.abandoned.add(name)
-        try:
+        with contextlib.suppress(Exception):
             self.store.compare_set(self._keys(name)[2], "", _record(self.rank, [], 0.0, reason))
-        except Exception:  # noqa: BLE001  (best effort: the peers still have their timeout)
-            pass
 
-    def _verdict(self, keys: List[str], verdict_key: str, timeout_s: float,
-                 give_up: Optional[Callable[[], Optional[str]]]) -> bytes:
+    def _verdict(self, keys: list[str], verdict_key: str, timeout_s: float,
+                 give_up: Callable[[], str | None] | None) -> bytes:
         """Poll until every peer's key is there (the verdict "done", unless a peer gave up first),
         a peer gave up, ``give_up()`` says so, or ``timeout_s`` passed (this rank gives up, unless
         the last peer came first)."""
@@ -342,7 +340,7 @@ class StoreSync:
             time.sleep(min(pause, max(timeout_s - waited, 0.0)))
             pause = min(pause * POLL_GROWTH, POLL_CAP_S)
 
-    def post(self, name: str, payload: bytes = b"") -> Optional[AgreementAbandoned]:
+    def post(self, name: str, payload: bytes = b"") -> AgreementAbandoned | None:
         """Count this rank as come to ``name`` without waiting (a rank that leaves without the
         barrier its peers hold): their barrier completes instead of timing out. Returns the record
         of a peer that gave the barrier up before this rank came (nothing to complete then; this
@@ -370,8 +368,8 @@ class StoreSync:
             return _abandoned(verdict, me)
         return None
 
-    def finish(self, name: str, timeout_s: float, barrier: bool, leftovers: List[str],
-               give_up: Optional[Callable[[], Optional[str]]] = None) -> Optional[AgreementAbandoned]:
+    def finish(self, name: str, timeout_s: float, barrier: bool, leftovers: list[str],
+               give_up: Callable[[], str | None] | None = None) -> AgreementAbandoned | None:
         """The closing agreement of the prefix: with ``barrier`` a ``meet``, else a ``post``; each
         rank's payload names the keys it leaves under the prefix (``leftovers``: its notes, and the
         verdicts of the agreements it saw given up), and the rank that completes the agreement
@@ -393,22 +391,20 @@ class StoreSync:
             self.store.delete_key(k)
         return None
 
-    def _complete(self, keys: List[str], verdict_key: str, count_key: str, payload: bytes) -> None:
+    def _complete(self, keys: list[str], verdict_key: str, count_key: str, payload: bytes) -> None:
         """This rank completed the count of a ``post``: remove the agreement's keys and the
         leftovers that every rank's payload names."""
         store = self.store
         got = _multi_get(store, [k for r, k in enumerate(keys) if r != self.rank])
         leftovers = set()
         for g in got + [payload]:
-            try:
+            with contextlib.suppress(ValueError):
                 leftovers.update(json.loads(bytes(g).decode() or "[]"))
-            except ValueError:
-                pass
         for k in keys + [verdict_key, count_key] + sorted(leftovers):
             store.delete_key(k)
 
 
-def _record(rank: int, missing: List[int], waited: float, reason: Optional[str]) -> str:
+def _record(rank: int, missing: list[int], waited: float, reason: str | None) -> str:
     return _ABANDONED + json.dumps({"rank": rank, "missing": missing, "waited": waited, "reason": reason})
 
 
@@ -428,14 +424,14 @@ def _process_gone(pid: int) -> bool:
     return state in (b"Z", b"X")
 
 
-def peers_exited(pids: Dict[int, int], every_s: float = 0.02,
-                 lookup: Optional[Callable[[Dict[int, int]], None]] = None) -> Callable[[], Optional[str]]:
+def peers_exited(pids: dict[int, int], every_s: float = 0.02,
+                 lookup: Callable[[dict[int, int]], None] | None = None) -> Callable[[], str | None]:
     """A ``give_up`` for StoreSync.meet: names the peers ({rank: pid}) that exited, looking at
     most every ``every_s`` seconds; None while they all run. ``lookup(pids)``, called before each
     look, may add the pids of peers that became known meanwhile (published on the store)."""
     last = [0.0]
 
-    def give_up() -> Optional[str]:
+    def give_up() -> str | None:
         now = time.monotonic()
         if now - last[0] < every_s:
             return None
@@ -451,7 +447,7 @@ def peers_exited(pids: Dict[int, int], every_s: float = 0.02,
 _MISSING = "\x00sdcp-missing"
 
 
-def peek(store: dist.Store, key: str) -> Optional[bytes]:
+def peek(store: dist.Store, key: str) -> bytes | None:
     """The value of ``key``, or None when it is not there; never waits (``get`` waits for a missing
     key up to the store's own timeout, minutes, and a key that a peer removes between ``check``
     and ``get`` would make it wait). A compare_set whose expected and desired values are a value
@@ -460,7 +456,7 @@ def peek(store: dist.Store, key: str) -> Optional[bytes]:
     return None if value == _MISSING.encode() else value
 
 
-def _multi_get(store: dist.Store, keys: List[str]) -> List[bytes]:
+def _multi_get(store: dist.Store, keys: list[str]) -> list[bytes]:
     multi_get = getattr(store, "multi_get", None)
     return list(multi_get(keys)) if multi_get is not None else [store.get(k) for k in keys]
 
@@ -473,7 +469,7 @@ _EXC_TYPES = {"ValueError": ValueError, "TypeError": TypeError, "TimeoutError": 
               "PermissionError": PermissionError, "RuntimeError": RuntimeError}
 
 
-def _describe(e: BaseException) -> Tuple[str, str]:
+def _describe(e: BaseException) -> tuple[str, str]:
     """(exception class name, message) of a local failure, as gathered from every rank."""
     name = type(e).__name__
     if name in _EXC_TYPES:
@@ -481,7 +477,7 @@ def _describe(e: BaseException) -> Tuple[str, str]:
     return "RuntimeError", f"{name}: {e}"
 
 
-def _collective_error(stage: str, failures: Dict[int, Tuple[str, str]]) -> Exception:
+def _collective_error(stage: str, failures: dict[int, tuple[str, str]]) -> Exception:
     """The error every rank raises when `failures` ({rank: (class name, message)}) failed
     `stage`: the class of the lowest failing rank, the messages of all of them."""
     first = min(failures)
@@ -512,7 +508,7 @@ class _Agreement:
 
     def __init__(self, group, sync: StoreSync, timeout_s: float) -> None:
         self.group, self.sync, self.timeout_s = group, sync, timeout_s
-        self.peer_pids: Dict[int, int] = {}  # a peer's exit ends a wait at once (published before any wait)
+        self.peer_pids: dict[int, int] = {}  # a peer's exit ends a wait at once (published before any wait)
 
     def _pid_key(self, rank: int) -> str:
         return f"{self.sync.prefix}/pid/{rank}"
@@ -526,12 +522,10 @@ class _Agreement:
     def unpublish_pid(self) -> None:
         """After the first step (every rank's pid is in its plan then, or creation is over)."""
         if self.sync.world_size > 1:
-            try:
+            with contextlib.suppress(Exception):
                 self.sync.store.delete_key(self._pid_key(self.sync.rank))
-            except Exception:  # noqa: BLE001  (a store gone with a peer: nothing to keep clean)
-                pass
 
-    def _lookup_pids(self, pids: Dict[int, int]) -> None:
+    def _lookup_pids(self, pids: dict[int, int]) -> None:
         store = self.sync.store
         for r in range(self.sync.world_size):
             if r != self.sync.rank and r not in pids:
@@ -547,7 +541,7 @@ class _Agreement:
         self.sync.give_up(stage, reason)
         refuse_group(self.group, f"creation step '{stage}'", AgreementAbandoned(self.sync.rank, [], 0.0, True, reason))
 
-    def agree(self, stage: str, local_error: Optional[BaseException], extra=None) -> list:
+    def agree(self, stage: str, local_error: BaseException | None, extra=None) -> list:
         """Gather (status, extra) from every rank; raise the same error everywhere if any rank
         failed; return the extras."""
         status = None if local_error is None else _describe(local_error)

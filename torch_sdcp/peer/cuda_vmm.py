@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -85,7 +85,7 @@ class CudaVmmBackend(MemoryBackend):
         self.granularity = 0
         self.own_handle = None
         self.reserved = False
-        self.mapped: List[int] = []
+        self.mapped: list[int] = []
 
     # -- choice of the backend ------------------------------------------------------------------
 
@@ -99,13 +99,13 @@ class CudaVmmBackend(MemoryBackend):
                              f"backend 'cuda', got {device}")
 
     @classmethod
-    def wanted_for_auto(cls, device: Optional[torch.device]) -> bool:
+    def wanted_for_auto(cls, device: torch.device | None) -> bool:
         return (device is None or device.type == "cuda") and torch.cuda.is_available()
 
     @classmethod
-    def plans_error(cls, infos: List[Dict[str, Any]],
-                    allow_shared_device: bool) -> Optional[Exception]:
-        by_uuid: Dict[str, List[int]] = {}
+    def plans_error(cls, infos: list[dict[str, Any]],
+                    allow_shared_device: bool) -> Exception | None:
+        by_uuid: dict[str, list[int]] = {}
         for r, c in enumerate(infos):
             by_uuid.setdefault(c["uuid"], []).append(r)
         shared = {u: rs for u, rs in by_uuid.items() if len(rs) > 1}
@@ -116,7 +116,7 @@ class CudaVmmBackend(MemoryBackend):
                 "GPU per rank; pass allow_shared_device=True to opt in (correct but slow)")
         return None
 
-    def local_plan(self, nbytes_per_rank: int, device: Optional[torch.device]) -> Dict[str, Any]:
+    def local_plan(self, nbytes_per_rank: int, device: torch.device | None) -> dict[str, Any]:
         if not torch.cuda.is_available():
             raise RuntimeError("torch_sdcp: backend 'cuda' requested but torch.cuda.is_available() "
                                "is False")
@@ -188,7 +188,7 @@ class CudaVmmBackend(MemoryBackend):
                                   _fd_handle_type(), 0))
         return self.own_fd
 
-    def map_peers(self, fds: Dict[int, int]) -> int:
+    def map_peers(self, fds: dict[int, int]) -> int:
         drv = _driver()
         N, stride, me = self.world_size, self.stride, self.rank
         with self._current_ctx():
@@ -218,13 +218,13 @@ class CudaVmmBackend(MemoryBackend):
             _cu("cuCtxSynchronize")
         return self.base
 
-    def check_peer_access(self, infos: List[Dict[str, Any]]) -> Optional[bool]:
+    def check_peer_access(self, infos: list[dict[str, Any]]) -> bool | None:
         """cuDeviceCanAccessPeer (required) and native atomics (recorded) towards every peer GPU
         visible in this process. Returns True/False for atomics, None if some peer GPU is not
         visible here (then only the probe vouches for the path)."""
         drv = _driver()
         mine = infos[self.rank]
-        atomics: Optional[bool] = True
+        atomics: bool | None = True
         for r, c in enumerate(infos):
             if r == self.rank or c["uuid"] == mine["uuid"]:
                 continue

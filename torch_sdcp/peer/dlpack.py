@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import torch
 
@@ -45,7 +45,7 @@ _DLTENSOR_NAME = b"dltensor"
 
 # address of the DLManagedTensor -> (struct, shape array, _Mapping): keeps the struct alive
 # until torch calls the deleter, and holds the mapping reference of that storage.
-_LIVE: Dict[int, Tuple[Any, Any, _Mapping]] = {}
+_LIVE: dict[int, tuple[Any, Any, _Mapping]] = {}
 _LIVE_LOCK = threading.Lock()
 
 

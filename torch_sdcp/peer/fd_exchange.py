@@ -10,7 +10,8 @@ import struct
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -53,8 +54,8 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
 
 
 def _serve_fd(listener: socket.socket, fd: int, my_rank: int, nbytes: int,
-              expected: Dict[int, int], uid: int, deadline: float,
-              stop: Optional[threading.Event] = None) -> set:
+              expected: dict[int, int], uid: int, deadline: float,
+              stop: threading.Event | None = None) -> set:
     """Accept connections on `listener` and send `fd` to each verified peer, until every rank of
     `expected` (rank -> pid) has been served, `deadline` (time.monotonic()) passes, or `stop` is
     set. A connection is served only if SO_PEERCRED gives our uid and the pid that `expected`
@@ -72,7 +73,7 @@ def _serve_fd(listener: socket.socket, fd: int, my_rank: int, nbytes: int,
         listener.settimeout(min(left, 0.1))
         try:
             conn, _ = listener.accept()
-        except (socket.timeout, BlockingIOError, InterruptedError):
+        except (TimeoutError, BlockingIOError, InterruptedError):
             continue
         with conn:
             try:
@@ -109,7 +110,7 @@ def _fetch_fd(path: str, my_rank: int, peer: int, peer_pid: int, uid: int, nbyte
     """Connect to rank `peer`'s socket at `path`, check that the listener is that rank's process,
     and receive its descriptor. Returns the received fd (the caller closes it)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fds: List[int] = []
+    fds: list[int] = []
     try:
         s.settimeout(_remaining(deadline))
         s.connect(path)
@@ -136,13 +137,13 @@ def _fetch_fd(path: str, my_rank: int, peer: int, peer_pid: int, uid: int, nbyte
 
 def _exchange_fds(listener: socket.socket, fd: int, rank: int, world_size: int, nbytes: int,
                   pids: Sequence[int], paths: Sequence[str], uid: int,
-                  timeout_s: float) -> Dict[int, int]:
+                  timeout_s: float) -> dict[int, int]:
     """Serve our fd to every peer (a thread) while fetching every peer's fd (this thread).
     Returns {rank: received fd} for every peer; on failure closes what it received and raises."""
     deadline = time.monotonic() + timeout_s
     expected = {r: pids[r] for r in range(world_size) if r != rank}
     stop = threading.Event()
-    box: Dict[str, Any] = {}
+    box: dict[str, Any] = {}
 
     def serve():
         try:
@@ -152,7 +153,7 @@ def _exchange_fds(listener: socket.socket, fd: int, rank: int, world_size: int, 
 
     thread = threading.Thread(target=serve, name=f"sdcp-fd-server-{rank}", daemon=True)
     thread.start()
-    received: Dict[int, int] = {}
+    received: dict[int, int] = {}
     ok = False
     try:
         for k in range(1, world_size):
@@ -225,7 +226,7 @@ def _remove_stale_socket_dirs(base: str) -> None:
             continue
 
 
-def _make_socket_dir() -> Tuple[str, str, socket.socket]:
+def _make_socket_dir() -> tuple[str, str, socket.socket]:
     base = tempfile.gettempdir()
     if len(os.path.join(base, "sdcp-4194304-XXXXXXXX", "x" * 32)) > _MAX_UNIX_PATH:
         base = "/tmp"
@@ -243,7 +244,7 @@ def _make_socket_dir() -> Tuple[str, str, socket.socket]:
     return d, path, s
 
 
-def _remove_socket_dir(d: Optional[str], path: Optional[str]) -> None:
+def _remove_socket_dir(d: str | None, path: str | None) -> None:
     for name, remove in ((path, os.unlink), (d, os.rmdir)):
         if name:
             try:
@@ -260,9 +261,9 @@ class _ExchangeSocket:
     the socket and removes both; idempotent, so it can run on success and on failure."""
 
     def __init__(self) -> None:
-        self.dir: Optional[str] = None
-        self.path: Optional[str] = None
-        self.listener: Optional[socket.socket] = None
+        self.dir: str | None = None
+        self.path: str | None = None
+        self.listener: socket.socket | None = None
 
     def open(self) -> str:
         self.dir, self.path, self.listener = _make_socket_dir()

@@ -7,7 +7,7 @@ import ctypes
 import fcntl
 import mmap
 import os
-from typing import Any, Dict, Optional
+from typing import Any
 
 import torch
 
@@ -40,7 +40,7 @@ def _get_libc():
     return _libc
 
 
-def _libc_mmap(addr: Optional[int], length: int, prot: int, flags: int, fd: int) -> int:
+def _libc_mmap(addr: int | None, length: int, prot: int, flags: int, fd: int) -> int:
     libc = _get_libc()
     res = libc.mmap(addr, length, prot, flags, fd, 0)
     if res is None or res == _MAP_FAILED:
@@ -66,7 +66,7 @@ class HostShmBackend(MemoryBackend):
             raise ValueError("torch_sdcp: argument 'device': expected None or cpu for "
                              f"backend 'host', got {device}")
 
-    def local_plan(self, nbytes_per_rank: int, device: Optional[torch.device]) -> Dict[str, Any]:
+    def local_plan(self, nbytes_per_rank: int, device: torch.device | None) -> dict[str, Any]:
         return {"stride": _round_up(nbytes_per_rank, mmap.PAGESIZE)}
 
     @property
@@ -85,7 +85,7 @@ class HostShmBackend(MemoryBackend):
     def export_fd(self) -> int:
         return self.own_fd
 
-    def map_peers(self, fds: Dict[int, int]) -> int:
+    def map_peers(self, fds: dict[int, int]) -> int:
         N, stride = self.world_size, self.stride
         self.base = _libc_mmap(None, N * stride, _PROT_NONE,
                                _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)

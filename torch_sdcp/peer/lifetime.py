@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import sys
 import threading
 
@@ -47,7 +48,5 @@ class _Mapping:
         self.backend.release()
 
     def __del__(self) -> None:  # backstop; normally released through unref()
-        try:
+        with contextlib.suppress(BaseException):
             self.release()
-        except BaseException:
-            pass

@@ -6,6 +6,7 @@ watcher thread), instead of its waits running out their timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -89,10 +90,8 @@ class _Watcher:
 
     def _wake(self) -> None:
         if self._wake_w >= 0:
-            try:
+            with contextlib.suppress(BlockingIOError, OSError):  # already woken
                 os.write(self._wake_w, b"x")
-            except (BlockingIOError, OSError):  # already woken
-                pass
 
     def _run(self) -> None:
         while True:
@@ -127,7 +126,7 @@ class _Watcher:
             rank = next(r for r, p in w.peers.items() if p == pid)
             try:
                 w.on_exit(rank, pid)
-            except Exception as e:  # noqa: BLE001  (the watcher must go on for the other workspaces)
+            except Exception as e:
                 logger.warning("torch_sdcp: could not abort a workspace after rank %d (pid %d) exited: %s",
                                rank, pid, e)
 
@@ -135,10 +134,8 @@ class _Watcher:
         """The child watches nothing of its parent's (the thread did not fork)."""
         for fd in list(self._pidfds.values()) + [self._wake_r, self._wake_w]:
             if fd >= 0:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         self.__init__()  # type: ignore[misc]
 
 

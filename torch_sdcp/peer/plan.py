@@ -8,7 +8,7 @@ import math
 import os
 import socket
 import sys
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any
 
 import torch
 
@@ -19,7 +19,7 @@ from .host_shm import HostShmBackend
 logger = logging.getLogger("torch_sdcp")
 
 # Every backend, in the order backend "auto" tries them; the last one is the fallback.
-BACKENDS: Tuple[Type[MemoryBackend], ...] = (CudaVmmBackend, HostShmBackend)
+BACKENDS: tuple[type[MemoryBackend], ...] = (CudaVmmBackend, HostShmBackend)
 _BY_NAME = {b.name: b for b in BACKENDS}
 
 
@@ -31,14 +31,14 @@ def _boot_id() -> str:
         return ""
 
 
-def _ns_id(kind: str) -> Optional[int]:
+def _ns_id(kind: str) -> int | None:
     try:
         return os.stat(f"/proc/self/ns/{kind}").st_ino
     except OSError:
         return None
 
 
-def _check_arguments(nbytes_per_rank, backend, device, timeout_s) -> Optional[torch.device]:
+def _check_arguments(nbytes_per_rank, backend, device, timeout_s) -> torch.device | None:
     if isinstance(nbytes_per_rank, bool) or not isinstance(nbytes_per_rank, int):
         raise TypeError("torch_sdcp: argument 'nbytes_per_rank': expected an int, got "
                         f"{type(nbytes_per_rank).__name__}")
@@ -68,13 +68,13 @@ def _check_arguments(nbytes_per_rank, backend, device, timeout_s) -> Optional[to
 
 def local_plan(rank: int, world_size: int, nbytes_per_rank, backend, device,
                allow_shared_device: bool, timeout_s,
-               candidates: Dict[str, MemoryBackend]) -> Dict[str, Any]:
+               candidates: dict[str, MemoryBackend]) -> dict[str, Any]:
     """Check the arguments and plan every backend this rank could use; the backend objects
     are put in `candidates` (the caller releases them)."""
     device = _check_arguments(nbytes_per_rank, backend, device, timeout_s)
     if not sys.platform.startswith("linux"):
         raise RuntimeError(f"torch_sdcp: PeerArena needs Linux, this is {sys.platform}")
-    plan: Dict[str, Any] = {
+    plan: dict[str, Any] = {
         "nbytes_per_rank": nbytes_per_rank, "backend": backend,
         "allow_shared_device": allow_shared_device,
         "host": (socket.gethostname(), _boot_id()), "uid": os.getuid(), "pid": os.getpid(),
@@ -99,7 +99,7 @@ class RankMismatchError(ValueError):
     """A value that must be equal on every rank differs (raised on every rank alike)."""
 
 
-def verdict(plans: List[Dict[str, Any]]) -> Tuple[str, int]:
+def verdict(plans: list[dict[str, Any]]) -> tuple[str, int]:
     """(backend, stride) from the gathered plans, or the error every rank raises."""
 
     agreed = [p.get("agree") or {} for p in plans]

@@ -16,8 +16,8 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Concatenate, ParamSpec, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -83,7 +83,7 @@ def named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> 
         params = signature.parameters
         named = {n: p.default for n, p in params.items() if p.default is not p.empty}
         positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        named.update(zip(positional, args))
+        named.update(zip(positional, args, strict=False))
         named.update((k, v) for k, v in kwargs.items() if k in params)
         return named
     bound.apply_defaults()
@@ -237,7 +237,7 @@ class CallState:
             self.lock.release()
             raise
         me = threading.current_thread()
-        self.caller = (me.ident, me.name, what)
+        self.caller = (threading.get_ident(), me.name, what)
         self.committed = False
         return True
 
@@ -384,7 +384,7 @@ class CallState:
             self.leave_note(host, f"{type(error).__name__}: {error}")
         try:
             torch.ops.sdcp.workspace_abort(host.handle)
-        except Exception as e:  # noqa: BLE001  (the error of the call is what the caller needs)
+        except Exception as e:
             logger.warning("torch_sdcp %s workspace, rank %d: could not abort the workspace on the peers (%s)",
                            _name(host), host.rank, e)
 
@@ -430,7 +430,7 @@ class CallState:
         if host.arena is not None:
             try:
                 host.arena.post_note(text)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 logger.info("torch_sdcp %s workspace, rank %d: could not leave the error for the peers (%s)",
                             _name(host), host.rank, e)
 
@@ -442,7 +442,7 @@ class CallState:
             return message
         try:
             note = host.arena.peer_note(int(found.group(1)))
-        except Exception:  # noqa: BLE001  (the store may be gone with the peer)
+        except Exception:
             return message
         return message if note is None else f"{message} [rank {found.group(1)}: {note}]"
 
@@ -462,7 +462,7 @@ class CallState:
             return False  # a graph would replay the void mark
         try:
             placeholder = host.void_placeholder(what, named_arguments(*kept[1:]))
-        except Exception:  # noqa: BLE001  (arguments too broken to tell: poison)
+        except Exception:
             return False
         if placeholder is None:
             return False
@@ -473,7 +473,7 @@ class CallState:
             if host.device.type == "cuda":  # its kernel's outcome, before this rank says it is usable
                 torch.cuda.current_stream(host.device).synchronize()
             torch.ops.sdcp.workspace_check(host.handle)
-        except Exception as e:  # noqa: BLE001  (a peer's mismatch or abort: the call fails as before)
+        except Exception as e:
             logger.info("torch_sdcp %s workspace, rank %d: the void call of %s() failed (%s)",
                         _name(host), host.rank, what, e)
             return False
@@ -495,7 +495,7 @@ class CallState:
         if host.arena is not None:
             try:
                 note = host.arena.peer_note(src)
-            except Exception:  # noqa: BLE001  (the store may be gone with the peer)
+            except Exception:
                 note = None
         return VoidedCallError(
             f"torch_sdcp: {_name(host)} on rank {host.rank}: {what}(): rank {src} voided call {call} "

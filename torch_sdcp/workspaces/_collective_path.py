@@ -5,7 +5,8 @@ path, with which call and how many rows, before any rank enters a collective
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch_sdcp.peer.collectives import AgreementAbandoned
 

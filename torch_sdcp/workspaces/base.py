@@ -8,8 +8,8 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,7 +132,7 @@ class PeerWorkspace:
         """What every rank must create alike, compared at creation (on every
         rank, before anything is allocated): the class, every parameter, the
         dtype and options of the family, and the path policies."""
-        agree = {"workspace": type(self).__name__, **dict(zip(self.PARAMS, params))}
+        agree = {"workspace": type(self).__name__, **dict(zip(self.PARAMS, params, strict=False))}
         for name in ("dtype", "rope_style"):
             if hasattr(self, name):
                 agree[name] = str(getattr(self, name))
@@ -202,6 +202,16 @@ class PeerWorkspace:
     def peer(self) -> bool:
         """True when calls use peer memory, False in collective mode (and once closed)."""
         return self.handle is not None
+
+    @property
+    def peer_handle(self) -> int:
+        """The handle that a call on the peer path passes to its op (the route step chose peer
+        memory, so there is one)."""
+        handle = self.handle
+        if handle is None:
+            raise RuntimeError(f"torch_sdcp: {type(self).__name__} on rank {self.rank} has no peer memory "
+                               "(collective mode, or closed)")
+        return handle
 
     @property
     def closed(self) -> bool:

@@ -30,7 +30,7 @@ class ExchangeWorkspace(PeerWorkspace):
         if not isinstance(x, Tensor) or x.nbytes > self.params[0]:
             return None
         zeros = torch.zeros(x.shape, dtype=x.dtype, device=self.device)
-        return lambda: ops.peer_all_gather(zeros, self.handle)
+        return lambda: ops.peer_all_gather(zeros, self.peer_handle)
 
     @call_method
     def all_gather(self, x: Tensor) -> Tensor:
@@ -40,7 +40,7 @@ class ExchangeWorkspace(PeerWorkspace):
                 raise arg_error("x", "a Tensor", type(x).__name__)
             self._require_on_device(x=x)
             if self._take_path(None, "x"):  # bounded in bytes: the op refuses more than max_bytes
-                return ops.peer_all_gather(x, self.handle)
+                return ops.peer_all_gather(x, self.peer_handle)
             out = [torch.empty_like(x) for _ in range(self.world_size)]
             dist.all_gather(out, x.contiguous(), group=self.group)
             return torch.stack(out)

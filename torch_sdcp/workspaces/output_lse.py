@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import collective, ops
-from torch_sdcp.semantics import mask_empty_shards
 from torch_sdcp._checks import arg_error, check, check_bool, check_dim, check_mask_args
 from torch_sdcp.families import OUTPUT_LSE
+from torch_sdcp.semantics import mask_empty_shards
 from torch_sdcp.workspaces._call import call_method
 from torch_sdcp.workspaces._policy import leading_rows, resolve_group, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
@@ -126,7 +125,7 @@ class OutputLSEWorkspace(PeerWorkspace):
             return None
         out = torch.zeros(rows, self.total_heads, self.head_dim, dtype=self.dtype, device=self.device)
         lse = torch.full((rows, self.total_heads), -math.inf, device=self.device)
-        return lambda: ops.output_lse_combine(out, lse, self.handle, lse_base=base)
+        return lambda: ops.output_lse_combine(out, lse, self.peer_handle, lse_base=base)
 
     @call_method
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
@@ -145,7 +144,7 @@ class OutputLSEWorkspace(PeerWorkspace):
             base2 = ops.lse_is_base2(lse_base)
             check_bool(return_lse, "return_lse")
             if self._take_path(partial_out.shape[0], "partial_out"):
-                out, lse = ops.output_lse_combine(partial_out, partial_lse, self.handle, lse_base=lse_base,
+                out, lse = ops.output_lse_combine(partial_out, partial_lse, self.peer_handle, lse_base=lse_base,
                                                   seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:  # the fused collective path, made contiguous like the peer path's output
                 if masked:
@@ -169,7 +168,7 @@ class OutputLSEWorkspace(PeerWorkspace):
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             if self._take_path(partial_out.shape[0], "partial_out"):
-                ops.output_lse_combine_out(partial_out, partial_lse, self.handle, out, out_lse, lse_base=lse_base,
+                ops.output_lse_combine_out(partial_out, partial_lse, self.peer_handle, out, out_lse, lse_base=lse_base,
                                            seq_lens=seq_lens, query_start_loc=query_start_loc)
             else:
                 if masked:

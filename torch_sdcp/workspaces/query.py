@@ -126,7 +126,7 @@ class QueryWorkspace(PeerWorkspace):
         device, heads = self.device, self.local_heads
         if what == "all_gather_heads":
             q = torch.zeros(rows, heads, self.nope_dim + self.rope_dim, dtype=self.dtype, device=device)
-            return lambda: ops.query_all_gather_heads(q, self.handle)
+            return lambda: ops.query_all_gather_heads(q, self.peer_handle)
         if what not in ("gather", "gather_view") or self.rope_dim == 0:
             return None
         scaled = arguments.get("q_scale") is not None
@@ -138,14 +138,14 @@ class QueryWorkspace(PeerWorkspace):
         cache = torch.zeros(1, self.rope_dim, device=device)
         scale = torch.ones(1, device=device) if scaled else None
         if what == "gather":
-            return lambda: ops.query_gather(nope, pe, positions, cache, scale, self.handle,
+            return lambda: ops.query_gather(nope, pe, positions, cache, scale, self.peer_handle,
                                             rope_style=self.rope_style, out_dtype=self.dtype)
         inbox = self._inbox_view if self._inbox_view is not None else self.inbox
 
         def publish_and_release() -> None:
-            ops.query_publish(nope, pe, positions, cache, scale, self.handle, rope_style=self.rope_style,
+            ops.query_publish(nope, pe, positions, cache, scale, self.peer_handle, rope_style=self.rope_style,
                               out_dtype=self.dtype)
-            ops.query_release(inbox[:rows], self.handle)
+            ops.query_release(inbox[:rows], self.peer_handle)
 
         return publish_and_release
 
@@ -164,7 +164,7 @@ class QueryWorkspace(PeerWorkspace):
         self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                             q_scale=q_scale)
         if self._take_path(ql_nope.shape[0], "ql_nope"):
-            return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
+            return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype)
         return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
                                            neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
@@ -197,11 +197,12 @@ class QueryWorkspace(PeerWorkspace):
                                 q_scale=q_scale)
             rows = ql_nope.shape[0]
             if self._take_path(rows, "ql_nope"):
-                ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.handle,
+                ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
                                   rope_style=self.rope_style, out_dtype=self.dtype)
-                if self._inbox_view is None:
-                    self._inbox_view = self.inbox
-                view = self._inbox_view[:rows]
+                inbox = self._inbox_view if self._inbox_view is not None else self.inbox
+                assert inbox is not None  # peer memory: the arena is there
+                self._inbox_view = inbox
+                view = inbox[:rows]
                 self._view_published = True
             else:
                 view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
@@ -221,7 +222,7 @@ class QueryWorkspace(PeerWorkspace):
             published, self._view_published = self._view_published, False
             if published:  # a view of 0 rows too: its release is the call that pairs with the peers'
                 self._calls.require_ordered_stream(self)
-                ops.query_release(view, self.handle)  # re-fills the rows the view had
+                ops.query_release(view, self.peer_handle)  # re-fills the rows the view had
 
     @call_method
     def all_gather_heads(self, q: Tensor, out: Tensor | None = None) -> Tensor:
@@ -243,8 +244,8 @@ class QueryWorkspace(PeerWorkspace):
             self._require_on_device(q=q, out=out)
             if self._take_path(q.shape[0], "q"):
                 if out is None:
-                    return ops.query_all_gather_heads(q, self.handle)
-                ops.query_all_gather_heads_out(q, self.handle, out)
+                    return ops.query_all_gather_heads(q, self.peer_handle)
+                ops.query_all_gather_heads_out(q, self.peer_handle, out)
                 return out
             return collective.all_gather_heads(q, self.group, out)
 

@@ -51,7 +51,7 @@ class TopKWorkspace(PeerWorkspace):
             return None
         scores = torch.full((rows, self.candidates_per_rank), -math.inf, device=self.device)
         ids = torch.full((rows, self.candidates_per_rank), -1, dtype=torch.int32, device=self.device)
-        return lambda: ops.topk_merge(scores, ids, self.handle, self.k)
+        return lambda: ops.topk_merge(scores, ids, self.peer_handle, self.k)
 
     @call_method
     def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
@@ -63,6 +63,6 @@ class TopKWorkspace(PeerWorkspace):
                 raise arg_error("ids", "a Tensor", type(ids).__name__)
             self._require_on_device(scores=scores, ids=ids)
             if self._take_path(scores.shape[0], "scores"):
-                return ops.topk_merge(scores, ids, self.handle, self.k)
+                return ops.topk_merge(scores, ids, self.peer_handle, self.k)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
 
