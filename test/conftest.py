@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -34,3 +35,19 @@ def world1():
             yield dist.group.WORLD
         finally:
             dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    """setup.py imported as a module (not __main__: it defines its helpers and runs no setup()),
+    from the repository root, whatever the working directory."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cwd = os.getcwd()
+    spec = importlib.util.spec_from_file_location("sdcp_setup_under_test", os.path.join(root, "setup.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.chdir(cwd)  # setup.py changes to its own folder
+    return module

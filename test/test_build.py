@@ -6,7 +6,6 @@ the command that rebuilds it on this machine."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -126,17 +125,6 @@ def test_mismatch_error_names_the_command_for_this_machine(build_info, monkeypat
             _extension.load_extension(build_info=build_info("2.11.0+cu128", "12.8"))
         assert f"rebuild it against this torch: in the checkout, `{REBUILD}` (CUDA kernels" in str(e.value)
 
-
-@pytest.fixture(scope="module")
-def setup_py():
-    cwd = os.getcwd()
-    spec = importlib.util.spec_from_file_location("sdcp_setup_under_test", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)  # not __main__: defines the helpers, runs no setup()
-    finally:
-        os.chdir(cwd)
-    return module
 
 
 def test_build_rule(setup_py):

@@ -6,7 +6,6 @@ always win. The last test compiles a .cu file with nvcc (skipped without)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -15,17 +14,6 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-@pytest.fixture(scope="module")
-def setup_py():
-    cwd = os.getcwd()
-    spec = importlib.util.spec_from_file_location("sdcp_setup_under_test", os.path.join(ROOT, "setup.py"))
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)  # not __main__: defines the helpers, runs no setup()
-    finally:
-        os.chdir(cwd)
-    return module
 
 
 def _write(path, text):

@@ -119,6 +119,9 @@ def test_layout_names_the_cpp_layout():
         assert getattr(torch_sdcp, family.workspace) is cls and family.workspace in torch_sdcp.__all__
         for op in family.peer_ops:
             assert getattr(torch.ops.sdcp, op).default in torch_sdcp.fake.PEER_OPS
+    # The engine faces' boundary table: one row per family that names one, in family order.
+    from torch_sdcp.integrations._core import BOUNDARIES
+    assert list(BOUNDARIES) == [f.integration for f in FAMILIES if f.integration]
     world = 2
     params = {ExchangeWorkspace: [100], OutputLSEWorkspace: [8, 8, 128, 2], TopKWorkspace: [8, 32, 16],
               QueryWorkspace: [8, 4, 576, 1]}

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from torch_sdcp._checks import arg_error
+from torch_sdcp.families import FAMILIES
 from torch_sdcp.route import Why, route
 
 __all__ = ["BOUNDARIES", "DEFAULT_MAX_ROWS", "OUTPUT_DTYPES", "Boundary", "Entry", "Face", "Group", "Seam", "Site",
@@ -110,7 +111,8 @@ class Boundary(NamedTuple):
     summary: Callable[[dict], str]  # the geometry in a log line
 
 
-BOUNDARIES: dict[str, Boundary] = {
+# The faces' part of each family's boundary, keyed by the family record's ``integration``.
+_FACE_ROWS: dict[str, Boundary] = {
     "all_gather": Boundary("exchange", ("row_shape", "dtype"), _build_all_gather,
                            lambda g: f"rows {list(g['row_shape'])} of {g['dtype']}"),
     # rope_dim=0: a gather-only query (a query produced by the engine).
@@ -121,6 +123,13 @@ BOUNDARIES: dict[str, Boundary] = {
     "topk": Boundary("top-K", ("k", "candidates_per_rank"), _build_topk,
                      lambda g: f"k={g['k']} over {g['candidates_per_rank']} local candidates"),
 }
+
+#: The boundaries the faces build, one per family record with an ``integration`` (torch_sdcp.families),
+#: in family order: a family is a record plus its files, and its row here.
+BOUNDARIES: dict[str, Boundary] = {f.integration: _FACE_ROWS[f.integration] for f in FAMILIES if f.integration}
+if set(_FACE_ROWS) != set(BOUNDARIES):  # a row that no family names
+    raise ImportError(f"torch_sdcp.integrations: boundary rows {sorted(set(_FACE_ROWS) - set(BOUNDARIES))} have "
+                      "no family record (torch_sdcp.families)")
 
 
 def _geometry(kind: str, geometry: dict) -> tuple:
