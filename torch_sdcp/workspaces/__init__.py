@@ -29,8 +29,8 @@ guard, the path of a call, failing, voiding, poisoning), one per family
 (``exchange``, ``output_lse``, ``topk``, ``query``; a family is its record in
 torch_sdcp/families.py plus csrc/<family>.*,
 torch_sdcp/workspaces/<family>.py and test/test_<family>.py), ``_layout``
-(WorkspaceLayout), ``_policy`` (timeouts, size bounds, the group, tensor
-checks), ``_collective_path`` (the ranks' agreement on a collective-path
+(WorkspaceLayout), ``_policy`` (timeouts, size bounds, the group, the rows
+of a void call), ``_collective_path`` (the ranks' agreement on a collective-path
 call) and ``_lifetime`` (the finalizer, the fork handler).
 """
 

@@ -1,6 +1,7 @@
 """The policies and argument checks that every workspace family shares: the
 timeout of a wait on a peer, the bound of a size parameter, the process group
-and the tensors a call takes."""
+and the rows a void call's placeholder stands for (a call's tensors are
+checked with torch_sdcp._checks, in the words of csrc)."""
 
 from __future__ import annotations
 
