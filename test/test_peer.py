@@ -720,6 +720,7 @@ def _close_one_rank_worker(rank, ws):
         time.sleep(0.01)
     out["keys"] = (keys0, store.num_keys())
     out["left"] = _agreement_keys_left(store, b)
+    dist.barrier()  # both ranks done counting before the next creation (its timeout_s is 1 s)
     # close() on rank 0 only: its barrier times out, is logged, and the group is refused
     a = PeerArena(None, 4096, backend="host", timeout_s=1.0)
     t = torch.tensor([rank + 1.0])
