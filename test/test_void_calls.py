@@ -164,6 +164,9 @@ def _open_view_worker(rank, world, second):
     scale = torch.ones(1)
     ws = torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, timeout_s=60, **HOST)
     ws.gather_view(*q, scale)
+    if rank == 0:  # before rank 1's abort: a release that met it would raise the abort instead
+        ws.release()
+    dist.barrier()
     if rank == 1:
         call = {"gather_view": lambda: ws.gather_view(*q, scale), "gather": lambda: ws.gather(*q, scale),
                 "all_gather_heads": lambda: ws.all_gather_heads(torch.zeros(ROWS, 2, 80, dtype=ws.dtype))}[second]
@@ -171,7 +174,6 @@ def _open_view_worker(rank, world, second):
                                                r"\(\) is still open.*aborted on every rank"):
             call()
         assert ws.poisoned
-    ws.release() if rank == 0 else None
     dist.barrier()
     if rank == 0:  # the next view call: the peer's abort, named, with its error
         with pytest.raises(RuntimeError, match=r"peer 1 aborted.*\[rank 1: RuntimeError: .*still open"):
