@@ -175,7 +175,7 @@ def _adapters_worker(rank, world):
         assert torch.equal(got, collective.topk_all_gather_merge(*shards[rank], 16, group=group))
         checks.append(("topk", t))
 
-    # --- the fallback is logged, once per workspace and row count ------------------------------
+    # --- the fallback is logged, once per workspace ------------------------------
     joined = "\n".join(log.messages)
     for rows in (bound + 3, bound + 2, bound + 5):
         assert f"{rows} rows exceed max_rows={bound}" in joined, joined

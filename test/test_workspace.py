@@ -484,6 +484,26 @@ def test_rows_fallback_is_agreed_before_any_collective():
     _check_rows_fallback(results, 200, "host, gloo, FileStore")
 
 
+def _rows_log_worker(rank, world):
+    import torch_sdcp
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("torch_sdcp").addHandler(handler)
+    with torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, dtype=torch.float32, backend="host", timeout_s=60) as ws:
+        for rows in (3, 5, 3, 2, 4):  # over the bound, over again with other counts, within it
+            ws.combine(torch.randn(rows, 8, 64), torch.randn(rows, 8))
+    over = [r for r in records if "exceed max_rows" in r.getMessage()]
+    assert [r.levelno for r in over] == [logging.WARNING], [r.getMessage() for r in records]
+    assert over[0].getMessage().startswith("torch_sdcp: OutputLSEWorkspace on rank 0: 3 rows exceed max_rows=2;")
+    return True
+
+
+def test_rows_over_the_bound_are_logged_once_per_workspace():
+    assert run_workers(_rows_log_worker, 1, timeout=120) == [True]
+
+
 @requires_gpus(2)
 def test_cuda_rows_fallback_is_agreed_on_an_nccl_group():
     results = run_workers(_rows_fallback_worker, 2, args=(200, "cuda"), timeout=300, backend="nccl")

@@ -318,14 +318,14 @@ class CallState:
 
     def collective_over_rows(self, host: CallHost, rows: int, arg: str) -> None:
         """A peer workspace's call of more rows than max_rows: an error with
-        rows_fallback=False; else logged once per row count, refused when the
+        rows_fallback=False; else logged once per workspace, refused when the
         workspace is poisoned (a peer's abort poisons the collective path too)
         and agreed on by every rank before any collective."""
         if not host.rows_fallback:
             raise arg_error(arg, f"at most max_rows = {host.max_rows} rows (this {_name(host)} was "
                             "created with rows_fallback=False)", rows)
-        self.log_once(host, f"rows-{rows}", f"{rows} rows exceed max_rows={host.max_rows}; "
-                      "this call takes the collective path")
+        self.log_once(host, "rows-over-bound", f"{rows} rows exceed max_rows={host.max_rows}; this call and "
+                      "every later call over the bound take the collective path (logged once per workspace)")
         if self.poison_on_error:
             self.health(host, "check")
         arena = host.arena
@@ -346,7 +346,7 @@ class CallState:
         """Log a policy decision once per workspace and ``key``."""
         if key not in self.logged:
             self.logged.add(key)
-            logger.warning("torch_sdcp %s workspace, rank %d: %s", _name(host), host.rank, message)
+            logger.warning("torch_sdcp: %s on rank %d: %s", _name(host), host.rank, message)
 
     # -- health, poisoning and the peers' notes -------------------------------------------------
 
@@ -385,7 +385,7 @@ class CallState:
         try:
             torch.ops.sdcp.workspace_abort(host.handle)
         except Exception as e:
-            logger.warning("torch_sdcp %s workspace, rank %d: could not abort the workspace on the peers (%s)",
+            logger.warning("torch_sdcp: %s on rank %d: could not abort the workspace on the peers (%s)",
                            _name(host), host.rank, e)
 
     def abort(self, host: CallHost, reason: str) -> None:
@@ -431,7 +431,7 @@ class CallState:
             try:
                 host.arena.post_note(text)
             except Exception as e:
-                logger.info("torch_sdcp %s workspace, rank %d: could not leave the error for the peers (%s)",
+                logger.info("torch_sdcp: %s on rank %d: could not leave the error for the peers (%s)",
                             _name(host), host.rank, e)
 
     def with_peer_note(self, host: CallHost, message: str) -> str:
@@ -474,7 +474,7 @@ class CallState:
                 torch.cuda.current_stream(host.device).synchronize()
             torch.ops.sdcp.workspace_check(host.handle)
         except Exception as e:
-            logger.info("torch_sdcp %s workspace, rank %d: the void call of %s() failed (%s)",
+            logger.info("torch_sdcp: %s on rank %d: the void call of %s() failed (%s)",
                         _name(host), host.rank, what, e)
             return False
         finally:

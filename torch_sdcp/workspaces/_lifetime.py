@@ -43,7 +43,7 @@ def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena, watch:
     with contextlib.suppress(Exception):
         arena.close(barrier=False)
     with contextlib.suppress(Exception):
-        logger.info("torch_sdcp %s workspace, rank %d: dropped without close(); released locally", name, rank)
+        logger.info("torch_sdcp: %s on rank %d: dropped without close(); released locally", name, rank)
 
 
 # Every workspace with memory of its own, for the fork handler (a set of its own:
