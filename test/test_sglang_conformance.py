@@ -76,7 +76,7 @@ def test_replacements_take_sglangs_parameters(version):
 def test_every_hook_target_is_checked(version):
     for target, _, _ in face.HOOKS:
         module, name = target.rsplit(".", 1)
-        if module.endswith(("BaseRunner", "ModelRunner")):
+        if module.rsplit(".", 1)[1][:1].isupper():  # a method: module.Class.name
             module, cls = module.rsplit(".", 1)
             name = f"{cls}.{name}"
         assert (module, name) in face.SGLANG_SIGNATURES, target
@@ -167,6 +167,29 @@ def test_pre_capture_point(version):
     assert "return max(capture_bs) * tokens_per_req" in rows
 
 
+def test_results_leave_after_the_steps_synchronisation(version):
+    """Every event loop turns a batch's result into outputs through
+    Scheduler.process_batch_result (the overlap loop one step late, after the
+    next batch's run_batch), whose processors wait for copy_done before they
+    stream any output: the plugin's check before it, after that wait, stops a
+    failed step's outputs."""
+    overlap = _text(_find("sglang.srt.managers.scheduler", "Scheduler.event_loop_overlap"))
+    assert "self.process_batch_result(tmp_batch, tmp_result)" in overlap
+    assert overlap.index("batch_result = self.run_batch(batch)") < overlap.rindex("pop_and_process()")
+    normal = _text(_find("sglang.srt.managers.scheduler", "Scheduler.event_loop_normal"))
+    assert normal.index("self.run_batch(batch)") < normal.index("self.process_batch_result(batch, result)")
+    run = _text(_find("sglang.srt.managers.scheduler", "Scheduler.run_batch"))
+    assert "batch_result.copy_done = self.device_module.Event()" in run
+    processor = "sglang.srt.managers.scheduler_components.batch_result_processor"
+    for name in ("process_batch_result_decode", "process_batch_result_prefill", "process_batch_result_idle"):
+        text = _text(_find(processor, f"SchedulerBatchResultProcessor.{name}"))
+        wait = text.index("result.copy_done.synchronize()")
+        assert wait < text.index("self.output_streamer."), name
+    dispatch = _text(_find("sglang.srt.managers.scheduler", "Scheduler.process_batch_result"))
+    for name in ("process_batch_result_decode", "process_batch_result_prefill", "process_batch_result_idle"):
+        assert f"self.batch_result_processor.{name}(batch, result)" in dispatch, name
+
+
 def test_parallel_context_fields(version):
     """The fields of get_parallel() the plugin reads, read by SGLang's own code."""
     used = set()
@@ -218,7 +241,8 @@ def test_hooked_methods_are_not_overridden(version):
     """A hook on a base-class method reaches every runner only while no
     subclass defines its own."""
     root = os.path.join(_sglang_dir(), "srt")
-    for name in ("_pre_initialize_fi_a2a_workspace", "_widest_decode_rows", "abort_distributed_environment"):
+    for name in ("_pre_initialize_fi_a2a_workspace", "_widest_decode_rows", "abort_distributed_environment",
+                 "process_batch_result"):
         found = []
         for folder, _, files in os.walk(root):
             for f in files:

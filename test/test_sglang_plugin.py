@@ -21,6 +21,7 @@ import subprocess
 import sys
 import types
 
+import _sglang_stand_in as stand_in
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from _sglang_stand_in import (
     PARALLEL_STATE,
     REGISTRY,
     RUNNER,
+    SCHEDULER,
     TOKENS_PER_REQ,
     Coordinator,
     D,
@@ -239,6 +241,121 @@ def test_step_check_fails_the_step(fake, monkeypatch):
     with pytest.raises(RuntimeError, match="timed out"):
         runner.forward(lambda: "ok")
     assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == 1
+
+
+class _Recorded:
+    """A peer workspace whose calls ran on the stand-in's device: ``fail()``
+    is the error record a failing kernel writes when it runs."""
+
+    peer = True
+
+    def __init__(self):
+        self.error = None
+
+    def fail(self):
+        self.error = "torch_sdcp: OutputLSEWorkspace on rank 0 timed out waiting for a peer"
+
+    def check(self):
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+def _scheduler(fake, monkeypatch, overlap, hooks=None):
+    """The stand-in scheduler over SGLang's hooked ModelRunner, a recorded
+    workspace in this face's cache, and the plugin's hooks (all of HOOKS, or
+    the named targets only) applied by SGLang's registry."""
+    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import sglang as face
+
+    registry = fake.mods[REGISTRY]
+    for target, kind, hook in face.HOOKS:
+        if hooks is None or target.rsplit(".", 1)[-1] in hooks:
+            registry.HookRegistry.register(target, hook, getattr(registry.HookType, kind))
+    registry.HookRegistry.apply_hooks()
+    ws = _Recorded()
+    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(ws, 8, True))
+    device = stand_in.Device()
+    runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
+    return fake.mods[SCHEDULER].Scheduler(runner, device, overlap), device, ws
+
+
+def _batches(device, ws, failing):
+    """Decode steps 0..3; step ``failing`` launches a call that fails on the
+    device (its error recorded when its kernel runs, not at launch)."""
+    def step(i):
+        def forward():
+            device.launch(ws.fail if i == failing else lambda: None)
+            return f"tokens of step {i}"
+        return forward
+    return [step(i) for i in range(4)]
+
+
+def test_overlap_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch):
+    """Under SGLang's overlap loop, step 1's result is processed after step
+    2's forward was launched; step 1's failing call records its error only
+    when its kernel runs. The check before ModelRunner.forward alone lets step
+    1's tokens reach the detokenizer (the control below); the check in result
+    processing, after copy_done, raises before any of them is streamed."""
+    from torch_sdcp import integrations
+    from torch_sdcp.integrations import _core
+
+    sched, device, ws = _scheduler(fake, monkeypatch, overlap=True, hooks=("forward",))
+    batches = _batches(device, ws, failing=1)
+    with pytest.raises(RuntimeError, match="timed out"):
+        sched.event_loop_overlap(batches)
+    assert [b for b, _ in sched.outputs] == batches[:2], "control: without the result check step 1's output leaves"
+
+    rebuilt = build_fake_sglang()  # a fresh process: SGLang's functions unhooked, a fresh registry
+    with InModules(rebuilt.mods):
+        sched, device, ws = _scheduler(rebuilt, monkeypatch, overlap=True)
+        batches = _batches(device, ws, failing=1)
+        before = integrations.counters()["sglang"].get(_core.STEP_CHECK, {}).get("timeout", 0)
+        with pytest.raises(RuntimeError, match="the step's output is not returned.*timed out"):
+            sched.event_loop_overlap(batches)
+        assert [b for b, _ in sched.outputs] == batches[:1], "an output of the failed step 1 left"
+        assert (len(device.launched), device.done) == (3, 2), "raised in step 1's result processing, step 2 launched"
+        assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == before + 1
+
+
+def test_normal_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch):
+    """SGLang's normal loop processes each result right after its forward:
+    the check after the step's synchronisation stops the failed step's
+    output there, before the next step is launched."""
+    sched, device, ws = _scheduler(fake, monkeypatch, overlap=False)
+    batches = _batches(device, ws, failing=2)
+    device.launch = lambda kernel: kernel()  # a host backend's call completes before it returns
+    with pytest.raises(RuntimeError, match="timed out"):
+        sched.event_loop_normal(batches)
+    assert [b for b, _ in sched.outputs] == batches[:2]
+
+
+def test_result_check_waits_for_the_step(monkeypatch):
+    """copy_done when SGLang recorded one, else the current CUDA stream (what
+    the processors' tolist() waits for); nothing without CUDA."""
+    import types as t
+
+    from torch_sdcp.integrations import sglang as face
+
+    waited = []
+    face._wait_for_step(t.SimpleNamespace(copy_done=t.SimpleNamespace(synchronize=lambda: waited.append("event"))))
+    stream = t.SimpleNamespace(synchronize=lambda: waited.append("stream"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    face._wait_for_step(t.SimpleNamespace(copy_done=None))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    face._wait_for_step(t.SimpleNamespace(copy_done=None))
+    assert waited == ["event", "stream"]
+
+
+def test_result_check_costs_nothing_without_a_workspace(fake):
+    """No peer workspace: no wait, no check (SGLang keeps its own timing)."""
+    import types as t
+
+    from torch_sdcp.integrations import sglang as face
+
+    face._before_results(None, None, t.SimpleNamespace(copy_done=t.SimpleNamespace(
+        synchronize=lambda: pytest.fail("waited without a workspace"))))
 
 
 def test_bound_from_sglang_and_cap(fake, monkeypatch):

@@ -10,8 +10,10 @@ the modules that imported a function by name): both Output/LSE combines
 gather ``all_gather_q_for_mla_decode`` on ``QueryWorkspace.all_gather_heads``,
 the workspaces after ``BaseRunner._pre_initialize_fi_a2a_workspace`` (warm-up,
 before CUDA-graph capture; sized by SGLang's widest decode batch),
-:func:`check` before every ``ModelRunner.forward`` and a local release (no barrier,
-no wait on a peer) before ``abort_distributed_environment``.
+:func:`check` before every ``ModelRunner.forward`` and, after the step's own
+synchronisation, before ``Scheduler.process_batch_result`` emits a batch's
+outputs, and a local release (no barrier, no wait on a peer) before
+``abort_distributed_environment``.
 
 A call this face does not cover (``fi_a2a``, a world of one, an fp8 output, a
 geometry without a workspace, more rows than the bound, no peer memory) runs
@@ -55,6 +57,7 @@ _COMM = "sglang.srt.layers.dcp.comm"
 _RUNNER = "sglang.srt.model_executor.runner.base_runner"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+_SCHEDULER = "sglang.srt.managers.scheduler"
 _RUNTIME = "sglang.srt.runtime_context"
 _REGISTRY = "sglang.srt.plugins.hook_registry"
 _OWN_PATH = "SGLang's own"
@@ -74,6 +77,7 @@ SGLANG_SIGNATURES = {
                                             "pp_proxy_tensors=None, reinit_attn_backend=False, split_forward_count=1)",
     (_MODEL_RUNNER, "ModelRunner.decode_num_tokens_per_req"): "(self, *, num_draft_tokens=None)",
     (_PARALLEL_STATE, "abort_distributed_environment"): "()",
+    (_SCHEDULER, "Scheduler.process_batch_result"): "(self, batch, result)",
     (_RUNTIME, "get_parallel"): "()",
 }
 
@@ -406,6 +410,38 @@ def _before_forward(*args: Any, **kwargs: Any) -> None:
     check()  # a poisoned workspace fails the step, on every rank (the failing call aborted the peers)
 
 
+def _wait_for_step(result: Any) -> None:
+    """The step's own synchronisation, as SGLang's result processors do it
+    first (``SchedulerBatchResultProcessor.process_batch_result_decode``,
+    ``_prefill``, ``_idle``): wait for ``result.copy_done`` (the event, or the
+    async copy worker's ``HostCopyDone``, that ``Scheduler.run_batch`` records
+    after the batch's forward and its device-to-host copy) when there is one;
+    without it (the normal loop, where the processors' ``tolist()`` waits for
+    the scheduler's current stream) the current CUDA stream. Waiting here, a
+    few statements earlier, adds no synchronisation: the processor's own wait
+    then returns at once."""
+    done = getattr(result, "copy_done", None)
+    if done is not None:
+        done.synchronize()
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
+def _before_results(*args: Any, **kwargs: Any) -> None:
+    """Before ``Scheduler.process_batch_result(batch, result)``, which every
+    event loop calls to turn a batch's result into outputs (the overlap loop
+    one step late, after the next batch's forward was launched): once the
+    step's kernels finished (:func:`_wait_for_step`), :func:`check`. A
+    failure recorded by this batch's calls then raises before any of its
+    outputs is streamed. Nothing runs while this face holds no peer
+    workspace."""
+    if not any(ws.peer for ws in _face.workspaces()):
+        return
+    result = kwargs["result"] if "result" in kwargs else args[2] if len(args) > 2 else None
+    _wait_for_step(result)
+    check()
+
+
 def _before_shutdown(*args: Any, **kwargs: Any) -> None:
     """Before SGLang's ``abort_distributed_environment``, a deliberately
     local teardown: every workspace released on this rank without waiting for
@@ -420,6 +456,7 @@ HOOKS: tuple[tuple[str, str, Callable], ...] = (
     (f"{_COMM}.all_gather_q_for_mla_decode", "REPLACE", all_gather_q_for_mla_decode),
     (f"{_RUNNER}.BaseRunner._pre_initialize_fi_a2a_workspace", "AFTER", _after_pre_initialize),
     (f"{_MODEL_RUNNER}.ModelRunner.forward", "BEFORE", _before_forward),
+    (f"{_SCHEDULER}.Scheduler.process_batch_result", "BEFORE", _before_results),
     (f"{_PARALLEL_STATE}.abort_distributed_environment", "BEFORE", _before_shutdown),
 )
 
