@@ -190,6 +190,36 @@ def test_results_leave_after_the_steps_synchronisation(version):
         assert f"self.batch_result_processor.{name}(batch, result)" in dispatch, name
 
 
+def test_server_args_cli_hooks(version):
+    """The plugin's options ride on ServerArgs: add_cli_args (a staticmethod
+    on SGLang's parser), from_cli_args (a classmethod that keeps only the
+    record's fields, so the options never reach the record) and
+    resolved_dict (the server-args dump). The launchers load the plugins
+    before they parse, except `sglang serve --help`, which prints before."""
+    import torch_sdcp_plugins.sglang as entry
+
+    module = "sglang.srt.server_args"
+    expected = {"add_cli_args": ("(parser)", "staticmethod"), "from_cli_args": ("(cls, args)", "classmethod"),
+                "resolved_dict": ("(self)", None)}
+    for target, kind, _ in entry.CLI_HOOKS:
+        name = target.rsplit(".", 1)[1]
+        fn = _find(module, f"ServerArgs.{name}")
+        params, decorator = expected[name]
+        assert _params(fn) == params and kind == "AFTER", name
+        assert [ast.unparse(d) for d in fn.decorator_list] == ([decorator] if decorator else []), name
+    assert "hasattr(args, attr.name)" in _text(_find(module, "ServerArgs.from_cli_args"))
+    prepare = _text(_find(module, "prepare_server_args"))
+    assert prepare.index("ServerArgs.add_cli_args(parser)") < prepare.index("parser.parse_args(argv)") < \
+        prepare.index("ServerArgs.from_cli_args(raw_args)")
+    launch = ast.unparse(_tree("sglang.launch_server"))
+    assert launch.index("load_plugins()") < launch.index("prepare_server_args(sys.argv[1:])")
+    serve = _text(_find("sglang.cli.serve", "serve"))
+    assert serve.index("'--help'") < serve.index("return") < serve.index("load_plugins()")
+    engine = ast.unparse(_tree("sglang.srt.entrypoints.engine"))
+    assert "server_args.resolved_dict()" in _text(_find("sglang.srt.entrypoints.engine", "_server_args_for_logging"))
+    assert "logger.info(f'server_args={_server_args_for_logging(server_args)}')" in engine
+
+
 def test_parallel_context_fields(version):
     """The fields of get_parallel() the plugin reads, read by SGLang's own code."""
     used = set()

@@ -38,6 +38,7 @@ from _sglang_stand_in import (
     REGISTRY,
     RUNNER,
     SCHEDULER,
+    SERVER_ARGS,
     TOKENS_PER_REQ,
     Coordinator,
     D,
@@ -583,3 +584,104 @@ def test_plugin_check_on_sglangs_defaults(monkeypatch):
                                         "--num-heads", "128", "--rows", "512"])
     assert status == 0 and "combine ON" in text and "query ON" in text, text
     assert "Output/LSE workspace:" in text and "query workspace:" in text, text
+
+
+# ---------------------------------------------------------------------------
+# Command-line options, through SGLang's ServerArgs hooks
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(fake, monkeypatch):
+    """The stand-in's ServerArgs with the entry point's CLI hooks applied by
+    SGLang's registry, the plugin off (every SDCP_SGLANG* variable unset,
+    restored afterwards)."""
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp_plugins.settings import SGLANG
+
+    for name in SGLANG.names():
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(entry, "_cli_registered", [])
+    entry._logged.clear()
+    entry.register()
+    fake.mods[REGISTRY].HookRegistry.apply_hooks()
+    yield fake.mods[SERVER_ARGS].ServerArgs
+    entry._logged.clear()
+
+
+def _parse(server_args, argv):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    server_args.add_cli_args(parser)
+    return parser, server_args.from_cli_args(parser.parse_args(argv))
+
+
+def test_cli_options_in_help_registered_while_off(cli):
+    """Off, the entry point registers the options and nothing else: --help
+    shows them (with their variables), SGLang's functions stay its own."""
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+
+    assert not face.is_installed() and entry._cli_registered
+    parser, _ = _parse(cli, [])
+    text = " ".join(parser.format_help().split())
+    for option, env in (("--sdcp {", "SDCP_SGLANG (unset: off)"), ("--sdcp-seams", "SDCP_SGLANG_SEAMS"),
+                        ("--sdcp-max-rows", "SDCP_SGLANG_MAX_ROWS"), ("--sdcp-timeout-s", "SDCP_SGLANG_TIMEOUT_S")):
+        assert option in text and env in text, (option, text)
+    assert "{off,on,require}" in text and "wins over its environment variable" in text
+
+
+def test_cli_options_reach_the_environment_and_the_dump(cli):
+    """from_cli_args (which keeps ServerArgs fields only) writes each option
+    given into its variable; the dump shows the values in effect; a process
+    started afterwards (SGLang's schedulers) reads them."""
+    from torch_sdcp_plugins.settings import SGLANG
+
+    _, args = _parse(cli, ["--model-path", "m", "--sdcp", "require", "--sdcp-seams", "QUERY",
+                           "--sdcp-max-rows", "64", "--sdcp-timeout-s", "30"])
+    assert not hasattr(args, "sdcp") and args.model_path == "m"
+    assert (os.environ["SDCP_SGLANG"], os.environ["SDCP_SGLANG_SEAMS"], os.environ["SDCP_SGLANG_MAX_ROWS"],
+            os.environ["SDCP_SGLANG_TIMEOUT_S"]) == ("require", "query", "64", "30")
+    dump = args.resolved_dict()
+    assert dump["model_path"] == "m"
+    assert {k: dump[k] for k in ("sdcp", "sdcp_seams", "sdcp_max_rows", "sdcp_timeout_s")} == \
+        {"sdcp": "require", "sdcp_seams": "query", "sdcp_max_rows": 64, "sdcp_timeout_s": 30.0}
+    child = subprocess.run([sys.executable, "-c", "from torch_sdcp_plugins.settings import SGLANG as s; "
+                            "print(s.mode()[0], s.seams(), s.max_rows_cap(), s.timeout_s())"],
+                           capture_output=True, text=True, timeout=120)
+    assert child.stdout.split() == ["require", "('query',)", "64", "30.0"], child.stdout + child.stderr
+    assert SGLANG.required()
+
+
+def test_cli_option_wins_over_the_environment(cli, monkeypatch, caplog):
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    monkeypatch.setenv("SDCP_SGLANG_SEAMS", "combine")
+    with caplog.at_level(logging.WARNING):
+        _, args = _parse(cli, ["--sdcp", "off"])
+    assert os.environ["SDCP_SGLANG"] == "off" and os.environ["SDCP_SGLANG_SEAMS"] == "combine"
+    assert args.resolved_dict()["sdcp"] == "off" and args.resolved_dict()["sdcp_seams"] == "combine"
+    assert [r.getMessage() for r in caplog.records] == ["torch_sdcp: --sdcp off wins over SDCP_SGLANG='1' (the "
+                                                        "command line overrides the environment)"]
+
+
+def test_cli_not_given_leaves_the_environment(cli, monkeypatch):
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    _, args = _parse(cli, [])
+    assert os.environ["SDCP_SGLANG"] == "1" and "SDCP_SGLANG_SEAMS" not in os.environ
+    dump = args.resolved_dict()
+    assert (dump["sdcp"], dump["sdcp_seams"], dump["sdcp_max_rows"], dump["sdcp_timeout_s"]) == \
+        ("on", "combine,query", None, 600.0)
+
+
+@pytest.mark.parametrize("argv,words", [(["--sdcp", "yes"], ["invalid choice: 'yes'"]),
+                                        (["--sdcp-seams", "combine,topk"], ["--sdcp-seams", "unknown: topk"]),
+                                        (["--sdcp-max-rows", "0"], ["--sdcp-max-rows", "positive int", "'0'"]),
+                                        (["--sdcp-timeout-s", "soon"], ["--sdcp-timeout-s", "'soon'"])])
+def test_cli_bad_value_is_a_usage_error(cli, capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        _parse(cli, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(w in err for w in words), err
+    assert "SDCP_SGLANG" not in os.environ

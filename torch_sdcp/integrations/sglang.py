@@ -340,9 +340,10 @@ def _mla_geometries(model: Any) -> list[tuple[int, int, int]]:
 
 
 # How to turn a seam on, per reason it is off (the start-up line names it).
+_SEAMS_OPTION = SGLANG.options[SGLANG.SEAMS]
 _ENABLE_COMBINE = "--dcp-comm-backend ag_rs or a2a"
-_ENABLE_QUERY = ("start SGLang without --dcp-replicate-q-proj (DSA models such as DeepSeek-V3.2 and GLM-5, and "
-                 "Kimi-K3, replicate the query projection by default)")
+_ENABLE_QUERY = ("--no-dcp-replicate-q-proj (DSA models such as DeepSeek-V3.2 and GLM-5, and Kimi-K3, replicate "
+                 "the query projection by default)")
 
 
 def _plan(parallel: Any, group: Any) -> SeamPlan:
@@ -351,11 +352,11 @@ def _plan(parallel: Any, group: Any) -> SeamPlan:
     selected = SGLANG.seams()
     backend = parallel.dcp_comm_backend
     if "combine" not in selected:
-        plan.decide("combine", False, f"not in {SGLANG.SEAMS}", f"add combine to {SGLANG.SEAMS}")
+        plan.decide("combine", False, f"not in {SGLANG.SEAMS}", f"add combine to {SGLANG.SEAMS} or {_SEAMS_OPTION}")
     elif backend not in _COMBINES:
         plan.decide("combine", False, f"--dcp-comm-backend {backend} stays SGLang's", _ENABLE_COMBINE)
     if "query" not in selected:
-        plan.decide("query", False, f"not in {SGLANG.SEAMS}", f"add query to {SGLANG.SEAMS}")
+        plan.decide("query", False, f"not in {SGLANG.SEAMS}", f"add query to {SGLANG.SEAMS} or {_SEAMS_OPTION}")
     elif parallel.dcp_replicate_q_proj:
         plan.decide("query", False, "--dcp-replicate-q-proj: no query gather", _ENABLE_QUERY)
     return plan
