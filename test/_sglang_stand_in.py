@@ -206,6 +206,13 @@ def build_fake_sglang(version="0.5.23"):
                                      dcp_replicate_q_proj=False)
     ns.parallel = parallel
     mods[RUNTIME].get_parallel = lambda: parallel
+    # The resolved configuration bags the plugin reads before the KV pool exists.
+    ns.graphs = types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(
+        decode=types.SimpleNamespace(bs=[1, 2, MAX_BS])))
+    ns.schedule = types.SimpleNamespace(max_running_requests=None)
+    mods[RUNTIME].get_exec = lambda: types.SimpleNamespace(graph=ns.graphs)
+    mods[RUNTIME].get_schedule = lambda: ns.schedule
+    ns.at_kv_sizing = lambda: None  # what a test looks at when SGLang measures the free memory
 
     comm = mods[COMM]
 
@@ -241,10 +248,16 @@ def build_fake_sglang(version="0.5.23"):
             return MAX_BS * self.model_runner.decode_num_tokens_per_req()
 
     class ModelRunner:
-        def __init__(self, model):
-            self.model, self.device = model, "cpu"
+        def __init__(self, model, is_draft_worker=False):
+            self.model, self.device, self.is_draft_worker = model, "cpu", is_draft_worker
             self.model_config = types.SimpleNamespace(dtype=torch.bfloat16)
             self.max_running_requests = 64
+            self.pre_model_load_memory, self.mem_fraction_static = 80.0, 0.85  # GB, fraction
+
+        def alloc_memory_pool(self, memory_pool_config=None, *, draft_parallel_layout=None):
+            # KVCacheConfigurator.configure -> _profile_available_bytes: the pool
+            # is sized from the free memory measured here.
+            ns.events.append(("kv-pool", ns.at_kv_sizing()))
 
         def decode_num_tokens_per_req(self, *, num_draft_tokens=None):
             return TOKENS_PER_REQ

@@ -220,6 +220,38 @@ def test_server_args_cli_hooks(version):
     assert "logger.info(f'server_args={_server_args_for_logging(server_args)}')" in engine
 
 
+def test_kv_pool_sized_in_alloc_memory_pool(version):
+    """SGLang sizes the KV pool in ModelRunner.alloc_memory_pool from the free
+    GPU memory less the --mem-fraction-static headroom (so the workspaces
+    made before it are counted), the target's before the draft's, before the
+    warm-up; with DCP there is no post-capture resize. The rows bound known
+    before the pool bounds the warm-up's: get_batch_sizes_to_capture only
+    filters the configured decode batch sizes (what it adds is no larger)."""
+    mr = "sglang.srt.model_executor.model_runner"
+    alloc = _text(_find(mr, "ModelRunner.alloc_memory_pool"))
+    assert "self.kv_cache_configurator.configure(pre_model_load_memory=self.pre_model_load_memory)" in alloc
+    profile = _text(_find("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._profile_available_bytes"))
+    assert "available_gpu_memory = get_available_gpu_memory(" in profile
+    assert "slack_gb = pre_model_load_memory * (1 - get_schedule().mem_fraction_static)" in profile
+    pools = _text(_find("sglang.srt.managers.scheduler", "Scheduler.init_memory_pools"))
+    assert pools.index("self.init_target_memory_pool()") < pools.index("self.draft_worker.alloc_memory_pool(")
+    init = _text(_find("sglang.srt.managers.scheduler", "Scheduler.init_model_worker"))
+    assert init.index("self.init_tp_model_worker()") < init.index("self.init_memory_pools()") < \
+        init.index("self.init_all_cuda_graphs()")
+    planned = _text(_find("sglang.srt.arg_groups.overrides", "post_capture_kv_sizing_planned"))
+    assert "if cfg.dcp_size != 1:\n        return False" in planned
+    capture = _text(_find("sglang.srt.model_executor.runner.base_cuda_graph_runner", "get_batch_sizes_to_capture"))
+    assert "capture_bs = list(get_exec().graph.cuda_graph_config.decode.bs)" in capture
+    assert "if max(capture_bs) > num_max_requests:\n        capture_bs += [num_max_requests]" in capture
+    assert "capture_bs = [bs for bs in capture_bs if bs <= num_max_requests]" in capture
+    text = _text(_find(mr, "ModelRunner.__init__"))
+    for attr in ("self.mem_fraction_static = ", "self.is_draft_worker = "):
+        assert attr in text, attr
+    assert "self.pre_model_load_memory = " in ast.unparse(_tree(mr))
+    runtime = {n.name for n in _tree("sglang.srt.runtime_context").body if isinstance(n, ast.FunctionDef)}
+    assert {"get_exec", "get_schedule", "get_parallel"} <= runtime
+
+
 def test_parallel_context_fields(version):
     """The fields of get_parallel() the plugin reads, read by SGLang's own code."""
     used = set()

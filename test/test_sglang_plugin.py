@@ -72,8 +72,10 @@ def _protocol_worker(rank, world, rows_list):
 
     model = torch.nn.Sequential(MLA(world), MLA(world), MLA(1))
     runner = ns.mods[RUNNER].BaseRunner(ns.mods[MODEL_RUNNER].ModelRunner(model))
+    ns.at_kv_sizing = lambda: [type(w).__name__ for w in face.workspaces()]
+    runner.model_runner.alloc_memory_pool()  # the workspaces exist when SGLang sizes its KV pool
     runner._pre_initialize_fi_a2a_workspace()
-    assert ns.events == ["fi_a2a"]
+    assert ns.events == [("kv-pool", ["OutputLSEWorkspace", "QueryWorkspace"]), "fi_a2a"], ns.events
     wss = face.workspaces()
     assert len(wss) == 2 and all(w.peer and w.max_rows == BOUND for w in wss), wss
     # An fp32 model's combine, prepared directly (what the hook does for a model of that dtype).
@@ -177,6 +179,8 @@ def fake():
         face._hooks.installed = False
         face._hooks.originals.clear()
         face._hooks.dcp_group = None
+        face._hooks.early_rows.clear()
+        face._hooks.early.clear()
         face._face.forget()
 
 
@@ -371,6 +375,82 @@ def test_bound_from_sglang_and_cap(fake, monkeypatch):
     monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "lots")
     with pytest.raises(ValueError, match="SDCP_SGLANG_MAX_ROWS"):
         face._row_bound(runner)
+
+
+def test_rows_known_before_the_kv_pool(fake, monkeypatch):
+    """Before the pool: the CUDA-graph configuration's widest decode batch
+    (SGLang only filters that list later), else the --max-running-requests
+    the user set, else unknown; capped by SDCP_SGLANG_MAX_ROWS."""
+    from torch_sdcp.integrations import sglang as face
+
+    mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
+    fake.graphs.cuda_graph_config.decode.bs = [1, 8, 3]
+    assert face._rows_before_the_pool(mr) == 8 * TOKENS_PER_REQ
+    fake.graphs.cuda_graph_config = None
+    assert face._rows_before_the_pool(mr) is None
+    fake.schedule.max_running_requests = 48
+    assert face._rows_before_the_pool(mr) == 48 * TOKENS_PER_REQ
+    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "20")
+    assert face._rows_before_the_pool(mr) == 20
+
+
+def test_workspaces_before_the_kv_pool_which_and_when(fake, monkeypatch, caplog):
+    """The target model's workspaces are prepared before SGLang sizes its KV
+    pool, with the seams the settings select; a draft model, DCP off, or a
+    bound not known yet leave them to the warm-up; a failure is logged and
+    never reaches SGLang."""
+    from torch_sdcp.integrations import sglang as face
+
+    made = []
+    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
+    model = torch.nn.Sequential(MLA(2), MLA(2))
+    mr = fake.mods[MODEL_RUNNER].ModelRunner(model)
+    fake.parallel.dcp_comm_backend = "fi_a2a"  # the combine stays SGLang's: the query only
+    face._before_alloc_memory_pool(mr)
+    assert [(m["combine"], m["query"], m["max_rows"]) for m in made] == [(False, True, BOUND)]
+    assert face._hooks.early_rows == {id(mr): BOUND}
+    made.clear()
+    face._before_alloc_memory_pool(fake.mods[MODEL_RUNNER].ModelRunner(model, is_draft_worker=True))
+    fake.parallel.dcp_enabled = False
+    face._before_alloc_memory_pool(mr)
+    fake.parallel.dcp_enabled = True
+    fake.graphs.cuda_graph_config = None
+    with caplog.at_level(logging.WARNING):
+        face._before_alloc_memory_pool(mr)
+    assert made == [] and any("made at warm-up" in r.getMessage() for r in caplog.records)
+
+    def boom(group, **k):
+        raise RuntimeError("no peer")
+
+    fake.graphs.cuda_graph_config = types.SimpleNamespace(decode=types.SimpleNamespace(bs=[4]))
+    monkeypatch.setattr(face, "prepare", boom)
+    with caplog.at_level(logging.ERROR):
+        face._before_alloc_memory_pool(mr)
+    assert any("no peer" in r.getMessage() and "tried again at warm-up" in r.getMessage() for r in caplog.records)
+
+
+def test_workspaces_after_the_kv_pool_log_their_bytes_and_the_fraction(fake, monkeypatch, caplog):
+    """A workspace made at warm-up (after the KV sizing) is named with its
+    bytes and the --mem-fraction-static that keeps SGLang's headroom; one
+    made before the pool is not."""
+    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import sglang as face
+
+    early, late = _Recorded(), _Recorded()
+    late.physical_bytes = early.physical_bytes = 2**30 // 4
+    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(early, 8, True))
+    face._hooks.early.add(id(early))
+    mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())  # 80 GB before the model, fraction 0.85
+    with caplog.at_level(logging.WARNING):
+        face._log_outside_budget(mr)
+    assert not caplog.records
+    monkeypatch.setitem(_core._cache, ("sglang", "query", "g", (), "cpu", 0), _core.Entry(late, 8, True))
+    with caplog.at_level(logging.WARNING):
+        face._log_outside_budget(mr)
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch_sdcp: 1 workspace(s), 268435456 bytes per rank, were made after SGLang sized its KV pool: they come "
+        "out of the --mem-fraction-static headroom; to keep it, lower --mem-fraction-static by 0.0031 (0.85 -> "
+        "0.8469)"]
 
 
 def test_geometries_from_the_model():
