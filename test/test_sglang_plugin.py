@@ -713,6 +713,23 @@ def test_cli_options_in_help_registered_while_off(cli):
     assert "{off,on,require}" in text and "wins over its environment variable" in text
 
 
+def test_cli_options_while_off_import_nothing_of_torch_sdcp():
+    """In a fresh process with the stand-in: off, the entry point's options
+    land in SGLang's parser and nothing of torch_sdcp is imported."""
+    code = ("import sys, argparse; sys.path.insert(0, 'test'); "
+            "from _sglang_stand_in import build_fake_sglang; ns = build_fake_sglang(); sys.modules.update(ns.mods); "
+            "import torch_sdcp_plugins.sglang as e; e.register(); "
+            f"ns.mods[{REGISTRY!r}].HookRegistry.apply_hooks(); p = argparse.ArgumentParser(); "
+            f"ns.mods[{SERVER_ARGS!r}].ServerArgs.add_cli_args(p); assert '--sdcp-seams' in p.format_help(); "
+            "bad = [m for m in sys.modules if m == 'torch_sdcp' or m.startswith('torch_sdcp.')]; "
+            "assert not bad, bad; print('off')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDCP_SGLANG")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "off", out.stdout + out.stderr
+
+
 def test_cli_options_reach_the_environment_and_the_dump(cli):
     """from_cli_args (which keeps ServerArgs fields only) writes each option
     given into its variable; the dump shows the values in effect; a process
