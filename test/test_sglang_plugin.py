@@ -72,6 +72,7 @@ def _protocol_worker(rank, world, rows_list):
 
     model = torch.nn.Sequential(MLA(world), MLA(world), MLA(1))
     runner = ns.mods[RUNNER].BaseRunner(ns.mods[MODEL_RUNNER].ModelRunner(model))
+    face._WARMED_UP_ON = ("cuda", "cpu")  # the stand-in's runner is warmed up on the host
     ns.at_kv_sizing = lambda: [type(w).__name__ for w in face.workspaces()]
     runner.model_runner.alloc_memory_pool()  # the workspaces exist when SGLang sizes its KV pool
     runner._pre_initialize_fi_a2a_workspace()
@@ -405,6 +406,9 @@ def test_workspaces_before_the_kv_pool_which_and_when(fake, monkeypatch, caplog)
     monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
     model = torch.nn.Sequential(MLA(2), MLA(2))
     mr = fake.mods[MODEL_RUNNER].ModelRunner(model)
+    face._before_alloc_memory_pool(mr)  # a cpu runner: SGLang never warms it up, nothing is made
+    assert made == [] and face._hooks.early_rows == {}
+    monkeypatch.setattr(face, "_WARMED_UP_ON", ("cuda", "cpu"))
     fake.parallel.dcp_comm_backend = "fi_a2a"  # the combine stays SGLang's: the query only
     face._before_alloc_memory_pool(mr)
     assert [(m["combine"], m["query"], m["max_rows"]) for m in made] == [(False, True, BOUND)]

@@ -399,6 +399,12 @@ def _plan(parallel: Any, group: Any) -> SeamPlan:
     return plan
 
 
+# The devices whose runners SGLang warms up (BaseRunner._warmup returns at
+# once on any other, so the pre-capture hook never runs there): only there are
+# workspaces made before the KV pool, so that both hooks agree.
+_WARMED_UP_ON: tuple[str, ...] = ("cuda",)
+
+
 def _before_alloc_memory_pool(mr: Any, *args: Any, **kwargs: Any) -> None:
     """Before ``ModelRunner.alloc_memory_pool`` of the target model, where
     SGLang sizes the KV pool from the free GPU memory
@@ -411,7 +417,7 @@ def _before_alloc_memory_pool(mr: Any, *args: Any, **kwargs: Any) -> None:
     warm-up as before. Never raises: a failure is logged, and the warm-up
     tries again (and applies the ``require`` mode)."""
     try:
-        if getattr(mr, "is_draft_worker", False):
+        if getattr(mr, "is_draft_worker", False) or str(mr.device) not in _WARMED_UP_ON:
             return
         parallel = importlib.import_module(_RUNTIME).get_parallel()
         if not parallel.dcp_enabled:
