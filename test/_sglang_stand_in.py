@@ -1,6 +1,7 @@
 """A thin stand-in for the parts of SGLang 0.5.23 the SGLang plugin touches
 (module paths, signatures, the call site's by-name imports, the runner's
-pre-capture point, the step, the shutdown call), whose DCP functions are
+pre-capture point, the step, the scheduler's event loops and result
+processing, the server arguments' CLI, the shutdown call), whose DCP functions are
 SGLang's own (sglang/srt/layers/dcp/comm.py and the Triton kernels of
 sglang/kernels/ops/attention/dcp_kernels.py) written in plain torch, step by
 step: the reference the plugin's results are compared with. Used by
@@ -30,11 +31,13 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
 RUNTIME = "sglang.srt.runtime_context"
 REGISTRY = "sglang.srt.plugins.hook_registry"
+SCHEDULER = "sglang.srt.managers.scheduler"
+SERVER_ARGS = "sglang.srt.server_args"
 MODULES = ("sglang", "sglang.version", "sglang.srt", "sglang.srt.layers", "sglang.srt.layers.dcp", COMM,
            RUNTIME, "sglang.srt.plugins", REGISTRY, "sglang.srt.model_executor", "sglang.srt.model_executor.runner",
            RUNNER, MODEL_RUNNER, "sglang.srt.distributed", PARALLEL_STATE, "sglang.srt.models",
            "sglang.srt.models.deepseek_common", "sglang.srt.models.deepseek_common.attention_forward_methods",
-           FORWARD_MLA)
+           FORWARD_MLA, "sglang.srt.managers", SCHEDULER, SERVER_ARGS)
 
 
 # ---------------------------------------------------------------------------
@@ -148,6 +151,9 @@ def _stand_in_registry(mod):
                 path, name = target.rsplit(".", 1)
                 owner = pkgutil.resolve_name(path)
                 original = getattr(owner, name)
+                raw = vars(owner).get(name) if isinstance(owner, type) else None
+                if isinstance(raw, (classmethod, staticmethod)):  # kept as such, as SGLang's _apply_target does
+                    original = raw.__func__
 
                 def wrapper(*a, _o=original, _h=hook, _k=kind, **k):
                     if _k is HookType.REPLACE:
@@ -160,6 +166,8 @@ def _stand_in_registry(mod):
                     return result
 
                 wrapped = functools.wraps(original)(wrapper)
+                if isinstance(raw, (classmethod, staticmethod)):
+                    wrapped = type(raw)(wrapped)
                 setattr(owner, name, wrapped)
                 for m in list(sys.modules.values()):
                     for attr, value in list(vars(m).items()) if isinstance(m, types.ModuleType) else ():
@@ -183,6 +191,13 @@ def _real_registry():
     return path if os.path.exists(path) else None
 
 
+def _fresh(cls):
+    """A copy of ``cls`` with its own namespace (static and class methods
+    included), as SGLang's hook registry finds them in a class's __dict__."""
+    return type(cls.__name__, cls.__bases__, {k: v for k, v in vars(cls).items()
+                                              if k not in ("__dict__", "__weakref__")})
+
+
 def build_fake_sglang(version="0.5.23"):
     mods = packages(MODULES)
     ns = types.SimpleNamespace(mods=mods, calls=[], events=[])
@@ -191,6 +206,13 @@ def build_fake_sglang(version="0.5.23"):
                                      dcp_replicate_q_proj=False)
     ns.parallel = parallel
     mods[RUNTIME].get_parallel = lambda: parallel
+    # The resolved configuration bags the plugin reads before the KV pool exists.
+    ns.graphs = types.SimpleNamespace(cuda_graph_config=types.SimpleNamespace(
+        decode=types.SimpleNamespace(bs=[1, 2, MAX_BS])))
+    ns.schedule = types.SimpleNamespace(max_running_requests=None)
+    mods[RUNTIME].get_exec = lambda: types.SimpleNamespace(graph=ns.graphs)
+    mods[RUNTIME].get_schedule = lambda: ns.schedule
+    ns.at_kv_sizing = lambda: None  # what a test looks at when SGLang measures the free memory
 
     comm = mods[COMM]
 
@@ -226,10 +248,16 @@ def build_fake_sglang(version="0.5.23"):
             return MAX_BS * self.model_runner.decode_num_tokens_per_req()
 
     class ModelRunner:
-        def __init__(self, model):
-            self.model, self.device = model, "cpu"
+        def __init__(self, model, is_draft_worker=False):
+            self.model, self.device, self.is_draft_worker = model, "cpu", is_draft_worker
             self.model_config = types.SimpleNamespace(dtype=torch.bfloat16)
             self.max_running_requests = 64
+            self.pre_model_load_memory, self.mem_fraction_static = 80.0, 0.85  # GB, fraction
+
+        def alloc_memory_pool(self, memory_pool_config=None, *, draft_parallel_layout=None):
+            # KVCacheConfigurator.configure -> _profile_available_bytes: the pool
+            # is sized from the free memory measured here.
+            ns.events.append(("kv-pool", ns.at_kv_sizing()))
 
         def decode_num_tokens_per_req(self, *, num_draft_tokens=None):
             return TOKENS_PER_REQ
@@ -239,6 +267,8 @@ def build_fake_sglang(version="0.5.23"):
             return forward_batch()
 
     mods[RUNNER].BaseRunner, mods[MODEL_RUNNER].ModelRunner = BaseRunner, ModelRunner
+    mods[SCHEDULER].Scheduler = _fresh(Scheduler)  # hooks patch classes: one copy per stand-in
+    mods[SERVER_ARGS].ServerArgs = _fresh(ServerArgs)
     mods[PARALLEL_STATE].abort_distributed_environment = lambda: ns.events.append("abort")
 
     path = _real_registry()
@@ -250,6 +280,133 @@ def build_fake_sglang(version="0.5.23"):
         _stand_in_registry(mods[REGISTRY])
     ns.real_registry = path is not None
     return ns
+
+
+# ---------------------------------------------------------------------------
+# The scheduler: its two event loops and result processing (SGLang 0.5.23's
+# sglang/srt/managers/scheduler.py and scheduler_components/batch_result_processor.py)
+# ---------------------------------------------------------------------------
+
+
+class Device:
+    """A GPU's work queue: what a forward launches completes later, in launch
+    order, when a wait reaches it (an event's synchronize, a blocking copy).
+    A failing collective records its error (in host-mapped memory) only when
+    its kernel runs, so the host sees it only after such a wait."""
+
+    def __init__(self):
+        self.launched, self.done = [], 0
+
+    def launch(self, kernel):
+        self.launched.append(kernel)
+
+    def complete(self, upto=None):
+        upto = len(self.launched) if upto is None else upto
+        while self.done < upto:
+            self.launched[self.done]()
+            self.done += 1
+
+
+class Event:
+    """``device_module.Event``: recorded after the work launched so far;
+    ``synchronize()`` waits for that work."""
+
+    def __init__(self, device):
+        self.device, self.mark = device, None
+
+    def record(self):
+        self.mark = len(self.device.launched)
+
+    def synchronize(self):
+        self.device.complete(self.mark)
+
+
+class BatchResult:
+    """GenerationBatchResult as far as result processing reads it."""
+
+    def __init__(self, next_token_ids):
+        self.next_token_ids, self.copy_done = next_token_ids, None
+
+
+class SchedulerBatchResultProcessor:
+    """process_batch_result_decode: the step's own synchronisation first
+    (``result.copy_done.synchronize()``, or, without copy_done, the blocking
+    ``next_token_ids.tolist()`` on the scheduler's stream), then the outputs
+    streamed to the detokenizer (``output_streamer.stream_output``)."""
+
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+
+    def process_batch_result_decode(self, batch, result):
+        if result.copy_done is not None:
+            result.copy_done.synchronize()
+        else:
+            self.scheduler.device.complete()  # tolist() waits for the stream
+        self.scheduler.outputs.append((batch, result.next_token_ids))
+
+
+class Scheduler:
+    """The two loops of Scheduler.run_event_loop. ``run_batch`` launches the
+    forward (ModelRunner.forward) and, under overlap, records ``copy_done``
+    after it (the device-to-host copy on the copy stream); the normal loop
+    processes each batch's result right after its forward, the overlap loop
+    (``event_loop_overlap``) one step late: batch N's result is processed
+    (``pop_and_process``) after batch N+1's forward was launched."""
+
+    def __init__(self, model_runner, device, enable_overlap):
+        self.model_runner, self.device, self.enable_overlap = model_runner, device, enable_overlap
+        self.batch_result_processor = SchedulerBatchResultProcessor(self)
+        self.outputs = []  # what reached the detokenizer, in order
+
+    def run_batch(self, batch):
+        result = BatchResult(self.model_runner.forward(batch))
+        if self.enable_overlap:
+            result.copy_done = Event(self.device)
+            result.copy_done.record()
+        return result
+
+    def process_batch_result(self, batch, result):
+        self.batch_result_processor.process_batch_result_decode(batch, result)
+
+    def event_loop_normal(self, batches):
+        for batch in batches:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+
+    def event_loop_overlap(self, batches):
+        result_queue, last_batch = [], None
+        for batch in list(batches) + [None]:
+            if batch is not None:
+                result_queue.append((batch, self.run_batch(batch)))
+            if last_batch is not None:
+                self.process_batch_result(*result_queue.pop(0))
+            last_batch = batch
+
+
+# ---------------------------------------------------------------------------
+# Server arguments (sglang/srt/server_args.py): a msgspec record whose fields
+# are fixed when the module is imported; from_cli_args keeps only them
+# ---------------------------------------------------------------------------
+
+
+class ServerArgs:
+    FIELDS = ("model_path", "dcp_comm_backend")
+
+    def __init__(self, **fields):
+        for name in self.FIELDS:
+            setattr(self, name, fields.get(name))
+
+    @staticmethod
+    def add_cli_args(parser):
+        parser.add_argument("--model-path", type=str)
+        parser.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a", "fi_a2a"], default="ag_rs")
+
+    @classmethod
+    def from_cli_args(cls, args):
+        return cls(**{name: getattr(args, name) for name in cls.FIELDS if hasattr(args, name)})
+
+    def resolved_dict(self):
+        return {name: getattr(self, name) for name in self.FIELDS}
 
 
 class MLA(torch.nn.Module):

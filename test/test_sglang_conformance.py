@@ -76,7 +76,7 @@ def test_replacements_take_sglangs_parameters(version):
 def test_every_hook_target_is_checked(version):
     for target, _, _ in face.HOOKS:
         module, name = target.rsplit(".", 1)
-        if module.endswith(("BaseRunner", "ModelRunner")):
+        if module.rsplit(".", 1)[1][:1].isupper():  # a method: module.Class.name
             module, cls = module.rsplit(".", 1)
             name = f"{cls}.{name}"
         assert (module, name) in face.SGLANG_SIGNATURES, target
@@ -159,12 +159,99 @@ def test_pre_capture_point(version):
     """The warm-up calls _pre_initialize_fi_a2a_workspace before autotune, and
     the decode graph runner warms up before it captures."""
     warmup = _text(_find("sglang.srt.model_executor.runner.base_runner", "BaseRunner._warmup"))
+    assert "if mr.device != 'cuda':\n        return" in warmup and face._WARMED_UP_ON == ("cuda",)
+    assert warmup.index("if mr.device != 'cuda'") < warmup.index("self._pre_initialize_fi_a2a_workspace()")
     assert warmup.index("self._pre_initialize_fi_a2a_workspace()") < warmup.index("should_run_flashinfer_autotune")
     capture = _text(_find("sglang.srt.model_executor.runner.decode_cuda_graph_runner",
                           "DecodeCudaGraphRunner._capture"))
     assert "self.warmup()" in capture
     rows = _text(_find("sglang.srt.model_executor.runner.base_runner", "BaseRunner._widest_decode_rows"))
     assert "return max(capture_bs) * tokens_per_req" in rows
+
+
+def test_results_leave_after_the_steps_synchronisation(version):
+    """Every event loop turns a batch's result into outputs through
+    Scheduler.process_batch_result (the overlap loop one step late, after the
+    next batch's run_batch), whose processors wait for copy_done before they
+    stream any output: the plugin's check before it, after that wait, stops a
+    failed step's outputs."""
+    overlap = _text(_find("sglang.srt.managers.scheduler", "Scheduler.event_loop_overlap"))
+    assert "self.process_batch_result(tmp_batch, tmp_result)" in overlap
+    assert overlap.index("batch_result = self.run_batch(batch)") < overlap.rindex("pop_and_process()")
+    normal = _text(_find("sglang.srt.managers.scheduler", "Scheduler.event_loop_normal"))
+    assert normal.index("self.run_batch(batch)") < normal.index("self.process_batch_result(batch, result)")
+    run = _text(_find("sglang.srt.managers.scheduler", "Scheduler.run_batch"))
+    assert "batch_result.copy_done = self.device_module.Event()" in run
+    processor = "sglang.srt.managers.scheduler_components.batch_result_processor"
+    for name in ("process_batch_result_decode", "process_batch_result_prefill", "process_batch_result_idle"):
+        text = _text(_find(processor, f"SchedulerBatchResultProcessor.{name}"))
+        wait = text.index("result.copy_done.synchronize()")
+        assert wait < text.index("self.output_streamer."), name
+    dispatch = _text(_find("sglang.srt.managers.scheduler", "Scheduler.process_batch_result"))
+    for name in ("process_batch_result_decode", "process_batch_result_prefill", "process_batch_result_idle"):
+        assert f"self.batch_result_processor.{name}(batch, result)" in dispatch, name
+
+
+def test_server_args_cli_hooks(version):
+    """The plugin's options ride on ServerArgs: add_cli_args (a staticmethod
+    on SGLang's parser), from_cli_args (a classmethod that keeps only the
+    record's fields, so the options never reach the record) and
+    resolved_dict (the server-args dump). The launchers load the plugins
+    before they parse, except `sglang serve --help`, which prints before."""
+    import torch_sdcp_plugins.sglang as entry
+
+    module = "sglang.srt.server_args"
+    expected = {"add_cli_args": ("(parser)", "staticmethod"), "from_cli_args": ("(cls, args)", "classmethod"),
+                "resolved_dict": ("(self)", None)}
+    for target, kind, _ in entry.CLI_HOOKS:
+        name = target.rsplit(".", 1)[1]
+        fn = _find(module, f"ServerArgs.{name}")
+        params, decorator = expected[name]
+        assert _params(fn) == params and kind == "AFTER", name
+        assert [ast.unparse(d) for d in fn.decorator_list] == ([decorator] if decorator else []), name
+    assert "hasattr(args, attr.name)" in _text(_find(module, "ServerArgs.from_cli_args"))
+    prepare = _text(_find(module, "prepare_server_args"))
+    assert prepare.index("ServerArgs.add_cli_args(parser)") < prepare.index("parser.parse_args(argv)") < \
+        prepare.index("ServerArgs.from_cli_args(raw_args)")
+    launch = ast.unparse(_tree("sglang.launch_server"))
+    assert launch.index("load_plugins()") < launch.index("prepare_server_args(sys.argv[1:])")
+    serve = _text(_find("sglang.cli.serve", "serve"))
+    assert serve.index("'--help'") < serve.index("return") < serve.index("load_plugins()")
+    engine = ast.unparse(_tree("sglang.srt.entrypoints.engine"))
+    assert "server_args.resolved_dict()" in _text(_find("sglang.srt.entrypoints.engine", "_server_args_for_logging"))
+    assert "logger.info(f'server_args={_server_args_for_logging(server_args)}')" in engine
+
+
+def test_kv_pool_sized_in_alloc_memory_pool(version):
+    """SGLang sizes the KV pool in ModelRunner.alloc_memory_pool from the free
+    GPU memory less the --mem-fraction-static headroom (so the workspaces
+    made before it are counted), the target's before the draft's, before the
+    warm-up; with DCP there is no post-capture resize. The rows bound known
+    before the pool bounds the warm-up's: get_batch_sizes_to_capture only
+    filters the configured decode batch sizes (what it adds is no larger)."""
+    mr = "sglang.srt.model_executor.model_runner"
+    alloc = _text(_find(mr, "ModelRunner.alloc_memory_pool"))
+    assert "self.kv_cache_configurator.configure(pre_model_load_memory=self.pre_model_load_memory)" in alloc
+    profile = _text(_find("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._profile_available_bytes"))
+    assert "available_gpu_memory = get_available_gpu_memory(" in profile
+    assert "slack_gb = pre_model_load_memory * (1 - get_schedule().mem_fraction_static)" in profile
+    pools = _text(_find("sglang.srt.managers.scheduler", "Scheduler.init_memory_pools"))
+    assert pools.index("self.init_target_memory_pool()") < pools.index("self.draft_worker.alloc_memory_pool(")
+    init = _text(_find("sglang.srt.managers.scheduler", "Scheduler.init_model_worker"))
+    assert init.index("self.init_tp_model_worker()") < init.index("self.init_memory_pools()") < \
+        init.index("self.init_all_cuda_graphs()")
+    planned = _text(_find("sglang.srt.arg_groups.overrides", "post_capture_kv_sizing_planned"))
+    assert "if cfg.dcp_size != 1:\n        return False" in planned
+    capture = _text(_find("sglang.srt.model_executor.runner.base_cuda_graph_runner", "get_batch_sizes_to_capture"))
+    assert "capture_bs = list(get_exec().graph.cuda_graph_config.decode.bs)" in capture
+    assert "if max(capture_bs) > num_max_requests:\n        capture_bs += [num_max_requests]" in capture
+    assert "capture_bs = [bs for bs in capture_bs if bs <= num_max_requests]" in capture
+    text = _text(_find(mr, "ModelRunner.__init__"))
+    for attr in ("self.mem_fraction_static = ", "self.is_draft_worker = "):
+        assert attr in text, attr
+    assert "self.pre_model_load_memory = " in ast.unparse(_tree(mr))
+    runtime = {n.name for n in _tree("sglang.srt.runtime_context").body if isinstance(n, ast.FunctionDef)}
+    assert {"get_exec", "get_schedule", "get_parallel"} <= runtime
 
 
 def test_parallel_context_fields(version):
@@ -218,7 +305,8 @@ def test_hooked_methods_are_not_overridden(version):
     """A hook on a base-class method reaches every runner only while no
     subclass defines its own."""
     root = os.path.join(_sglang_dir(), "srt")
-    for name in ("_pre_initialize_fi_a2a_workspace", "_widest_decode_rows", "abort_distributed_environment"):
+    for name in ("_pre_initialize_fi_a2a_workspace", "_widest_decode_rows", "abort_distributed_environment",
+                 "process_batch_result"):
         found = []
         for folder, _, files in os.walk(root):
             for f in files:

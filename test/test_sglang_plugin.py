@@ -21,6 +21,7 @@ import subprocess
 import sys
 import types
 
+import _sglang_stand_in as stand_in
 import pytest
 import torch
 import torch.distributed as dist
@@ -36,6 +37,8 @@ from _sglang_stand_in import (
     PARALLEL_STATE,
     REGISTRY,
     RUNNER,
+    SCHEDULER,
+    SERVER_ARGS,
     TOKENS_PER_REQ,
     Coordinator,
     D,
@@ -69,8 +72,11 @@ def _protocol_worker(rank, world, rows_list):
 
     model = torch.nn.Sequential(MLA(world), MLA(world), MLA(1))
     runner = ns.mods[RUNNER].BaseRunner(ns.mods[MODEL_RUNNER].ModelRunner(model))
+    face._WARMED_UP_ON = ("cuda", "cpu")  # the stand-in's runner is warmed up on the host
+    ns.at_kv_sizing = lambda: [type(w).__name__ for w in face.workspaces()]
+    runner.model_runner.alloc_memory_pool()  # the workspaces exist when SGLang sizes its KV pool
     runner._pre_initialize_fi_a2a_workspace()
-    assert ns.events == ["fi_a2a"]
+    assert ns.events == [("kv-pool", ["OutputLSEWorkspace", "QueryWorkspace"]), "fi_a2a"], ns.events
     wss = face.workspaces()
     assert len(wss) == 2 and all(w.peer and w.max_rows == BOUND for w in wss), wss
     # An fp32 model's combine, prepared directly (what the hook does for a model of that dtype).
@@ -174,6 +180,8 @@ def fake():
         face._hooks.installed = False
         face._hooks.originals.clear()
         face._hooks.dcp_group = None
+        face._hooks.early_rows.clear()
+        face._hooks.early.clear()
         face._face.forget()
 
 
@@ -241,6 +249,121 @@ def test_step_check_fails_the_step(fake, monkeypatch):
     assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == 1
 
 
+class _Recorded:
+    """A peer workspace whose calls ran on the stand-in's device: ``fail()``
+    is the error record a failing kernel writes when it runs."""
+
+    peer = True
+
+    def __init__(self):
+        self.error = None
+
+    def fail(self):
+        self.error = "torch_sdcp: OutputLSEWorkspace on rank 0 timed out waiting for a peer"
+
+    def check(self):
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+def _scheduler(fake, monkeypatch, overlap, hooks=None):
+    """The stand-in scheduler over SGLang's hooked ModelRunner, a recorded
+    workspace in this face's cache, and the plugin's hooks (all of HOOKS, or
+    the named targets only) applied by SGLang's registry."""
+    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import sglang as face
+
+    registry = fake.mods[REGISTRY]
+    for target, kind, hook in face.HOOKS:
+        if hooks is None or target.rsplit(".", 1)[-1] in hooks:
+            registry.HookRegistry.register(target, hook, getattr(registry.HookType, kind))
+    registry.HookRegistry.apply_hooks()
+    ws = _Recorded()
+    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(ws, 8, True))
+    device = stand_in.Device()
+    runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
+    return fake.mods[SCHEDULER].Scheduler(runner, device, overlap), device, ws
+
+
+def _batches(device, ws, failing):
+    """Decode steps 0..3; step ``failing`` launches a call that fails on the
+    device (its error recorded when its kernel runs, not at launch)."""
+    def step(i):
+        def forward():
+            device.launch(ws.fail if i == failing else lambda: None)
+            return f"tokens of step {i}"
+        return forward
+    return [step(i) for i in range(4)]
+
+
+def test_overlap_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch):
+    """Under SGLang's overlap loop, step 1's result is processed after step
+    2's forward was launched; step 1's failing call records its error only
+    when its kernel runs. The check before ModelRunner.forward alone lets step
+    1's tokens reach the detokenizer (the control below); the check in result
+    processing, after copy_done, raises before any of them is streamed."""
+    from torch_sdcp import integrations
+    from torch_sdcp.integrations import _core
+
+    sched, device, ws = _scheduler(fake, monkeypatch, overlap=True, hooks=("forward",))
+    batches = _batches(device, ws, failing=1)
+    with pytest.raises(RuntimeError, match="timed out"):
+        sched.event_loop_overlap(batches)
+    assert [b for b, _ in sched.outputs] == batches[:2], "control: without the result check step 1's output leaves"
+
+    rebuilt = build_fake_sglang()  # a fresh process: SGLang's functions unhooked, a fresh registry
+    with InModules(rebuilt.mods):
+        sched, device, ws = _scheduler(rebuilt, monkeypatch, overlap=True)
+        batches = _batches(device, ws, failing=1)
+        before = integrations.counters()["sglang"].get(_core.STEP_CHECK, {}).get("timeout", 0)
+        with pytest.raises(RuntimeError, match="the step's output is not returned.*timed out"):
+            sched.event_loop_overlap(batches)
+        assert [b for b, _ in sched.outputs] == batches[:1], "an output of the failed step 1 left"
+        assert (len(device.launched), device.done) == (3, 2), "raised in step 1's result processing, step 2 launched"
+        assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == before + 1
+
+
+def test_normal_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch):
+    """SGLang's normal loop processes each result right after its forward:
+    the check after the step's synchronisation stops the failed step's
+    output there, before the next step is launched."""
+    sched, device, ws = _scheduler(fake, monkeypatch, overlap=False)
+    batches = _batches(device, ws, failing=2)
+    device.launch = lambda kernel: kernel()  # a host backend's call completes before it returns
+    with pytest.raises(RuntimeError, match="timed out"):
+        sched.event_loop_normal(batches)
+    assert [b for b, _ in sched.outputs] == batches[:2]
+
+
+def test_result_check_waits_for_the_step(monkeypatch):
+    """copy_done when SGLang recorded one, else the current CUDA stream (what
+    the processors' tolist() waits for); nothing without CUDA."""
+    import types as t
+
+    from torch_sdcp.integrations import sglang as face
+
+    waited = []
+    face._wait_for_step(t.SimpleNamespace(copy_done=t.SimpleNamespace(synchronize=lambda: waited.append("event"))))
+    stream = t.SimpleNamespace(synchronize=lambda: waited.append("stream"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    face._wait_for_step(t.SimpleNamespace(copy_done=None))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    face._wait_for_step(t.SimpleNamespace(copy_done=None))
+    assert waited == ["event", "stream"]
+
+
+def test_result_check_costs_nothing_without_a_workspace(fake):
+    """No peer workspace: no wait, no check (SGLang keeps its own timing)."""
+    import types as t
+
+    from torch_sdcp.integrations import sglang as face
+
+    face._before_results(None, None, t.SimpleNamespace(copy_done=t.SimpleNamespace(
+        synchronize=lambda: pytest.fail("waited without a workspace"))))
+
+
 def test_bound_from_sglang_and_cap(fake, monkeypatch):
     from torch_sdcp.integrations import sglang as face
 
@@ -253,6 +376,85 @@ def test_bound_from_sglang_and_cap(fake, monkeypatch):
     monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "lots")
     with pytest.raises(ValueError, match="SDCP_SGLANG_MAX_ROWS"):
         face._row_bound(runner)
+
+
+def test_rows_known_before_the_kv_pool(fake, monkeypatch):
+    """Before the pool: the CUDA-graph configuration's widest decode batch
+    (SGLang only filters that list later), else the --max-running-requests
+    the user set, else unknown; capped by SDCP_SGLANG_MAX_ROWS."""
+    from torch_sdcp.integrations import sglang as face
+
+    mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
+    fake.graphs.cuda_graph_config.decode.bs = [1, 8, 3]
+    assert face._rows_before_the_pool(mr) == 8 * TOKENS_PER_REQ
+    fake.graphs.cuda_graph_config = None
+    assert face._rows_before_the_pool(mr) is None
+    fake.schedule.max_running_requests = 48
+    assert face._rows_before_the_pool(mr) == 48 * TOKENS_PER_REQ
+    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "20")
+    assert face._rows_before_the_pool(mr) == 20
+
+
+def test_workspaces_before_the_kv_pool_which_and_when(fake, monkeypatch, caplog):
+    """The target model's workspaces are prepared before SGLang sizes its KV
+    pool, with the seams the settings select; a draft model, DCP off, or a
+    bound not known yet leave them to the warm-up; a failure is logged and
+    never reaches SGLang."""
+    from torch_sdcp.integrations import sglang as face
+
+    made = []
+    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
+    model = torch.nn.Sequential(MLA(2), MLA(2))
+    mr = fake.mods[MODEL_RUNNER].ModelRunner(model)
+    face._before_alloc_memory_pool(mr)  # a cpu runner: SGLang never warms it up, nothing is made
+    assert made == [] and face._hooks.early_rows == {}
+    monkeypatch.setattr(face, "_WARMED_UP_ON", ("cuda", "cpu"))
+    fake.parallel.dcp_comm_backend = "fi_a2a"  # the combine stays SGLang's: the query only
+    face._before_alloc_memory_pool(mr)
+    assert [(m["combine"], m["query"], m["max_rows"]) for m in made] == [(False, True, BOUND)]
+    assert face._hooks.early_rows == {id(mr): BOUND}
+    made.clear()
+    face._before_alloc_memory_pool(fake.mods[MODEL_RUNNER].ModelRunner(model, is_draft_worker=True))
+    fake.parallel.dcp_enabled = False
+    face._before_alloc_memory_pool(mr)
+    fake.parallel.dcp_enabled = True
+    fake.graphs.cuda_graph_config = None
+    with caplog.at_level(logging.WARNING):
+        face._before_alloc_memory_pool(mr)
+    assert made == [] and any("made at warm-up" in r.getMessage() for r in caplog.records)
+
+    def boom(group, **k):
+        raise RuntimeError("no peer")
+
+    fake.graphs.cuda_graph_config = types.SimpleNamespace(decode=types.SimpleNamespace(bs=[4]))
+    monkeypatch.setattr(face, "prepare", boom)
+    with caplog.at_level(logging.ERROR):
+        face._before_alloc_memory_pool(mr)
+    assert any("no peer" in r.getMessage() and "tried again at warm-up" in r.getMessage() for r in caplog.records)
+
+
+def test_workspaces_after_the_kv_pool_log_their_bytes_and_the_fraction(fake, monkeypatch, caplog):
+    """A workspace made at warm-up (after the KV sizing) is named with its
+    bytes and the --mem-fraction-static that keeps SGLang's headroom; one
+    made before the pool is not."""
+    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import sglang as face
+
+    early, late = _Recorded(), _Recorded()
+    late.physical_bytes = early.physical_bytes = 2**30 // 4
+    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(early, 8, True))
+    face._hooks.early.add(id(early))
+    mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())  # 80 GB before the model, fraction 0.85
+    with caplog.at_level(logging.WARNING):
+        face._log_outside_budget(mr)
+    assert not caplog.records
+    monkeypatch.setitem(_core._cache, ("sglang", "query", "g", (), "cpu", 0), _core.Entry(late, 8, True))
+    with caplog.at_level(logging.WARNING):
+        face._log_outside_budget(mr)
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch_sdcp: 1 workspace(s), 268435456 bytes per rank, were made after SGLang sized its KV pool: they come "
+        "out of the --mem-fraction-static headroom; to keep it, lower --mem-fraction-static by 0.0031 (0.85 -> "
+        "0.8469)"]
 
 
 def test_geometries_from_the_model():
@@ -466,3 +668,121 @@ def test_plugin_check_on_sglangs_defaults(monkeypatch):
                                         "--num-heads", "128", "--rows", "512"])
     assert status == 0 and "combine ON" in text and "query ON" in text, text
     assert "Output/LSE workspace:" in text and "query workspace:" in text, text
+
+
+# ---------------------------------------------------------------------------
+# Command-line options, through SGLang's ServerArgs hooks
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cli(fake, monkeypatch):
+    """The stand-in's ServerArgs with the entry point's CLI hooks applied by
+    SGLang's registry, the plugin off (every SDCP_SGLANG* variable unset,
+    restored afterwards)."""
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp_plugins.settings import SGLANG
+
+    for name in SGLANG.names():
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(entry, "_cli_registered", [])
+    entry._logged.clear()
+    entry.register()
+    fake.mods[REGISTRY].HookRegistry.apply_hooks()
+    yield fake.mods[SERVER_ARGS].ServerArgs
+    entry._logged.clear()
+
+
+def _parse(server_args, argv):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    server_args.add_cli_args(parser)
+    return parser, server_args.from_cli_args(parser.parse_args(argv))
+
+
+def test_cli_options_in_help_registered_while_off(cli):
+    """Off, the entry point registers the options and nothing else: --help
+    shows them (with their variables), SGLang's functions stay its own."""
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+
+    assert not face.is_installed() and entry._cli_registered
+    parser, _ = _parse(cli, [])
+    text = " ".join(parser.format_help().split())
+    for option, env in (("--sdcp {", "SDCP_SGLANG (unset: off)"), ("--sdcp-seams", "SDCP_SGLANG_SEAMS"),
+                        ("--sdcp-max-rows", "SDCP_SGLANG_MAX_ROWS"), ("--sdcp-timeout-s", "SDCP_SGLANG_TIMEOUT_S")):
+        assert option in text and env in text, (option, text)
+    assert "{off,on,require}" in text and "wins over its environment variable" in text
+
+
+def test_cli_options_while_off_import_nothing_of_torch_sdcp():
+    """In a fresh process with the stand-in: off, the entry point's options
+    land in SGLang's parser and nothing of torch_sdcp is imported."""
+    code = ("import sys, argparse; sys.path.insert(0, 'test'); "
+            "from _sglang_stand_in import build_fake_sglang; ns = build_fake_sglang(); sys.modules.update(ns.mods); "
+            "import torch_sdcp_plugins.sglang as e; e.register(); "
+            f"ns.mods[{REGISTRY!r}].HookRegistry.apply_hooks(); p = argparse.ArgumentParser(); "
+            f"ns.mods[{SERVER_ARGS!r}].ServerArgs.add_cli_args(p); assert '--sdcp-seams' in p.format_help(); "
+            "bad = [m for m in sys.modules if m == 'torch_sdcp' or m.startswith('torch_sdcp.')]; "
+            "assert not bad, bad; print('off')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SDCP_SGLANG")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "off", out.stdout + out.stderr
+
+
+def test_cli_options_reach_the_environment_and_the_dump(cli):
+    """from_cli_args (which keeps ServerArgs fields only) writes each option
+    given into its variable; the dump shows the values in effect; a process
+    started afterwards (SGLang's schedulers) reads them."""
+    from torch_sdcp_plugins.settings import SGLANG
+
+    _, args = _parse(cli, ["--model-path", "m", "--sdcp", "require", "--sdcp-seams", "QUERY",
+                           "--sdcp-max-rows", "64", "--sdcp-timeout-s", "30"])
+    assert not hasattr(args, "sdcp") and args.model_path == "m"
+    assert (os.environ["SDCP_SGLANG"], os.environ["SDCP_SGLANG_SEAMS"], os.environ["SDCP_SGLANG_MAX_ROWS"],
+            os.environ["SDCP_SGLANG_TIMEOUT_S"]) == ("require", "query", "64", "30")
+    dump = args.resolved_dict()
+    assert dump["model_path"] == "m"
+    assert {k: dump[k] for k in ("sdcp", "sdcp_seams", "sdcp_max_rows", "sdcp_timeout_s")} == \
+        {"sdcp": "require", "sdcp_seams": "query", "sdcp_max_rows": 64, "sdcp_timeout_s": 30.0}
+    child = subprocess.run([sys.executable, "-c", "from torch_sdcp_plugins.settings import SGLANG as s; "
+                            "print(s.mode()[0], s.seams(), s.max_rows_cap(), s.timeout_s())"],
+                           capture_output=True, text=True, timeout=120)
+    assert child.stdout.split() == ["require", "('query',)", "64", "30.0"], child.stdout + child.stderr
+    assert SGLANG.required()
+
+
+def test_cli_option_wins_over_the_environment(cli, monkeypatch, caplog):
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    monkeypatch.setenv("SDCP_SGLANG_SEAMS", "combine")
+    with caplog.at_level(logging.WARNING):
+        _, args = _parse(cli, ["--sdcp", "off"])
+    assert os.environ["SDCP_SGLANG"] == "off" and os.environ["SDCP_SGLANG_SEAMS"] == "combine"
+    assert args.resolved_dict()["sdcp"] == "off" and args.resolved_dict()["sdcp_seams"] == "combine"
+    assert [r.getMessage() for r in caplog.records] == ["torch_sdcp: --sdcp off wins over SDCP_SGLANG='1' (the "
+                                                        "command line overrides the environment)"]
+
+
+def test_cli_not_given_leaves_the_environment(cli, monkeypatch):
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    _, args = _parse(cli, [])
+    assert os.environ["SDCP_SGLANG"] == "1" and "SDCP_SGLANG_SEAMS" not in os.environ
+    dump = args.resolved_dict()
+    assert (dump["sdcp"], dump["sdcp_seams"], dump["sdcp_max_rows"], dump["sdcp_timeout_s"]) == \
+        ("on", "combine,query", None, 600.0)
+
+
+@pytest.mark.parametrize("argv,words", [(["--sdcp", "yes"], ["invalid choice: 'yes'"]),
+                                        (["--sdcp-seams", "combine,topk"], ["--sdcp-seams", "unknown: topk"]),
+                                        (["--sdcp-max-rows", "0"], ["--sdcp-max-rows", "positive int", "'0'"]),
+                                        (["--sdcp-timeout-s", "soon"], ["--sdcp-timeout-s", "'soon'"])])
+def test_cli_bad_value_is_a_usage_error(cli, capsys, argv, words):
+    with pytest.raises(SystemExit) as e:
+        _parse(cli, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(w in err for w in words), err
+    assert "SDCP_SGLANG" not in os.environ

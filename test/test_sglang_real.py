@@ -106,7 +106,9 @@ def test_loaded_by_sglang_and_hooks_land():
     out = _run(HOOKS_LAND, SDCP_SGLANG="1")
     assert out.returncode == 0, out.stdout + out.stderr
     landed = [line for line in out.stdout.splitlines() if line.startswith("LANDED")]
-    assert len(landed) == 6, out.stdout
+    from torch_sdcp.integrations import sglang as face
+
+    assert len(landed) == len(face.HOOKS), out.stdout
     assert "CALL-SITE-BLOCKED" not in out.stdout, "forward_mla does not import here: " + out.stdout
     rebound = [line for line in out.stdout.splitlines() if line.startswith("REBOUND")]
     assert len(rebound) == 6, out.stdout  # three seams in the package and in forward_mla
@@ -120,6 +122,31 @@ def test_off_loads_nothing_of_ours():
             "print('off')")
     out = _run(code)
     assert out.returncode == 0 and "off" in out.stdout, out.stdout + out.stderr
+
+
+# Off: the options still land in SGLang's parser (prepare_server_args is what
+# `sglang serve` and `python -m sglang.launch_server` parse with), and an
+# option given is written into its variable for the processes started next.
+OPTIONS = """
+import argparse, os, sys
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+parser = argparse.ArgumentParser()
+ServerArgs.add_cli_args(parser)
+text = " ".join(parser.format_help().split())
+assert "--sdcp-seams SEAMS" in text and "SDCP_SGLANG_SEAMS" in text, text
+args = prepare_server_args(["--model-path", "unused", "--sdcp", "on", "--sdcp-seams", "query"])
+assert not hasattr(args, "sdcp"), "an option became a ServerArgs field"
+assert (os.environ["SDCP_SGLANG"], os.environ["SDCP_SGLANG_SEAMS"]) == ("on", "query"), os.environ
+assert not [m for m in sys.modules if m == "torch_sdcp" or m.startswith("torch_sdcp.")], "imported while off"
+print("options")
+"""
+
+
+def test_options_through_sglangs_parser():
+    out = _run(OPTIONS)
+    assert out.returncode == 0 and "options" in out.stdout, out.stdout + out.stderr
 
 
 STARTS = (f"import logging; logging.basicConfig(level=logging.INFO); {{before}}; "

@@ -15,6 +15,10 @@ Per engine (``SDCP_VLLM``, ``SDCP_SGLANG``):
 - ``<PREFIX>_MAX_ROWS``: a positive int capping the engine's row bound;
 - ``<PREFIX>_TIMEOUT_S``: a positive number of seconds a workspace waits for a
   peer (default 600: ranks skew by many seconds at start-up; NCCL waits 10 min).
+
+SGLang's plugin also takes them as command-line options (``--sdcp``,
+``--sdcp-seams``, ``--sdcp-max-rows``, ``--sdcp-timeout-s``: :attr:`EngineSettings.options`),
+parsed by the same functions; an option given wins over its variable.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-__all__ = ["MODES", "SGLANG", "SWITCH_WORDS", "VLLM", "EngineSettings", "positive_number", "read_switch"]
+__all__ = ["MODES", "SGLANG", "SWITCH_WORDS", "VLLM", "EngineSettings", "parse_positive", "positive_number",
+           "read_switch"]
 
 _ON = ("1", "true", "yes", "on")
 _REQUIRE = ("require",)
@@ -59,6 +64,19 @@ def read_switch(name: str) -> tuple[bool, str | None]:
     return mode != "off", bad
 
 
+def parse_positive(raw: str, kind: type, source: str) -> float | int:
+    """``raw`` as a positive ``kind`` (int or float). A bad value is a
+    ValueError naming ``source`` (the variable or option), the expected and
+    the actual value."""
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not value > 0:
+        raise ValueError(f"torch_sdcp: {source}: expected a positive {kind.__name__}, got {raw!r}")
+    return value
+
+
 def positive_number(name: str, kind: type, default: float | int | None) -> float | int | None:
     """The variable ``name`` as a positive ``kind`` (int or float), or
     ``default`` when unset or blank. A bad value is a ValueError naming the
@@ -66,20 +84,14 @@ def positive_number(name: str, kind: type, default: float | int | None) -> float
     raw = _raw(name)
     if raw is None:
         return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or not value > 0:
-        raise ValueError(f"torch_sdcp: environment variable {name}: expected a positive {kind.__name__}, "
-                         f"got {raw!r}")
-    return value
+    return parse_positive(raw, kind, f"environment variable {name}")
 
 
 class EngineSettings:
     """The settings of one engine's plugin, all named from one prefix."""
 
-    def __init__(self, engine: str, prefix: str, seams: tuple[str, ...], default_timeout_s: float = 600.0) -> None:
+    def __init__(self, engine: str, prefix: str, seams: tuple[str, ...], default_timeout_s: float = 600.0,
+                 cli: str | None = None) -> None:
         self.engine = engine
         self.ENABLE = prefix
         self.SEAMS = f"{prefix}_SEAMS"
@@ -87,6 +99,11 @@ class EngineSettings:
         self.TIMEOUT_S = f"{prefix}_TIMEOUT_S"
         self.all_seams = seams
         self.default_timeout_s = default_timeout_s
+        #: The engine's command-line option of each variable (``cli``: the
+        #: switch's option; the others append ``-seams``, ...), or none.
+        self.options: dict[str, str] = {} if cli is None else {
+            self.ENABLE: cli, self.SEAMS: f"{cli}-seams", self.MAX_ROWS: f"{cli}-max-rows",
+            self.TIMEOUT_S: f"{cli}-timeout-s"}
 
     def names(self) -> tuple[str, ...]:
         return (self.ENABLE, self.SEAMS, self.MAX_ROWS, self.TIMEOUT_S)
@@ -114,10 +131,16 @@ class EngineSettings:
         raw = _raw(self.SEAMS)
         if raw is None:
             return self.all_seams
+        return self.parse_seams(raw, f"environment variable {self.SEAMS}")
+
+    def parse_seams(self, raw: str, source: str) -> tuple[str, ...]:
+        """``raw`` (comma-separated names) as seams in
+        :attr:`all_seams` order. An unknown name is a ValueError naming
+        ``source``, the expected and the actual value."""
         names = [n.strip().lower() for n in raw.split(",") if n.strip()]
         unknown = [n for n in names if n not in self.all_seams]
         if unknown:
-            raise ValueError(f"torch_sdcp: environment variable {self.SEAMS}: expected comma-separated names from "
+            raise ValueError(f"torch_sdcp: {source}: expected comma-separated names from "
                              f"{','.join(self.all_seams)}, got {raw!r} (unknown: {', '.join(unknown)})")
         return tuple(s for s in self.all_seams if s in names)
 
@@ -138,4 +161,4 @@ class EngineSettings:
 
 
 VLLM = EngineSettings("vLLM", "SDCP_VLLM", ("combine", "query", "topk"))
-SGLANG = EngineSettings("SGLang", "SDCP_SGLANG", ("combine", "query"))
+SGLANG = EngineSettings("SGLang", "SDCP_SGLANG", ("combine", "query"), cli="--sdcp")

@@ -8,10 +8,15 @@ the modules that imported a function by name): both Output/LSE combines
 (``ag_rs``: ``cp_lse_ag_out_rs_mla``, head-major ``[H/N, B, D]``; ``a2a``:
 ``dcp_a2a_lse_reduce``, ``[B, H/N, D]``) on ``OutputLSEWorkspace``, the query
 gather ``all_gather_q_for_mla_decode`` on ``QueryWorkspace.all_gather_heads``,
-the workspaces after ``BaseRunner._pre_initialize_fi_a2a_workspace`` (warm-up,
-before CUDA-graph capture; sized by SGLang's widest decode batch),
-:func:`check` before every ``ModelRunner.forward`` and a local release (no barrier,
-no wait on a peer) before ``abort_distributed_environment``.
+the workspaces before ``ModelRunner.alloc_memory_pool`` (so that SGLang's KV
+sizing counts their bytes; sized by the CUDA-graph configuration's widest
+decode batch) or, when that bound is not known yet, after
+``BaseRunner._pre_initialize_fi_a2a_workspace`` (warm-up, before CUDA-graph
+capture; sized by SGLang's widest decode batch),
+:func:`check` before every ``ModelRunner.forward`` and, after the step's own
+synchronisation, before ``Scheduler.process_batch_result`` emits a batch's
+outputs, and a local release (no barrier, no wait on a peer) before
+``abort_distributed_environment``.
 
 A call this face does not cover (``fi_a2a``, a world of one, an fp8 output, a
 geometry without a workspace, more rows than the bound, no peer memory) runs
@@ -55,6 +60,7 @@ _COMM = "sglang.srt.layers.dcp.comm"
 _RUNNER = "sglang.srt.model_executor.runner.base_runner"
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
+_SCHEDULER = "sglang.srt.managers.scheduler"
 _RUNTIME = "sglang.srt.runtime_context"
 _REGISTRY = "sglang.srt.plugins.hook_registry"
 _OWN_PATH = "SGLang's own"
@@ -73,7 +79,10 @@ SGLANG_SIGNATURES = {
     (_MODEL_RUNNER, "ModelRunner.forward"): "(self, forward_batch, skip_attn_backend_init=None, "
                                             "pp_proxy_tensors=None, reinit_attn_backend=False, split_forward_count=1)",
     (_MODEL_RUNNER, "ModelRunner.decode_num_tokens_per_req"): "(self, *, num_draft_tokens=None)",
+    (_MODEL_RUNNER, "ModelRunner.alloc_memory_pool"): "(self, memory_pool_config=None, *, "
+                                                      "draft_parallel_layout=None)",
     (_PARALLEL_STATE, "abort_distributed_environment"): "()",
+    (_SCHEDULER, "Scheduler.process_batch_result"): "(self, batch, result)",
     (_RUNTIME, "get_parallel"): "()",
 }
 
@@ -94,6 +103,10 @@ class _Hooks(EngineHooks):
     def __init__(self) -> None:
         super().__init__()
         self.installed = False
+        # Made before SGLang sized its KV pool: the rows bound used, by model
+        # runner, and the workspaces (by id) whose bytes SGLang counted.
+        self.early_rows: dict[int, int] = {}
+        self.early: set[int] = set()
 
 
 _hooks = _Hooks()
@@ -115,7 +128,13 @@ def workspaces() -> list[Any]:
 def teardown() -> None:
     """Close every prepared workspace (collective: every DCP rank, at
     shutdown, outside capture) and forget them. Idempotent."""
+    _forget_early()
     _face.teardown()
+
+
+def _forget_early() -> None:
+    _hooks.early_rows.clear()
+    _hooks.early.clear()
 
 
 def check() -> None:
@@ -323,6 +342,28 @@ def _row_bound(runner: Any) -> int:
     return min(int(rows), cap) if cap else int(rows)
 
 
+def _rows_before_the_pool(mr: Any) -> int | None:
+    """An upper bound of :func:`_row_bound` that is known before SGLang sizes
+    its KV pool, or None. With CUDA graphs: the largest decode batch size of
+    the CUDA-graph configuration times tokens per request (SGLang's
+    ``get_batch_sizes_to_capture`` only filters that list, by alignment and
+    by the request pool the KV sizing makes); without: the
+    ``--max-running-requests`` the user set (else SGLang derives it from the
+    pool: None). Capped by ``SDCP_SGLANG_MAX_ROWS``."""
+    runtime = importlib.import_module(_RUNTIME)
+    graphs = runtime.get_exec().graph.cuda_graph_config
+    if graphs is not None:
+        sizes = list(graphs.decode.bs or ())
+        rows = max(sizes) * int(mr.decode_num_tokens_per_req()) if sizes else None
+    else:
+        requests = runtime.get_schedule().max_running_requests
+        rows = int(requests) * int(mr.decode_num_tokens_per_req()) if requests else None
+    if rows is None:
+        return None
+    cap = SGLANG.max_rows_cap()
+    return min(int(rows), cap) if cap else int(rows)
+
+
 def _mla_geometries(model: Any) -> list[tuple[int, int, int]]:
     """(local heads, kv_lora_rank, qk_rope_head_dim) of every MLA attention
     module of ``model`` that runs DCP (``dcp_size > 1``), without repeats."""
@@ -336,9 +377,10 @@ def _mla_geometries(model: Any) -> list[tuple[int, int, int]]:
 
 
 # How to turn a seam on, per reason it is off (the start-up line names it).
+_SEAMS_OPTION = SGLANG.options[SGLANG.SEAMS]
 _ENABLE_COMBINE = "--dcp-comm-backend ag_rs or a2a"
-_ENABLE_QUERY = ("start SGLang without --dcp-replicate-q-proj (DSA models such as DeepSeek-V3.2 and GLM-5, and "
-                 "Kimi-K3, replicate the query projection by default)")
+_ENABLE_QUERY = ("--no-dcp-replicate-q-proj (DSA models such as DeepSeek-V3.2 and GLM-5, and Kimi-K3, replicate "
+                 "the query projection by default)")
 
 
 def _plan(parallel: Any, group: Any) -> SeamPlan:
@@ -347,14 +389,86 @@ def _plan(parallel: Any, group: Any) -> SeamPlan:
     selected = SGLANG.seams()
     backend = parallel.dcp_comm_backend
     if "combine" not in selected:
-        plan.decide("combine", False, f"not in {SGLANG.SEAMS}", f"add combine to {SGLANG.SEAMS}")
+        plan.decide("combine", False, f"not in {SGLANG.SEAMS}", f"add combine to {SGLANG.SEAMS} or {_SEAMS_OPTION}")
     elif backend not in _COMBINES:
         plan.decide("combine", False, f"--dcp-comm-backend {backend} stays SGLang's", _ENABLE_COMBINE)
     if "query" not in selected:
-        plan.decide("query", False, f"not in {SGLANG.SEAMS}", f"add query to {SGLANG.SEAMS}")
+        plan.decide("query", False, f"not in {SGLANG.SEAMS}", f"add query to {SGLANG.SEAMS} or {_SEAMS_OPTION}")
     elif parallel.dcp_replicate_q_proj:
         plan.decide("query", False, "--dcp-replicate-q-proj: no query gather", _ENABLE_QUERY)
     return plan
+
+
+# The devices whose runners SGLang warms up (BaseRunner._warmup returns at
+# once on any other, so the pre-capture hook never runs there): only there are
+# workspaces made before the KV pool, so that both hooks agree.
+_WARMED_UP_ON: tuple[str, ...] = ("cuda",)
+
+
+def _before_alloc_memory_pool(mr: Any, *args: Any, **kwargs: Any) -> None:
+    """Before ``ModelRunner.alloc_memory_pool`` of the target model, where
+    SGLang sizes the KV pool from the free GPU memory
+    (``KVCacheConfigurator._profile_available_bytes``: free memory minus the
+    ``--mem-fraction-static`` headroom): the workspaces of the model's DCP
+    MLA geometries, so that their bytes are counted in SGLang's budget and do
+    not come out of the headroom. The rows bound is then
+    :func:`_rows_before_the_pool`; when it is not known yet, or for a draft
+    model (its pool follows the target's sizing), the workspaces are made at
+    warm-up as before. Never raises: a failure is logged, and the warm-up
+    tries again (and applies the ``require`` mode)."""
+    try:
+        if getattr(mr, "is_draft_worker", False) or str(mr.device) not in _WARMED_UP_ON:
+            return
+        parallel = importlib.import_module(_RUNTIME).get_parallel()
+        if not parallel.dcp_enabled:
+            return
+        plan = _plan(parallel, parallel.dcp_group)
+        combine, query = "combine" not in plan.seams, "query" not in plan.seams
+        geometries = _mla_geometries(mr.model)
+        if not (combine or query) or not geometries:
+            return
+        rows = _rows_before_the_pool(mr)
+        if rows is None:
+            _log_once("warning", "late", "torch_sdcp: the rows bound is known only after SGLang sized its KV pool "
+                      "(no CUDA graphs and no --max-running-requests): the workspaces are made at warm-up, outside "
+                      "SGLang's memory budget")
+            return
+        before = {id(ws) for ws in workspaces()}
+        for heads, rank, rope in geometries:
+            prepare(parallel.dcp_group, max_rows=rows, local_heads=heads, kv_lora_rank=rank, rope_dim=rope,
+                    dtype=mr.model_config.dtype, device=mr.device, combine=combine, query=query)
+        made = [ws for ws in workspaces() if id(ws) not in before]
+        _hooks.early_rows[id(mr)] = rows
+        _hooks.early.update(id(ws) for ws in made)
+        if made:
+            _log_once("info", "early", "torch_sdcp: %d workspace(s), %d bytes per rank, made before SGLang sizes "
+                      "its KV pool (counted in its budget), %d rows", len(made), _bytes(made), rows)
+    except Exception as e:
+        _log_once("error", ("early-failed", type(e).__name__), "torch_sdcp: making the SGLang DCP workspaces "
+                  "before the KV pool failed (%s: %s); they are tried again at warm-up", type(e).__name__, e)
+
+
+def _bytes(made: list[Any]) -> int:
+    """Physical bytes per rank of ``made`` (granularity-rounded)."""
+    return sum(int(getattr(ws, "physical_bytes", 0) or getattr(ws, "nbytes_per_rank", 0)) for ws in made)
+
+
+def _log_outside_budget(mr: Any) -> None:
+    """One warning when workspaces were made after SGLang sized its KV pool:
+    their bytes, and the ``--mem-fraction-static`` that keeps SGLang's
+    headroom (``pre_model_load_memory x (1 - fraction)``) whole."""
+    late = [ws for ws in workspaces() if ws.peer and id(ws) not in _hooks.early]
+    if not late:
+        return
+    nbytes = _bytes(late)
+    advice = ""
+    pre, fraction = getattr(mr, "pre_model_load_memory", None), getattr(mr, "mem_fraction_static", None)
+    if isinstance(pre, (int, float)) and isinstance(fraction, (int, float)) and pre > 0:
+        advice = (f"; to keep it, lower --mem-fraction-static by {nbytes / 2**30 / pre:.4f} "
+                  f"({fraction:g} -> {fraction - nbytes / 2**30 / pre:.4f})")
+    _log_once("warning", ("outside-budget", nbytes), "torch_sdcp: %d workspace(s), %d bytes per rank, were made "
+              "after SGLang sized its KV pool: they come out of the --mem-fraction-static headroom%s", len(late),
+              nbytes, advice)
 
 
 def _after_pre_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
@@ -375,7 +489,7 @@ def _after_pre_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -
         plan = _plan(parallel, group)
         combine, query = "combine" not in plan.seams, "query" not in plan.seams
         if combine or query:
-            bound = _row_bound(runner)
+            bound = _hooks.early_rows.get(id(mr)) or _row_bound(runner)
             dtype = mr.model_config.dtype
             done = {"output_lse": False, "query": False}
             geometries = _mla_geometries(mr.model)
@@ -395,6 +509,7 @@ def _after_pre_initialize(result: Any, runner: Any, *args: Any, **kwargs: Any) -
                     plan.decide(seam, False, f"peer memory unavailable or a geometry not covered ({shape}, {dtype})",
                                 "a DCP group inside one node whose GPUs map each other's memory, bf16/fp16/fp32")
         plan.emit(lambda level, text: _log_once(level, ("plan", plan.group), "%s", text))
+        _log_outside_budget(mr)
     except Exception as e:
         if SGLANG.required():
             raise
@@ -406,10 +521,43 @@ def _before_forward(*args: Any, **kwargs: Any) -> None:
     check()  # a poisoned workspace fails the step, on every rank (the failing call aborted the peers)
 
 
+def _wait_for_step(result: Any) -> None:
+    """The step's own synchronisation, as SGLang's result processors do it
+    first (``SchedulerBatchResultProcessor.process_batch_result_decode``,
+    ``_prefill``, ``_idle``): wait for ``result.copy_done`` (the event, or the
+    async copy worker's ``HostCopyDone``, that ``Scheduler.run_batch`` records
+    after the batch's forward and its device-to-host copy) when there is one;
+    without it (the normal loop, where the processors' ``tolist()`` waits for
+    the scheduler's current stream) the current CUDA stream. Waiting here, a
+    few statements earlier, adds no synchronisation: the processor's own wait
+    then returns at once."""
+    done = getattr(result, "copy_done", None)
+    if done is not None:
+        done.synchronize()
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
+def _before_results(*args: Any, **kwargs: Any) -> None:
+    """Before ``Scheduler.process_batch_result(batch, result)``, which every
+    event loop calls to turn a batch's result into outputs (the overlap loop
+    one step late, after the next batch's forward was launched): once the
+    step's kernels finished (:func:`_wait_for_step`), :func:`check`. A
+    failure recorded by this batch's calls then raises before any of its
+    outputs is streamed. Nothing runs while this face holds no peer
+    workspace."""
+    if not any(ws.peer for ws in _face.workspaces()):
+        return
+    result = kwargs["result"] if "result" in kwargs else args[2] if len(args) > 2 else None
+    _wait_for_step(result)
+    check()
+
+
 def _before_shutdown(*args: Any, **kwargs: Any) -> None:
     """Before SGLang's ``abort_distributed_environment``, a deliberately
     local teardown: every workspace released on this rank without waiting for
     any peer (a collective close could block the whole timeout)."""
+    _forget_early()
     _face.release_local("SGLang aborts its distributed environment")
 
 
@@ -418,8 +566,10 @@ HOOKS: tuple[tuple[str, str, Callable], ...] = (
     (f"{_COMM}.cp_lse_ag_out_rs_mla", "REPLACE", cp_lse_ag_out_rs_mla),
     (f"{_COMM}.dcp_a2a_lse_reduce", "REPLACE", dcp_a2a_lse_reduce),
     (f"{_COMM}.all_gather_q_for_mla_decode", "REPLACE", all_gather_q_for_mla_decode),
+    (f"{_MODEL_RUNNER}.ModelRunner.alloc_memory_pool", "BEFORE", _before_alloc_memory_pool),
     (f"{_RUNNER}.BaseRunner._pre_initialize_fi_a2a_workspace", "AFTER", _after_pre_initialize),
     (f"{_MODEL_RUNNER}.ModelRunner.forward", "BEFORE", _before_forward),
+    (f"{_SCHEDULER}.Scheduler.process_batch_result", "BEFORE", _before_results),
     (f"{_PARALLEL_STATE}.abort_distributed_environment", "BEFORE", _before_shutdown),
 )
 
