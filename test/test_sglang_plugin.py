@@ -786,3 +786,17 @@ def test_cli_bad_value_is_a_usage_error(cli, capsys, argv, words):
     err = capsys.readouterr().err
     assert e.value.code == 2 and all(w in err for w in words), err
     assert "SDCP_SGLANG" not in os.environ
+
+
+def test_cli_hook_that_fails_leaves_sglangs_parsing_alone(cli, monkeypatch, caplog):
+    """Registered on or off, an option hook that raises never breaks
+    SGLang's parsing: SGLang's result is kept and the failure logged once."""
+    import torch_sdcp_plugins.sglang as entry
+
+    monkeypatch.setattr(entry, "SGLANG", None)  # every hook's first read of the settings raises
+    with caplog.at_level(logging.ERROR):
+        parser, args = _parse(cli, [])
+    assert isinstance(args, cli) and "--sdcp" not in parser.format_help()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("add_cli_args hook failed (AttributeError" in m for m in lines) == 1, lines
+    assert sum("from_cli_args hook failed (AttributeError" in m for m in lines) == 1, lines

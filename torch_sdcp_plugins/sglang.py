@@ -19,6 +19,7 @@ only."""
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 from typing import Any
@@ -155,6 +156,21 @@ CLI_HOOKS = (
 _cli_registered: list = []
 
 
+def _never_raises(hook: Any) -> Any:
+    """``hook`` as SGLang runs it: registered on or off, an option hook must
+    never break SGLang's own parsing; a failure is logged once and SGLang's
+    result is returned as it was."""
+    @functools.wraps(hook)
+    def guarded(result: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            hook(result, *args, **kwargs)
+        except Exception as e:
+            _log_once(logging.ERROR, f"cli-{hook.__name__}", "torch_sdcp: the SGLang plugin's %s hook failed "
+                      "(%s: %s); use the environment variables", hook.__name__, type(e).__name__, e)
+        return result
+    return guarded
+
+
 def register_cli() -> bool:
     """Register :data:`CLI_HOOKS` with SGLang's hook registry (once per
     process; SGLang applies them after its plugins ran). False outside SGLang
@@ -169,7 +185,7 @@ def register_cli() -> bool:
         return False
     try:
         for target, kind, hook in CLI_HOOKS:
-            registry.HookRegistry.register(target, hook, getattr(registry.HookType, kind))
+            registry.HookRegistry.register(target, _never_raises(hook), getattr(registry.HookType, kind))
     except Exception as e:
         _log_once(logging.ERROR, "cli", "torch_sdcp: the SGLang plugin's command-line options are not available "
                   "(%s: %s); use the environment variables", type(e).__name__, e)
