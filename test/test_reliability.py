@@ -357,6 +357,56 @@ def test_a_resize_refused_on_one_rank_raises_on_every_rank_at_once():
         assert max(took.values()) < 5.0, (rank, took)  # not timeout_s = 30 s
 
 
+def _one_rank_differs_worker(rank, world):
+    """What one rank's calls can do that the call header does or does not
+    tell (docs/PROTOCOL.md "What remains undetectable"): two calls of one
+    shape made in another order on rank 1 both return on every rank without
+    an error, each paired with the peer's other call (no call tag); rows over
+    max_rows on rank 0 only with rows_fallback=False: rank 0 raises its
+    ValueError and rank 1 names it at once (not after timeout_s = 30 s), both
+    poisoned."""
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    g = torch.Generator().manual_seed(3)
+    outs, lses = torch.randn(2, world, 2, 8, 64, generator=g), torch.randn(2, world, 2, 8, generator=g)
+
+    def which(r, i):  # the input of rank r's call i: rank 1 swaps them
+        return i if r == 0 else 1 - i
+
+    with torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, timeout_s=30, **HOST) as ws:
+        got = [ws.combine(outs[which(rank, i), rank], lses[which(rank, i), rank]) for i in range(2)]
+        assert not ws.poisoned
+        ws.check()
+        for i in range(2):
+            paired = [which(r, i) for r in range(world)]
+            want, want_lse = reference.lse_combine_ref64(torch.stack([outs[c, r] for r, c in enumerate(paired)]),
+                                                         torch.stack([lses[c, r] for r, c in enumerate(paired)]))
+            want, _ = reference.output_lse_shard(want, want_lse, rank, world)
+            torch.testing.assert_close(got[i].double(), want, rtol=1e-4, atol=1e-4)
+    out = {}
+    with torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, timeout_s=30, rows_fallback=False,
+                                       **HOST) as ws:
+        rows = 6 if rank == 0 else 2
+        po, pl = torch.randn(rows, 8, 64, generator=g), torch.randn(rows, 8, generator=g)
+        too_many = "argument 'partial_out': expected at most max_rows = 4 rows"
+        t0 = time.monotonic()
+        if rank == 0:
+            with pytest.raises(ValueError, match=too_many):
+                ws.combine(po, pl)
+        else:
+            with pytest.raises(RuntimeError, match=rf"peer 0 aborted.*\[rank 0: ValueError: torch_sdcp: {too_many}"):
+                ws.combine(po, pl)
+        out["rows_s"] = time.monotonic() - t0
+        assert ws.poisoned
+    return out
+
+
+def test_what_one_rank_can_do_that_the_call_header_does_or_does_not_tell():
+    for rank, r in enumerate(run_workers(_one_rank_differs_worker, 2, timeout=120)):
+        assert r["rows_s"] < 10.0, (rank, r)  # at once, not after timeout_s = 30 s
+
+
 # ---------------------------------------------------------------------------
 # 3: a workspace dropped without close() is released
 # ---------------------------------------------------------------------------
