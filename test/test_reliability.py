@@ -305,6 +305,108 @@ def test_closed_resize_arguments_and_rows_fallback():
     assert run_workers(_calls_worker, 2, timeout=120) == [True, True]
 
 
+def _one_rank_resize_worker(rank, world):
+    """A resize refused on rank 1 only (a bad max_rows, a layout too large, an
+    open view): rank 1 raises its own error, rank 0 the same error naming rank
+    1, both at once (not after timeout_s = 30 s); the workspaces stay as they
+    were, and the next calls and resizes pair."""
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    every = [rank_candidates(2, 8, seed=r) for r in range(world)]
+    want = reference.topk_merge_ref(every, 4)
+    out = {}
+    with torch_sdcp.TopKWorkspace(None, 4, 4, candidates_per_rank=8, timeout_s=30, **HOST) as tk:
+        handle = tk.handle
+        for bad, text in ((0, "expected a positive int, got 0"), (True, "got True"),
+                          (2**39, "expected a workspace region of at most")):
+            t0 = time.monotonic()
+            with pytest.raises(ValueError) as raised:
+                tk.resize(bad if rank == 1 else 8)
+            out[f"max_rows={bad}"] = time.monotonic() - t0
+            own = "torch_sdcp: argument 'max_rows': "
+            if rank == 0:
+                own = "torch_sdcp: PeerArena creation failed at step 'validate': rank 1: " + own
+            assert str(raised.value).startswith(own) and text in str(raised.value), str(raised.value)
+            assert tk.handle == handle and tk.max_rows == 4 and not tk.poisoned
+            assert torch.equal(tk.merge(*every[rank]), want)
+        tk.resize(8)
+        assert tk.max_rows == 8 and torch.equal(tk.merge(*every[rank]), want)
+    q = make_query(2, 2, nope=28, rope=4, max_pos=8, seed=rank)
+    with torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=28, rope_dim=4, timeout_s=30, **HOST) as qw:
+        want_q = qw.gather(*q).clone()
+        qw.gather_view(*q)
+        if rank == 0:
+            qw.release()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=("" if rank == 1 else "PeerArena creation failed at step 'validate': "
+                                                "rank 1: ") + "torch_sdcp: QueryWorkspace.resize: a view from "
+                                               r"gather_view\(\) is still open"):
+            qw.resize(8)
+        out["open view"] = time.monotonic() - t0
+        if rank == 1:
+            qw.release()
+        assert qw.max_rows == 4 and not qw.poisoned and torch.equal(qw.gather(*q), want_q)
+        qw.resize(8)
+        assert qw.max_rows == 8 and torch.equal(qw.gather(*q), want_q)
+    return out
+
+
+def test_a_resize_refused_on_one_rank_raises_on_every_rank_at_once():
+    for rank, took in enumerate(run_workers(_one_rank_resize_worker, 2, timeout=150)):
+        assert max(took.values()) < 5.0, (rank, took)  # not timeout_s = 30 s
+
+
+def _one_rank_differs_worker(rank, world):
+    """What one rank's calls can do that the call header does or does not
+    tell (docs/PROTOCOL.md "What remains undetectable"): two calls of one
+    shape made in another order on rank 1 both return on every rank without
+    an error, each paired with the peer's other call (no call tag); rows over
+    max_rows on rank 0 only with rows_fallback=False: rank 0 raises its
+    ValueError and rank 1 names it at once (not after timeout_s = 30 s), both
+    poisoned."""
+    import torch_sdcp
+    from torch_sdcp import reference
+
+    g = torch.Generator().manual_seed(3)
+    outs, lses = torch.randn(2, world, 2, 8, 64, generator=g), torch.randn(2, world, 2, 8, generator=g)
+
+    def which(r, i):  # the input of rank r's call i: rank 1 swaps them
+        return i if r == 0 else 1 - i
+
+    with torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, timeout_s=30, **HOST) as ws:
+        got = [ws.combine(outs[which(rank, i), rank], lses[which(rank, i), rank]) for i in range(2)]
+        assert not ws.poisoned
+        ws.check()
+        for i in range(2):
+            paired = [which(r, i) for r in range(world)]
+            want, want_lse = reference.lse_combine_ref64(torch.stack([outs[c, r] for r, c in enumerate(paired)]),
+                                                         torch.stack([lses[c, r] for r, c in enumerate(paired)]))
+            want, _ = reference.output_lse_shard(want, want_lse, rank, world)
+            torch.testing.assert_close(got[i].double(), want, rtol=1e-4, atol=1e-4)
+    out = {}
+    with torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, timeout_s=30, rows_fallback=False,
+                                       **HOST) as ws:
+        rows = 6 if rank == 0 else 2
+        po, pl = torch.randn(rows, 8, 64, generator=g), torch.randn(rows, 8, generator=g)
+        too_many = "argument 'partial_out': expected at most max_rows = 4 rows"
+        t0 = time.monotonic()
+        if rank == 0:
+            with pytest.raises(ValueError, match=too_many):
+                ws.combine(po, pl)
+        else:
+            with pytest.raises(RuntimeError, match=rf"peer 0 aborted.*\[rank 0: ValueError: torch_sdcp: {too_many}"):
+                ws.combine(po, pl)
+        out["rows_s"] = time.monotonic() - t0
+        assert ws.poisoned
+    return out
+
+
+def test_what_one_rank_can_do_that_the_call_header_does_or_does_not_tell():
+    for rank, r in enumerate(run_workers(_one_rank_differs_worker, 2, timeout=120)):
+        assert r["rows_s"] < 10.0, (rank, r)  # at once, not after timeout_s = 30 s
+
+
 # ---------------------------------------------------------------------------
 # 3: a workspace dropped without close() is released
 # ---------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from torch_sdcp import _registry
 from torch_sdcp._checks import arg_error, check_bool
 from torch_sdcp.families import Family
 from torch_sdcp.peer import PeerArena, liveness
-from torch_sdcp.peer.arena import creation_errors_posted
+from torch_sdcp.peer.arena import creation_errors_posted, post_creation_error
+from torch_sdcp.peer.collectives import arena_count
 from torch_sdcp.peer.plan import RankMismatchError
 from torch_sdcp.workspaces._call import CallRefused, CallState, VoidedCallError, _Call
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
@@ -294,21 +295,33 @@ class PeerWorkspace:
         once the workspace was captured in a CUDA graph, once it is closed, and
         where ``_require_resizable`` refuses). The new workspace is created
         before the old one is released: if creation fails (on every rank: it
-        is collective), the workspace stays as it was, still usable."""
+        is collective), the workspace stays as it was, still usable. A local
+        refusal (a bad ``max_rows``, a family's precondition, a captured
+        workspace, a layout too large) reaches the peers in the creation's
+        first step, as at creation: every rank raises it at once, and the group
+        stays in step."""
         with self._call("resize", poison=False):
-            index = self._param_index("max_rows")
-            self._require_resizable()
-            validate_size_param(max_rows, "max_rows")
-            if self._calls.captured:
-                raise RuntimeError(
-                    f"torch_sdcp: argument 'max_rows': cannot resize {type(self).__name__} on rank {self.rank} "
-                    f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses; create "
-                    "a new workspace and capture again")
-            params = list(self.params)
-            params[index] = max_rows
-            # A peer workspace keeps its memory if the new one cannot be created;
-            # one in collective mode tries peer memory again under its own policy.
-            built = self._build(params, self._init_kwargs["fallback"] and not self.peer)
+            begun = arena_count(self.group if self.group is not None else dist.group.WORLD)
+            try:
+                index = self._param_index("max_rows")
+                self._require_resizable()
+                validate_size_param(max_rows, "max_rows")
+                if self._calls.captured:
+                    raise RuntimeError(
+                        f"torch_sdcp: argument 'max_rows': cannot resize {type(self).__name__} on rank {self.rank} "
+                        f"to {max_rows}: it was captured in a CUDA graph, which keeps its addresses; create "
+                        "a new workspace and capture again")
+                params = list(self.params)
+                params[index] = max_rows
+                # A peer workspace keeps its memory if the new one cannot be created;
+                # one in collective mode tries peer memory again under its own policy.
+                built = self._build(params, self._init_kwargs["fallback"] and not self.peer)
+            except Exception as e:
+                # Refused before the creation began (no arena counted): the peers' resize waits in
+                # its first step; post this rank's error there, then raise it.
+                if arena_count(self.group if self.group is not None else dist.group.WORLD) == begun:
+                    post_creation_error(self.group, e, self.timeout_s)
+                raise
             self._release(barrier=self._calls.poisoned is None)
             self._adopt(built)
             self._calls.poisoned = None
