@@ -124,9 +124,20 @@ def _sigstop_worker(rank, world, rounds, seed):
     dist.all_gather_object(pids, os.getpid())
     po, pl = rank_partials(2, seed=rank)
     rng = random.Random(seed)
+    # A round without a stop, timed on this machine: the stops are drawn over its length, so that
+    # they land in creation, in the calls or in close whatever the load (not mostly after the round).
+    assert _stopped_round(dist.new_group([0, 1]), po, pl, 200) == "clean"  # the first one pays one-time costs
+    shortest = float("inf")
+    for _ in range(3):  # the shortest of three: a round slowed by the load would spread the stops past the work
+        t0 = time.monotonic()
+        assert _stopped_round(dist.new_group([0, 1]), po, pl, 200) == "clean"
+        shortest = min(shortest, time.monotonic() - t0)
+    lengths = [None] * world
+    dist.all_gather_object(lengths, shortest)
+    span = max(lengths)
     outcomes = []
     for i in range(rounds):
-        delay = rng.uniform(0.0, 0.25)  # lands in creation, in the calls or in close
+        delay = rng.uniform(0.0, span)
         group = dist.new_group([0, 1])  # a round that refuses its group leaves the next one a new one
         dist.barrier()
         faulthandler.dump_traceback_later(30, exit=True, file=sys.stderr)  # a hang: every stack, then exit
