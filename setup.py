@@ -17,6 +17,7 @@ the torch it was built against, which the package checks on import."""
 
 import functools
 import glob
+import hashlib
 import importlib.util
 import os
 import re
@@ -109,11 +110,16 @@ def want_cuda() -> bool:
     return cuda
 
 
-def build_folder(kind: str, torch_version: str = str(torch.__version__)) -> str:
+def build_folder(kind: str, torch_version: str = str(torch.__version__), prefix: str = sys.prefix,
+                 base_prefix: str = sys.base_prefix) -> str:
     """The objects' folder of one torch build and one kind ("cpu" or "cuda"): a
     torch that comes back finds its objects again; CPU and CUDA objects (other
-    flags) never share a ninja log."""
-    return os.path.join(HERE, "build", f"{sys.implementation.cache_tag}-torch{torch_version}-{kind}")
+    flags) never share a ninja log. A virtual environment gets its own folder:
+    its compile commands name its own include folder (distutils adds
+    ``sys.exec_prefix/include``), so sharing a ninja log with the base Python
+    would recompile everything at each switch."""
+    venv = "" if prefix == base_prefix else "-venv" + hashlib.sha256(prefix.encode()).hexdigest()[:8]
+    return os.path.join(HERE, "build", f"{sys.implementation.cache_tag}-torch{torch_version}-{kind}{venv}")
 
 
 def torch_headers_as_system(ext) -> None:

@@ -148,6 +148,12 @@ def test_build_folder_per_torch_version_and_kind(setup_py):
     assert folder("cpu", "2.11.0+cu128") != folder("cpu", "2.14.1+cu130")
     assert folder("cuda", "2.14.1+cu130") != folder("cpu", "2.14.1+cu130")
     assert os.path.dirname(folder("cpu")) == os.path.join(ROOT, "build")
+    # A virtual environment (its own include folder in the commands): its own folder, stable, one per venv.
+    base = folder("cpu", "2.14.1+cu130", prefix="/usr", base_prefix="/usr")
+    venv = folder("cpu", "2.14.1+cu130", prefix="/tmp/env", base_prefix="/usr")
+    assert venv.startswith(base + "-venv")
+    assert venv == folder("cpu", "2.14.1+cu130", prefix="/tmp/env", base_prefix="/usr")
+    assert venv != folder("cpu", "2.14.1+cu130", prefix="/tmp/other", base_prefix="/usr")
 
 
 def test_torch_headers_are_system_headers(setup_py):
