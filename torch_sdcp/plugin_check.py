@@ -13,15 +13,22 @@ create (the C++ layout's region sizes, per micro-batch), then exits 0, or 1
 when the ``require`` mode would stop the start-up or a setting is bad.
 
 The engine's configuration is given here as the engine's flags that matter
-(this does not run the engine's own argument resolution), and peer memory is
-assumed: whether the node's GPUs can map each other's memory is decided at
-start-up by the workspaces' gate.
+(this does not run the engine's own argument resolution). Peer memory is
+assumed unless ``--gate`` is given: then the workspaces' own peer-memory gate
+runs on this node, one process per rank of the DCP group on GPUs
+``0 .. N-1`` (as the engine's first DCP group would), and a gate that fails
+turns every seam off, with its reason.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
+import queue
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 
 import torch
@@ -52,7 +59,75 @@ def _parser() -> argparse.ArgumentParser:
                    help="vLLM: the gathered query's dtype (default: --dtype)")
     p.add_argument("--rows", type=int, default=1024, help="the engine's DCP rows bound (widest decode batch)")
     p.add_argument("--num-ubatches", type=int, default=1, help="vLLM: micro-batches (dual-batch overlap: 2)")
+    p.add_argument("--gate", action="store_true",
+                   help="run the peer-memory gate on this node's GPUs 0..N-1 (N: the DCP size), as start-up would")
+    p.add_argument("--gate-backend", choices=("cuda", "host"), default="cuda",
+                   help="host: the shared-memory backend (the gate's plumbing on a machine without GPUs)")
+    p.add_argument("--gate-timeout-s", type=float, default=120.0, help="bound of the whole gate run")
     return p
+
+
+def _gate_rank(rank: int, world: int, store_path: str, backend: str, timeout_s: float, results: object) -> None:
+    """One rank of the gate: a process group over a FileStore, then the
+    smallest workspace (an exchange of 64 bytes) created and closed, which
+    runs the same gate as every workspace an engine creates."""
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    error = None
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        where: dict[str, object] = {"backend": "host"}
+        if backend == "cuda":
+            torch.cuda.set_device(rank)
+            where = {"device": torch.device("cuda", rank)}
+        with torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=timeout_s, **where):
+            pass
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    results.put((rank, error))  # type: ignore[attr-defined]
+
+
+def run_gate(world: int, backend: str = "cuda", timeout_s: float = 120.0) -> str | None:
+    """The peer-memory gate on ``world`` ranks of this node (GPU ``r`` for
+    rank ``r``): None when it passes, else why not (the first rank's error,
+    a rank that did not finish within ``timeout_s``, or too few GPUs)."""
+    if backend == "cuda":
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < world:
+            return f"the gate needs {world} GPUs (one per rank), found {found}"
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="sdcp-gate-") as tmp:
+        procs = [ctx.Process(target=_gate_rank, daemon=True,
+                             args=(r, world, os.path.join(tmp, "store"), backend, timeout_s / 2, results))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        errors: dict[int, str | None] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, error = results.get(timeout=0.2)
+                errors[rank] = error
+            except queue.Empty:
+                if any(not p.is_alive() and p.exitcode not in (0, None) for p in procs):
+                    break
+        for proc in procs:
+            proc.join(max(0.0, min(5.0, deadline - time.monotonic())))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    missing = [r for r in range(world) if r not in errors]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        return f"rank(s) {missing} did not finish within {timeout_s:g} s (exit codes {codes})"
+    failed = [(r, e) for r, e in sorted(errors.items()) if e is not None]
+    return None if not failed else f"rank {failed[0][0]}: {failed[0][1]}"
 
 
 def _bytes(kind: str, params: list[int], world: int) -> int:
@@ -131,6 +206,21 @@ def report(argv: Sequence[str]) -> tuple[int, str]:
             sizes["query"] = _bytes("QUERY", [rows, local, args.kv_lora_rank + args.qk_rope_head_dim,
                                               _element(dtype)], world)
         ubatches = 1
+    if args.gate:
+        reason = run_gate(world, args.gate_backend, args.gate_timeout_s) if world > 1 else None
+        where = f"{world} GPUs" if args.gate_backend == "cuda" else f"{world} host ranks"
+        if reason is None:
+            lines.append(f"peer-memory gate: passed on {where}" if world > 1 else "peer-memory gate: one rank, none")
+            for seam, (on, _, _) in list(plan.seams.items()):
+                if on:
+                    plan.decide(seam, True, f"peer memory (the gate passed on {where})")
+        else:
+            lines.append(f"peer-memory gate: failed on {where}: {reason}")
+            for seam, (on, _, _) in list(plan.seams.items()):
+                if on:
+                    plan.decide(seam, False, "the peer-memory gate failed",
+                                "one node whose GPUs map each other's memory")
+            sizes.clear()
     if mode == "off":
         lines.append(f"the plugin is off ({settings.ENABLE} unset or off): nothing would be replaced; with "
                      f"{settings.ENABLE}=1:")
