@@ -26,10 +26,15 @@ constexpr int kWarps = kThreads / 32;
 // prints and traps (the CUDA context fails).
 template <typename out_t>
 __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
-  const int items = a.rows * a.heads, width = a.nope_dim + a.rope_dim;
-  for (int i = blockIdx.x * kWarps + threadIdx.x / 32; i < items; i += gridDim.x * kWarps) {
+  const int items = a.rows * a.heads, width = a.nope_dim + a.rope_dim, step = gridDim.x * kWarps;
+  int i = blockIdx.x * kWarps + threadIdx.x / 32;
+  ItemInputs next;
+  if (i < items) next = load_item(a, i / a.heads, i % a.heads);
+  for (; i < items; i += step) {
+    const ItemInputs in = next;
     const int t = i / a.heads;
-    produce_item<out_t>(a, t, i - t * a.heads, out + static_cast<int64_t>(i) * width, [] {}, [&](int64_t pos) {
+    if (i + step < items) next = load_item(a, (i + step) / a.heads, (i + step) % a.heads);  // in flight meanwhile
+    produce_item<out_t>(a, t, i - t * a.heads, in, out + static_cast<int64_t>(i) * width, [] {}, [&](int64_t pos) {
       if ((threadIdx.x & 31) == 0)
         printf("torch_sdcp: positions[%d] = %lld is outside [0, %lld)\n", t, (long long)pos, (long long)a.max_pos);
       __trap();
@@ -210,12 +215,18 @@ __global__ void __launch_bounds__(kThreads)
     have_call = true;
     if (header_lane) store_call_header(header(lane, me), hdr);
   };
-  // Produces item i into the warp's stage (Produced only).
-  auto produce = [&](int i) {
+  // The first inputs of item i (Produced only: load_item).
+  auto load = [&](int i) {
+    ItemInputs in{};
+    if constexpr (Items::kStaged) in = load_item(items.a, i / hl, i % hl);
+    return in;
+  };
+  // Produces item i, its first inputs loaded, into the warp's stage (Produced only).
+  auto produce = [&](int i, const ItemInputs& in) {
     if constexpr (Items::kStaged) {
       const int t = i / hl;
       produce_item(
-          items.a, t, i - t * hl, reinterpret_cast<typename Items::Out*>(stage),
+          items.a, t, i - t * hl, in, reinterpret_cast<typename Items::Out*>(stage),
           [&] {
             if (!have_call) begin_call();
           },
@@ -261,7 +272,8 @@ __global__ void __launch_bounds__(kThreads)
     // The first item is produced while the last warp waits for the releases
     // (one lane per peer); a wait that gave up stores nothing, since a peer's
     // reader may still read its view.
-    if (first < end) produce(first);
+    ItemInputs next{};
+    if (first < end) produce(first, load(first));
     bool gave_up = false;
     if (threadIdx.x == 0) {  // a peer's abort that no poll may meet
       const uint64_t a = ld_volatile_u64(own_abort_word(ws));
@@ -282,14 +294,23 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (__syncthreads_or(gave_up)) return;
     if (header_lane) store_call_header(header(lane, me), hdr);
+    if (first + kWarps < end) next = load(first + kWarps);
     for (int i = first; i < end; i += kWarps) {
-      if (i != first) produce(i);
+      if (i != first) {
+        const ItemInputs in = next;
+        if (i + kWarps < end) next = load(i + kWarps);  // in flight while item i is converted
+        produce(i, in);
+      }
       store(i, stage);
     }
   } else {
+    ItemInputs next{};
+    if (first < end) next = load(first);
     for (int i = first; i < end; i += kWarps) {
       if constexpr (Items::kStaged) {
-        produce(i);
+        const ItemInputs in = next;
+        if (i + kWarps < end) next = load(i + kWarps);  // in flight while item i is converted
+        produce(i, in);
         store(i, stage);
       } else {
         store(i, items.q + static_cast<int64_t>(i) * nvec);

@@ -36,66 +36,86 @@ __device__ __forceinline__ out_t convert_out(float v, float scale) {
   else return static_cast<out_t>(v);
 }
 
-// Eight converted elements as one shared-memory store (8 or 16 bytes).
+// Eight bf16 elements converted and stored as one shared-memory store (8 or
+// 16 bytes); float8 converts them in pairs.
 template <typename out_t>
-__device__ __forceinline__ void store8(out_t* dst, const out_t (&v)[8]) {
-  if constexpr (sizeof(out_t) == 1) {
-    uint2 w;
-    memcpy(&w, v, 8);
-    *reinterpret_cast<uint2*>(dst) = w;
+__device__ __forceinline__ void convert8(out_t* dst, const uint4& raw, float scale) {
+  const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(&raw);
+  if constexpr (std::is_same<out_t, c10::Float8_e4m3fn>::value) {
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      w[e] = quantize_e4m3x2(static_cast<float>(x[2 * e]), static_cast<float>(x[2 * e + 1]), scale);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0] | (w[1] << 16), w[2] | (w[3] << 16));
   } else {
+    out_t v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = convert_out<out_t>(static_cast<float>(x[e]), scale);
     uint4 w;
     memcpy(&w, v, 16);
     *reinterpret_cast<uint4*>(dst) = w;
   }
 }
 
-// Produces item (t, h) into `dst` (its first element). Called by a whole warp
-// (convergent). The position and this lane's first nope vector are loaded
-// first, then `loaded()` runs (the call index: its load overlaps theirs); the
-// cache row, which depends on the position, is loaded after. A position
-// outside the cache goes to `bad_position(pos)` (warp-uniform) and the item is
-// produced unrotated (no row of the cache is read).
 // Nope vectors per lane loaded together before any is converted: 2 cover
 // MLA's 512 (32 lanes x 8 elements x 2); a wider nope loads the rest in the loop.
 constexpr int kNopePrefetch = 2;
 
-// Produces item (t, h) into `dst` (its first element). Called by a whole warp
-// (convergent). Every input that does not depend on the position is loaded
-// first, in one round (the position, this lane's nope vectors, its first
-// rope pair, the scale), then `loaded()` runs (the call index: its load
-// overlaps theirs); the cache row, which depends on the position, is loaded
-// next and lands while the nope part is converted. A position outside the
-// cache goes to `bad_position(pos)` (warp-uniform) and the item is produced
-// unrotated (no row of the cache is read).
-template <typename out_t, typename Loaded, typename BadPosition>
-__device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h, out_t* dst, Loaded&& loaded,
-                                             BadPosition&& bad_position) {
+// What a lane loads of item (t, h) before the item's position is known: the
+// position, its first nope vectors and its first rope pair (j = lane). One
+// round of loads, which a warp issues for its next item before it converts
+// the current one (the conversion, not the memory, was the larger part of an
+// item at thousands of rows).
+struct ItemInputs {
+  int64_t pos;
+  uint4 nope[kNopePrefetch];
+  float x0, x1;
+};
+
+__device__ __forceinline__ void rope_pair_index(const ProducerArgs& a, int j, int& i0, int& i1) {
+  i0 = a.neox ? j : 2 * j;
+  i1 = a.neox ? j + a.rope_dim / 2 : 2 * j + 1;
+}
+
+__device__ __forceinline__ ItemInputs load_item(const ProducerArgs& a, int t, int h) {
   const int lane = threadIdx.x & 31;
-  const int64_t pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
-                              : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
+  ItemInputs in;
+  in.pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
+                   : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
-  const int d0 = lane * 8;
-  uint4 first[kNopePrefetch];
 #pragma unroll
   for (int u = 0; u < kNopePrefetch; ++u) {
-    const int d = d0 + u * 32 * 8;
-    first[u] = make_uint4(0, 0, 0, 0);
-    if (a.vec_nope && d < a.nope_dim) first[u] = *reinterpret_cast<const uint4*>(n + d);
+    const int d = lane * 8 + u * 32 * 8;
+    in.nope[u] = make_uint4(0, 0, 0, 0);
+    if (a.vec_nope && d < a.nope_dim) in.nope[u] = *reinterpret_cast<const uint4*>(n + d);
   }
+  in.x0 = in.x1 = 0.0f;
+  if (lane < a.rope_dim / 2) {
+    const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
+    int i0, i1;
+    rope_pair_index(a, lane, i0, i1);
+    in.x0 = static_cast<float>(q[i0]);
+    in.x1 = static_cast<float>(q[i1]);
+  }
+  return in;
+}
+
+// Produces item (t, h), whose first inputs `in` were loaded (load_item), into
+// `dst` (its first element). Called by a whole warp (convergent). `loaded()`
+// runs first (the call index: its load overlaps theirs); the cache row, which
+// depends on the position, is loaded next and lands while the nope part is
+// converted. A position outside the cache goes to `bad_position(pos)`
+// (warp-uniform) and the item is produced unrotated (no row of the cache is
+// read).
+template <typename out_t, typename Loaded, typename BadPosition>
+__device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h, const ItemInputs& in, out_t* dst,
+                                             Loaded&& loaded, BadPosition&& bad_position) {
+  const int lane = threadIdx.x & 31;
+  const int64_t pos = in.pos;
+  const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
+  const int d0 = lane * 8;
   const int half = a.rope_dim / 2;
   const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
-  auto pair_index = [&](int j, int& i0, int& i1) {
-    i0 = a.neox ? j : 2 * j;
-    i1 = a.neox ? j + half : 2 * j + 1;
-  };
-  float x00 = 0.0f, x01 = 0.0f;  // this lane's first rope pair (j = lane)
-  if (lane < half) {
-    int i0, i1;
-    pair_index(lane, i0, i1);
-    x00 = static_cast<float>(q[i0]);
-    x01 = static_cast<float>(q[i1]);
-  }
   const float scale = a.scale ? *a.scale : 1.0f;
   loaded();
   const bool good = pos >= 0 && pos < a.max_pos;
@@ -120,27 +140,23 @@ __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h
     for (int d = d0; d < a.nope_dim; d += 32 * 8, ++u) {
       uint4 raw;
       if (u < kNopePrefetch) {
-        raw = first[0];
+        raw = in.nope[0];
 #pragma unroll
         for (int k = 1; k < kNopePrefetch; ++k)
-          if (u == k) raw = first[k];  // selected, not indexed: an indexed array would live in local memory
+          if (u == k) raw = in.nope[k];  // selected, not indexed: an indexed array would live in local memory
       } else {
         raw = *reinterpret_cast<const uint4*>(n + d);
       }
-      const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(&raw);
-      out_t v[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = convert_out<out_t>(static_cast<float>(x[e]), scale);
-      store8(dst + d, v);
+      convert8(dst + d, raw, scale);
     }
   } else {
     for (int d = lane; d < a.nope_dim; d += 32) dst[d] = convert_out<out_t>(static_cast<float>(n[d]), scale);
   }
   if (!good) bad_position(pos);
   for (int j = lane; j < half; j += 32) {
-    float co = co0, si = si0, x0 = x00, x1 = x01;
+    float co = co0, si = si0, x0 = in.x0, x1 = in.x1;
     int i0, i1;
-    pair_index(j, i0, i1);
+    rope_pair_index(a, j, i0, i1);
     if (j != lane) {
       cos_sin(j, co, si);
       x0 = static_cast<float>(q[i0]);

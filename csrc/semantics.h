@@ -106,11 +106,45 @@ SDCP_HD float rope_second(float x0, float x1, float c, float s) {
 // 0x7F7F7F7F): the gathered query stays bit-identical to the local one.
 constexpr float kE4M3Max = 448.0f;
 constexpr uint8_t kE4M3NaN = 0x7F;
+
+// Every e4m3fn NaN (x111'1111) among the bytes of `w` as 0x7F: a byte's low
+// 7 bits plus 1 carry into its bit 7 only when they are all ones.
+SDCP_HD uint32_t e4m3_nan_canonical(uint32_t w) {
+  return w & ~(((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Compute capability 8.9 and later convert a pair in one instruction that
+// rounds to nearest even and saturates finite and infinite values at +-448,
+// as the clamp of the portable path does (a value from 448 to 464 rounds to
+// 448; one above rounds past the largest finite value and saturates). Its
+// NaN has no defined sign: canonicalised as any byte. v0 in the low byte.
+#define SDCP_E4M3_CVT 1
+__device__ __forceinline__ uint16_t e4m3x2_bits(float v0, float v1) {
+  uint16_t w;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(v1), "f"(v0));
+  return static_cast<uint16_t>(e4m3_nan_canonical(w));
+}
+#endif
+
 SDCP_HD c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
   float v = div_rn(x, scale);
+#if defined(SDCP_E4M3_CVT)
+  return c10::Float8_e4m3fn(static_cast<uint8_t>(e4m3x2_bits(v, 0.0f)), c10::Float8_e4m3fn::from_bits());
+#else
   if (v != v) return c10::Float8_e4m3fn(kE4M3NaN, c10::Float8_e4m3fn::from_bits());
   v = v > kE4M3Max ? kE4M3Max : (v < -kE4M3Max ? -kE4M3Max : v);
   return c10::Float8_e4m3fn(v);
+#endif
+}
+
+// Two values quantised as quantize_e4m3 does, x0 in the low byte.
+SDCP_HD uint16_t quantize_e4m3x2(float x0, float x1, float scale) {
+#if defined(SDCP_E4M3_CVT)
+  return e4m3x2_bits(div_rn(x0, scale), div_rn(x1, scale));
+#else
+  return static_cast<uint16_t>(quantize_e4m3(x0, scale).x | (quantize_e4m3(x1, scale).x << 8));
+#endif
 }
 
 }  // namespace sdcp

@@ -31,6 +31,29 @@ def test_local_producer_bit_exact(device, rope_style, out_dtype, scale, t, h):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("scale", [None, 1.0 / 64, 0.01, 3.0])
+def test_local_producer_every_bf16_value(device, scale):
+    # Every bf16 bit pattern once in ql_nope (NaNs of both signs, infinities,
+    # subnormals, signed zeros, values past 448 and the e4m3 rounding ties),
+    # and random bit patterns in q_pe: the float8 bytes equal the reference's.
+    ql_nope, q_pe, pos, cache = make_query(16, 8, seed=5, device=device)
+    ql_nope.view(torch.int16).copy_(torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(16, 8, 512))
+    g = torch.Generator().manual_seed(6)
+    q_pe.view(torch.int16).copy_(torch.randint(-32768, 32768, q_pe.shape, generator=g, dtype=torch.int32).to(torch.int16))
+    q_scale = None if scale is None else torch.tensor([scale], device=device)
+    for rope_style in ("interleaved", "neox"):
+        got = ops.query_rope_quant(ql_nope, q_pe, pos, cache, q_scale, rope_style=rope_style,
+                                   out_dtype=torch.float8_e4m3fn)
+        want = reference.query_rope_quant_ref(ql_nope.cpu(), q_pe.cpu(), pos.cpu(), cache.cpu(),
+                                              None if q_scale is None else q_scale.cpu(),
+                                              neox=rope_style == "neox", out_dtype=torch.float8_e4m3fn)
+        assert torch.equal(as_bytes(got.cpu()), as_bytes(want))
+    b = as_bytes(want)
+    assert (b == 0x7F).any() and not (b == 0xFF).any()  # NaNs canonical
+    assert (b == 0x7E).any() and (b == 0xFE).any()  # +-448: saturated
+
+
+@pytest.mark.parametrize("device", devices())
 def test_local_producer_rejects_bad_input(device):
     ql_nope, q_pe, pos, cache = make_query(4, 8, device=device)
     with pytest.raises(ValueError, match="'q_pe'.*dtype"):
