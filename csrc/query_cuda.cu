@@ -28,12 +28,16 @@ template <typename out_t>
 __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
   const int items = a.rows * a.heads, width = a.nope_dim + a.rope_dim, step = gridDim.x * kWarps;
   int i = blockIdx.x * kWarps + threadIdx.x / 32;
+  auto load = [&](int x) {
+    const auto th = a.by_heads.divmod(static_cast<unsigned>(x));
+    return load_item(a, static_cast<int>(th.div), static_cast<int>(th.mod));
+  };
   ItemInputs next;
-  if (i < items) next = load_item(a, i / a.heads, i % a.heads);
+  if (i < items) next = load(i);
   for (; i < items; i += step) {
     const ItemInputs in = next;
-    const int t = i / a.heads;
-    if (i + step < items) next = load_item(a, (i + step) / a.heads, (i + step) % a.heads);  // in flight meanwhile
+    const int t = static_cast<int>(a.by_heads.div(static_cast<unsigned>(i)));
+    if (i + step < items) next = load(i + step);  // in flight meanwhile
     produce_item<out_t>(a, t, i - t * a.heads, in, out + static_cast<int64_t>(i) * width, [] {}, [&](int64_t pos) {
       if ((threadIdx.x & 31) == 0)
         printf("torch_sdcp: positions[%d] = %lld is outside [0, %lld)\n", t, (long long)pos, (long long)a.max_pos);
@@ -65,6 +69,7 @@ struct Given {
 // every index in vectors fits in 32 bits (check_query_range).
 struct DeviceQuery {
   int rows, local_heads, nvec;  // nvec: 16-byte vectors per item
+  at::cuda::detail::IntDivider<unsigned> by_heads;  // item i = t * local_heads + h
   int entry_vecs;               // vectors of one peer's entry in a rotating buffer
   int64_t view_offset, buffers_offset, buffer_bytes, header_offset;
   uint32_t canonical;
@@ -190,8 +195,9 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kView) call = *reinterpret_cast<volatile uint64_t*>(&control_of(ws, me)->view_call);
   bool have_call = kView;
   // [row][src * H_loc + h]: item i = t * H_loc + h of source s.
+  auto row_of = [&](int i) { return static_cast<int>(q.by_heads.div(static_cast<unsigned>(i))); };
   auto gathered = [&](int i, int s) {
-    const int t = i / hl;
+    const int t = row_of(i);
     return (t * n + s) * hl + (i - t * hl);
   };
   auto entry = [&](int dst, int src) {  // src's entry in dst's rotating buffer of this call
@@ -218,13 +224,16 @@ __global__ void __launch_bounds__(kThreads)
   // The first inputs of item i (Produced only: load_item).
   auto load = [&](int i) {
     ItemInputs in{};
-    if constexpr (Items::kStaged) in = load_item(items.a, i / hl, i % hl);
+    if constexpr (Items::kStaged) {
+      const int t = row_of(i);
+      in = load_item(items.a, t, i - t * hl);
+    }
     return in;
   };
   // Produces item i, its first inputs loaded, into the warp's stage (Produced only).
   auto produce = [&](int i, const ItemInputs& in) {
     if constexpr (Items::kStaged) {
-      const int t = i / hl;
+      const int t = row_of(i);
       produce_item(
           items.a, t, i - t * hl, in, reinterpret_cast<typename Items::Out*>(stage),
           [&] {
@@ -421,6 +430,7 @@ DeviceQuery device_query(const Workspace& ws, const QueryGeometry& g, int64_t ro
   check_query_range(ws, g);
   const int64_t nvec = g.item_bytes() / 16;
   return {static_cast<int>(rows), static_cast<int>(g.local_heads), static_cast<int>(nvec),
+          at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(std::max<int64_t>(g.local_heads, 1))),
           static_cast<int>(g.max_rows * g.local_heads * nvec), g.view_offset, g.buffers_offset, g.buffer_bytes,
           g.header_offset, g.canonical};
 }
@@ -454,6 +464,7 @@ ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
                  s.rows << " rows x " << s.heads << " heads of " << s.width() << " elements");
   a.rows = static_cast<int>(s.rows);
   a.heads = static_cast<int>(s.heads);
+  a.by_heads = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(std::max<int64_t>(s.heads, 1)));
   a.nope_dim = static_cast<int>(s.nope);
   a.rope_dim = static_cast<int>(s.rope);
   a.max_pos = cache.size(0);

@@ -6,6 +6,7 @@
 
 #include "semantics.h"
 
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <c10/util/BFloat16.h>
 #include <cuda_runtime.h>
 
@@ -26,6 +27,7 @@ struct ProducerArgs {
   int64_t nope_s0, nope_s1, pe_s0, pe_s1, pos_s0;
   int64_t max_pos;
   int rows, heads, nope_dim, rope_dim;  // 32-bit: checked on the host (producer_args)
+  at::cuda::detail::IntDivider<unsigned> by_heads;  // item i = t * heads + h: a multiply, not a division
   bool pos64, cache_f32, neox;
   bool vec_nope;  // nope rows are 16-byte aligned and a multiple of 8 elements
 };
@@ -64,13 +66,16 @@ constexpr int kNopePrefetch = 2;
 // What a lane loads of item (t, h) before the item's position is known: the
 // position, its first nope vectors and its first rope pair (j = lane). One
 // round of loads, which a warp issues for its next item before it converts
-// the current one (the conversion, not the memory, was the larger part of an
-// item at thousands of rows).
+// the current one. Kept as loaded (raw bits, both position widths) so that
+// nothing waits for them until the item is produced.
 struct ItemInputs {
-  int64_t pos;
+  int64_t pos64;
+  int32_t pos32;
   uint4 nope[kNopePrefetch];
-  float x0, x1;
+  uint32_t x0, x1;  // bf16 bits (32-bit registers: two 16-bit fields would be packed into one, which waits for the loads)
 };
+
+__device__ __forceinline__ float bf16_bits_to_float(uint32_t b) { return __uint_as_float(b << 16); }
 
 __device__ __forceinline__ void rope_pair_index(const ProducerArgs& a, int j, int& i0, int& i1) {
   i0 = a.neox ? j : 2 * j;
@@ -80,8 +85,10 @@ __device__ __forceinline__ void rope_pair_index(const ProducerArgs& a, int j, in
 __device__ __forceinline__ ItemInputs load_item(const ProducerArgs& a, int t, int h) {
   const int lane = threadIdx.x & 31;
   ItemInputs in;
-  in.pos = a.pos64 ? static_cast<const int64_t*>(a.positions)[t * a.pos_s0]
-                   : static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
+  in.pos64 = 0;
+  in.pos32 = 0;
+  if (a.pos64) in.pos64 = static_cast<const int64_t*>(a.positions)[t * a.pos_s0];
+  else in.pos32 = static_cast<const int32_t*>(a.positions)[t * a.pos_s0];
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
 #pragma unroll
   for (int u = 0; u < kNopePrefetch; ++u) {
@@ -89,13 +96,13 @@ __device__ __forceinline__ ItemInputs load_item(const ProducerArgs& a, int t, in
     in.nope[u] = make_uint4(0, 0, 0, 0);
     if (a.vec_nope && d < a.nope_dim) in.nope[u] = *reinterpret_cast<const uint4*>(n + d);
   }
-  in.x0 = in.x1 = 0.0f;
+  in.x0 = in.x1 = 0;
   if (lane < a.rope_dim / 2) {
-    const c10::BFloat16* q = a.pe + t * a.pe_s0 + h * a.pe_s1;
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(a.pe + t * a.pe_s0 + h * a.pe_s1);
     int i0, i1;
     rope_pair_index(a, lane, i0, i1);
-    in.x0 = static_cast<float>(q[i0]);
-    in.x1 = static_cast<float>(q[i1]);
+    in.x0 = q[i0];
+    in.x1 = q[i1];
   }
   return in;
 }
@@ -111,7 +118,7 @@ template <typename out_t, typename Loaded, typename BadPosition>
 __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h, const ItemInputs& in, out_t* dst,
                                              Loaded&& loaded, BadPosition&& bad_position) {
   const int lane = threadIdx.x & 31;
-  const int64_t pos = in.pos;
+  const int64_t pos = a.pos64 ? in.pos64 : in.pos32;
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
   const int d0 = lane * 8;
   const int half = a.rope_dim / 2;
@@ -154,7 +161,7 @@ __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h
   }
   if (!good) bad_position(pos);
   for (int j = lane; j < half; j += 32) {
-    float co = co0, si = si0, x0 = in.x0, x1 = in.x1;
+    float co = co0, si = si0, x0 = bf16_bits_to_float(in.x0), x1 = bf16_bits_to_float(in.x1);
     int i0, i1;
     rope_pair_index(a, j, i0, i1);
     if (j != lane) {
