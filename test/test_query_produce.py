@@ -39,7 +39,8 @@ def test_local_producer_every_bf16_value(device, scale):
     ql_nope, q_pe, pos, cache = make_query(16, 8, seed=5, device=device)
     ql_nope.view(torch.int16).copy_(torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(16, 8, 512))
     g = torch.Generator().manual_seed(6)
-    q_pe.view(torch.int16).copy_(torch.randint(-32768, 32768, q_pe.shape, generator=g, dtype=torch.int32).to(torch.int16))
+    bits = torch.randint(-32768, 32768, q_pe.shape, generator=g, dtype=torch.int32)
+    q_pe.view(torch.int16).copy_(bits.to(torch.int16))
     q_scale = None if scale is None else torch.tensor([scale], device=device)
     for rope_style in ("interleaved", "neox"):
         got = ops.query_rope_quant(ql_nope, q_pe, pos, cache, q_scale, rope_style=rope_style,
