@@ -18,27 +18,39 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_workers
-from _helpers import HOST, make_query, rank_candidates, rank_partials
+from _helpers import (
+    HOST,
+    expect_failure,
+    make_query,
+    rank_candidates,
+    rank_partials,
+    rank_workspace_args,
+    requires_gpus,
+)
 
 ROWS = 2
 LIMIT = 2**23 - 1  # the first tag that is not one (torch_sdcp._checks.CALL_TAG_LIMIT)
 
 
-def _families(rank):
+def _families(rank, mode="host"):
     """name: (create, call(ws, **tag) -> a tensor of its result). The inputs are
-    alike in shape on every rank, so calls of one family pair by shape alone."""
+    alike in shape on every rank, so calls of one family pair by shape alone.
+    ``mode``: "host", "cuda" or "cuda_shared" (_helpers.rank_workspace_args)."""
     import torch_sdcp
 
-    nope, pe, pos, cache = make_query(ROWS, 2, nope=64, rope=16, max_pos=8, seed=rank)
-    scale = torch.full((1,), 0.5)
-    q = torch.full((ROWS, 2, 80), 0.25 * (rank + 1)).to(torch.float8_e4m3fn)
-    scores, ids = rank_candidates(ROWS, 8, seed=rank)
-    po, pl = rank_partials(ROWS, seed=rank)
-    out, out_lse = torch.empty(ROWS, 4, 64, dtype=torch.bfloat16), torch.empty(ROWS, 4)
-    x = torch.arange(8, dtype=torch.float32).view(2, 4) + 10 * rank
+    opts = rank_workspace_args(rank, mode)
+    where = opts.get("device", torch.device("cpu"))
+    nope, pe, pos, cache = (t.to(where) for t in make_query(ROWS, 2, nope=64, rope=16, max_pos=8, seed=rank))
+    scale = torch.full((1,), 0.5, device=where)
+    q = torch.full((ROWS, 2, 80), 0.25 * (rank + 1)).to(torch.float8_e4m3fn).to(where)
+    scores, ids = (t.to(where) for t in rank_candidates(ROWS, 8, seed=rank))
+    po, pl = (t.to(where) for t in rank_partials(ROWS, seed=rank))
+    out, out_lse = torch.empty(ROWS, 4, 64, dtype=torch.bfloat16, device=where), torch.empty(ROWS, 4, device=where)
+    x = torch.arange(8, dtype=torch.float32, device=where).view(2, 4) + 10 * rank
+    options = {"timeout_s": 60, **opts}
 
     def query():
-        return torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, timeout_s=60, **HOST)
+        return torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, **options)
 
     def view(ws, **tag):
         got = ws.gather_view(nope, pe, pos, cache, scale, **tag).clone()
@@ -53,12 +65,12 @@ def _families(rank):
         "gather": (query, lambda ws, **tag: ws.gather(nope, pe, pos, cache, scale, **tag).view(torch.uint8)),
         "gather_view": (query, view),
         "all_gather_heads": (query, lambda ws, **tag: ws.all_gather_heads(q, **tag).view(torch.uint8)),
-        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 4, 4, candidates_per_rank=8, timeout_s=60, **HOST),
+        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 4, 4, candidates_per_rank=8, **options),
                   lambda ws, **tag: ws.merge(scores, ids, **tag)),
-        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
+        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, **options),
                     lambda ws, **tag: ws.combine(po, pl, **tag)),
-        "combine_out": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST), combine_out),
-        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **HOST),
+        "combine_out": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, **options), combine_out),
+        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 64, **options),
                        lambda ws, **tag: ws.all_gather(x, **tag)),
     }
 
@@ -78,15 +90,17 @@ def _checked(wrong, case, fn):
         wrong.append(f"{case}: {type(e).__name__}: {e}")
 
 
-def _mismatch_worker(rank, world, tags, skip):
+def _mismatch_worker(rank, world, tags, skip, mode="host"):
     """Per family: a tagged call that pairs, then rank 0 calls with tags[0]
     and rank 1 with tags[1] (with ``skip``: rank 1 skips the call tagged 1 of
     layers 0, 1, 2, so its call tagged 2 meets rank 0's call tagged 1). Both
-    raise the named mismatch and are poisoned."""
+    raise the named mismatch (CUDA: at the next check()) and are poisoned."""
     import torch.distributed as dist
 
     wrong = []
-    for name, (make, call) in _families(rank).items():
+    for name, (make, call) in _families(rank, mode).items():
+        if mode != "host" and name == "gather_view":  # its release would meet the recorded failure first
+            continue
         ws = make()
 
         def case(ws=ws, call=call):
@@ -94,12 +108,11 @@ def _mismatch_worker(rank, world, tags, skip):
             assert torch.equal(call(ws, tag=0), want), "a tagged call differs from the untagged one"
             if skip:  # layers 0, 1, 2 on rank 0; rank 1 skips layer 1
                 assert torch.equal(call(ws, tag=0), want)
-                with pytest.raises(RuntimeError, match=r"call mismatch \(.*\): " + _mismatch(1, 2)):
-                    call(ws, tag=1 if rank == 0 else 2)
+                expect_failure(ws, mode, lambda: call(ws, tag=1 if rank == 0 else 2),
+                               r"call mismatch \(.*\): " + _mismatch(1, 2))
             else:
-                with pytest.raises(RuntimeError, match=r"call mismatch \(.*\): " + _mismatch(*tags)):
-                    call(ws, **({} if tags[rank] is None else {"tag": tags[rank]}))
-            assert ws.poisoned
+                expect_failure(ws, mode, lambda: call(ws, **({} if tags[rank] is None else {"tag": tags[rank]})),
+                               r"call mismatch \(.*\): " + _mismatch(*tags))
             with pytest.raises(RuntimeError, match="is poisoned"):
                 call(ws, tag=3)
 
@@ -117,6 +130,15 @@ def test_a_tag_mismatch_is_named_on_every_rank(tags):
 
 def test_a_skipped_call_is_named_on_every_rank_at_the_next_call():
     results = run_workers(_mismatch_worker, 2, args=(None, True), timeout=300)
+    assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+@pytest.mark.parametrize("mode", [pytest.param("cuda_shared", marks=requires_gpus(1)),
+                                  pytest.param("cuda", marks=requires_gpus(2))])
+@pytest.mark.parametrize("skip", [False, True], ids=["7-8", "skipped"])
+def test_tags_on_cuda(mode, skip):
+    """The same on the CUDA kernels (the tag compared by the header lanes)."""
+    results = run_workers(_mismatch_worker, 2, args=((7, 8), skip, mode), timeout=600)
     assert results == [[], []], "\n".join(results[0] + results[1])
 
 
