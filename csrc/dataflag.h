@@ -144,8 +144,9 @@ SDCP_DATAFLAG_HD bool header_is_void(const CallHeader& h) { return (h.w[kHeaderD
 // The caller's call tag (docs/PROTOCOL.md "Failure behaviour": every call
 // method takes an optional `tag`, e.g. the layer index): bits 8..30 of the
 // dtype word hold tag + 1, 0 when the call is untagged (a c10::ScalarType
-// fits in the low 8 bits), so the header stays one 16-byte vector and the
-// comparison costs nothing more. Tags are [0, kCallTagLimit); -1 is untagged.
+// fits in the low 8 bits), so the header stays one 16-byte vector: the same
+// stores and loads; the comparison gains two masks and branches.
+// Tags are [0, kCallTagLimit); -1 is untagged.
 // (Not the exchange's per-call word tag, call_tag below.)
 constexpr uint32_t kHeaderTagShift = 8;
 constexpr uint32_t kHeaderTagMask = 0x7FFFFF00u;
