@@ -51,6 +51,11 @@ void check_size(const at::Tensor& t, const char* name, int64_t d, int64_t want) 
                  t.size(d) << " (shape " << t.sizes() << ")");
 }
 
+void check_call_tag(int64_t tag) {
+  SDCP_CHECK_ARG(tag == -1 || (tag >= 0 && tag < kCallTagLimit), "tag",
+                 "-1 (untagged) or an int in [0, " << kCallTagLimit << ")", tag);
+}
+
 void check_contiguous(const at::Tensor& t, const char* name) {
   SDCP_CHECK_ARG(t.is_contiguous(), name, "a contiguous tensor",
                  "strides " << t.strides() << " for shape " << t.sizes());

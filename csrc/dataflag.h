@@ -141,6 +141,34 @@ constexpr uint32_t kHeaderVoidBit = 0x80000000u;
 
 SDCP_DATAFLAG_HD bool header_is_void(const CallHeader& h) { return (h.w[kHeaderDtype] & kHeaderVoidBit) != 0; }
 
+// The caller's call tag (docs/PROTOCOL.md "Failure behaviour": every call
+// method takes an optional `tag`, e.g. the layer index): bits 8..30 of the
+// dtype word hold tag + 1, 0 when the call is untagged (a c10::ScalarType
+// fits in the low 8 bits), so the header stays one 16-byte vector: the same
+// stores and loads; the comparison gains two masks and branches.
+// Tags are [0, kCallTagLimit); -1 is untagged.
+// (Not the exchange's per-call word tag, call_tag below.)
+constexpr uint32_t kHeaderTagShift = 8;
+constexpr uint32_t kHeaderTagMask = 0x7FFFFF00u;
+constexpr int64_t kCallTagLimit = (int64_t{1} << 23) - 1;
+
+// The dtype word's bits of `tag` (checked: -1 or [0, kCallTagLimit)).
+SDCP_DATAFLAG_HD uint32_t header_tag_bits(int64_t tag) {
+  return tag < 0 ? 0u : static_cast<uint32_t>(tag + 1) << kHeaderTagShift;
+}
+
+// The bits in which two dtype words differ. The void bit is no difference
+// (a void call is otherwise the same call), and neither is the tag against
+// a void placeholder without one: it stands for a call whose tag was not
+// valid (or absent), so it pairs with any tag.
+SDCP_DATAFLAG_HD uint32_t header_dtype_difference(uint32_t mine, uint32_t theirs) {
+  uint32_t d = (mine ^ theirs) & ~kHeaderVoidBit;
+  if ((d & kHeaderTagMask) != 0 && ((mine & (kHeaderVoidBit | kHeaderTagMask)) == kHeaderVoidBit ||
+                                    (theirs & (kHeaderVoidBit | kHeaderTagMask)) == kHeaderVoidBit))
+    d &= ~kHeaderTagMask;
+  return d;
+}
+
 // The void word a consumer stores (the first void it meets, until the host
 // takes it): the voiding rank plus one, and the low 32 bits of the call.
 SDCP_DATAFLAG_HD uint64_t void_word(int64_t src, uint64_t call) {
@@ -179,10 +207,15 @@ SDCP_DATAFLAG_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32
 }
 
 // The first field in which two headers differ, or kHeaderFields (the void
-// bit is not a difference: a void call is otherwise the same call).
+// bit is not a difference: a void call is otherwise the same call). Calls of
+// different tags are another call, whatever else differs: that is named
+// first (the dtype word), so every rank names the tags. Symmetric, so both
+// sides of a pair reach the same verdict.
 SDCP_DATAFLAG_HD uint32_t call_header_mismatch(const CallHeader& mine, const CallHeader& theirs) {
+  const uint32_t dtype = header_dtype_difference(mine.w[kHeaderDtype], theirs.w[kHeaderDtype]);
+  if ((dtype & kHeaderTagMask) != 0) return kHeaderDtype;
   for (uint32_t f = 0; f < kHeaderFields; ++f)
-    if ((mine.w[f] ^ theirs.w[f]) & (f == kHeaderDtype ? ~kHeaderVoidBit : ~0u)) return f;
+    if (f == kHeaderDtype ? dtype != 0 : mine.w[f] != theirs.w[f]) return f;
   return kHeaderFields;
 }
 

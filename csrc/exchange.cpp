@@ -23,7 +23,8 @@ ExchangeGeometry ExchangeGeometry::of(const Workspace& ws) {
   return {ws.params[0], ws.layout.part_values[1], ws.layout.part_values[2]};
 }
 
-AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
+AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace, int64_t tag) {
+  check_call_tag(tag);
   check_contiguous(x, "x");
   AllGatherCall c{resolve_workspace(workspace, WorkspaceKind::kExchange, x), {}, 0, {}};
   c.geo = ExchangeGeometry::of(*c.ws);
@@ -33,10 +34,10 @@ AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace) {
   std::vector<int64_t> shape{c.ws->world_size};
   for (auto s : x.sizes()) shape.push_back(s);
   c.out = at::empty(shape, x.options());
-  // The header: bytes, dtype, a hash of the shape, the geometry.
+  // The header: bytes, dtype and call tag, a hash of the shape, the geometry.
   uint32_t shape_hash = 2166136261u;
   for (auto s : x.sizes()) shape_hash = (shape_hash ^ static_cast<uint32_t>(s)) * 16777619u;
-  c.header = call_header(*c.ws, c.nbytes, static_cast<int64_t>(x.scalar_type()), shape_hash);
+  c.header = call_header(*c.ws, c.nbytes, static_cast<int64_t>(x.scalar_type()), shape_hash, tag);
   check_workspace_health(*c.ws);
   return c;
 }

@@ -25,12 +25,12 @@ struct AllGatherCall {
   CallHeader header;  // what this call is (dataflag.h): every peer compares it with its own
 };
 
-AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace);
+AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace, int64_t tag);
 
 // The op of one backend, written once on top of its launcher Launch(call, x).
 template <auto Launch>
-at::Tensor peer_all_gather_op(const at::Tensor& x, int64_t workspace) {
-  const AllGatherCall c = prepare_all_gather(x, workspace);
+at::Tensor peer_all_gather_op(const at::Tensor& x, int64_t workspace, int64_t tag) {
+  const AllGatherCall c = prepare_all_gather(x, workspace, tag);
   Launch(c, x);
   return c.out;
 }

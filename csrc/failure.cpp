@@ -26,7 +26,7 @@ std::string header_value(const Workspace& ws, uint32_t field, uint32_t v) {
     case kHeaderRows:
       return cat(v, f.rows_unit);
     case kHeaderDtype:
-      v &= ~kHeaderVoidBit;  // a void call's placeholder: the dtype it stands for
+      v &= ~(kHeaderVoidBit | kHeaderTagMask);  // the dtype alone (a void call's: the dtype it stands for)
       if (v < static_cast<uint32_t>(c10::ScalarType::NumOptions))
         return cat("dtype ", c10::toString(static_cast<c10::ScalarType>(v)));
       return cat("dtype code ", v);
@@ -35,6 +35,12 @@ std::string header_value(const Workspace& ws, uint32_t field, uint32_t v) {
     default:
       return cat("a workspace of geometry hash ", hex32(v), " (kind, world size and parameters)");
   }
+}
+
+// One side of a call-tag mismatch.
+std::string tag_text(uint32_t v) {
+  const uint32_t t = (v & kHeaderTagMask) >> kHeaderTagShift;
+  return t == 0 ? std::string("no call tag") : cat("call tag ", t - 1);
 }
 
 const char* reason_text(const Workspace& ws, uint32_t reason) {
@@ -94,6 +100,12 @@ std::string describe_dataflag_error(const Workspace& ws, const DataFlagError& e)
       const bool me_first = ws.rank < e.peer;
       const int64_t a = me_first ? ws.rank : e.peer, b = me_first ? e.peer : ws.rank;
       const uint32_t va = me_first ? e.mine : e.theirs, vb = me_first ? e.theirs : e.mine;
+      // Another call (its tag differs): named by the tags, whatever else differs.
+      if (e.field == kHeaderDtype && (header_dtype_difference(va, vb) & kHeaderTagMask) != 0)
+        return cat("call mismatch (", where(ws, e), "): rank ", a, " called with ", tag_text(va), ", rank ", b,
+                   " with ", tag_text(vb),
+                   "; every rank must make the same calls in the same order (a call skipped, added or reordered "
+                   "on one rank)");
       return cat("call mismatch (", where(ws, e), "): rank ", a, " called with ", header_value(ws, e.field, va),
                  ", rank ", b, " with ", header_value(ws, e.field, vb),
                  "; every rank must make the same calls with the same shapes, dtypes and options");

@@ -129,7 +129,9 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> output_lse_combine(const at::Tensor& partial_out, const at::Tensor& partial_lse,
                                                       int64_t workspace, bool base2,
                                                       const c10::optional<at::Tensor>& seq_lens,
-                                                      const c10::optional<at::Tensor>& query_start_loc) {
+                                                      const c10::optional<at::Tensor>& query_start_loc,
+                                                      int64_t tag) {
+  check_call_tag(tag);  // before the workspace is resolved (which refuses a poisoned one): arguments first
   check_partial_inputs(partial_out, partial_lse);
   const auto ws = resolve_workspace(workspace, WorkspaceKind::kOutputLSE, partial_out);
   const int64_t n = ws->world_size;
@@ -141,8 +143,8 @@ std::tuple<at::Tensor, at::Tensor> output_lse_combine(const at::Tensor& partial_
                              .findSchemaOrThrow("sdcp::output_lse_combine_out", "")
                              .typed<void(const at::Tensor&, const at::Tensor&, int64_t, bool, at::Tensor&,
                                          at::Tensor&, const c10::optional<at::Tensor>&,
-                                         const c10::optional<at::Tensor>&)>();
-  op.call(partial_out, partial_lse, workspace, base2, out, lse, seq_lens, query_start_loc);
+                                         const c10::optional<at::Tensor>&, int64_t)>();
+  op.call(partial_out, partial_lse, workspace, base2, out, lse, seq_lens, query_start_loc, tag);
   return {out, lse};
 }
 

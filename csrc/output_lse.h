@@ -114,11 +114,12 @@ template <auto CombineLaunch>
 void output_lse_combine_out_op(const at::Tensor& partial_out, const at::Tensor& partial_lse, int64_t workspace,
                                bool base2, at::Tensor& out, at::Tensor& out_lse,
                                const c10::optional<at::Tensor>& seq_lens,
-                               const c10::optional<at::Tensor>& query_start_loc) {
+                               const c10::optional<at::Tensor>& query_start_loc, int64_t tag) {
+  check_call_tag(tag);
   CombineCall c = prepare_combine_out(partial_out, partial_lse, workspace, out, out_lse);
   c.mask = check_row_mask(seq_lens, query_start_loc, partial_out);
   check_workspace_health(*c.ws);
-  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(partial_out.scalar_type()), base2 ? 1u : 0u);
+  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(partial_out.scalar_type()), base2 ? 1u : 0u, tag);
   CombineLaunch(c, partial_out, partial_lse, base2, out, out_lse);
 }
 

@@ -157,14 +157,15 @@ namespace {
 
 // Allocates the gathered query and runs the `_out` op of the input's backend
 // through the dispatcher.
-at::Tensor query_all_gather_heads(const at::Tensor& q, int64_t workspace) {
+at::Tensor query_all_gather_heads(const at::Tensor& q, int64_t workspace, int64_t tag) {
+  check_call_tag(tag);  // before the workspace is resolved (which refuses a poisoned one): arguments first
   check_dim(q, "q", 3);
   const auto ws = resolve_workspace(workspace, WorkspaceKind::kQuery, q);
   auto out = at::empty({q.size(0), ws->world_size * q.size(1), q.size(2)}, q.options());
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("sdcp::query_all_gather_heads_out", "")
-                             .typed<void(const at::Tensor&, int64_t, at::Tensor&)>();
-  op.call(q, workspace, out);
+                             .typed<void(const at::Tensor&, int64_t, at::Tensor&, int64_t)>();
+  op.call(q, workspace, out, tag);
   return out;
 }
 

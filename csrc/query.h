@@ -144,10 +144,11 @@ at::Tensor query_rope_quant_op(const at::Tensor& ql_nope, const at::Tensor& q_pe
 template <auto GatherLaunch>
 at::Tensor query_gather_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                            const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale,
-                           int64_t workspace, bool neox, at::ScalarType out_dtype) {
+                           int64_t workspace, bool neox, at::ScalarType out_dtype, int64_t tag) {
+  check_call_tag(tag);
   QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, true);
   c.header = call_header(*c.ws, c.shape.rows, static_cast<int64_t>(out_dtype),
-                              query_call_flags(kQueryGatherOp, neox, q_scale.has_value()));
+                         query_call_flags(kQueryGatherOp, neox, q_scale.has_value()), tag);
   GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, false);
   return *c.out;
 }
@@ -155,17 +156,19 @@ at::Tensor query_gather_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
 template <auto GatherLaunch>
 void query_publish_op(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                       const at::Tensor& cos_sin_cache, const std::optional<at::Tensor>& q_scale, int64_t workspace,
-                      bool neox, at::ScalarType out_dtype) {
+                      bool neox, at::ScalarType out_dtype, int64_t tag) {
+  check_call_tag(tag);
   QueryCall c = prepare_query_call(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype, false);
   c.header = call_header(*c.ws, c.shape.rows, static_cast<int64_t>(out_dtype),
-                              query_call_flags(kQueryPublishOp, neox, q_scale.has_value()));
+                         query_call_flags(kQueryPublishOp, neox, q_scale.has_value()), tag);
   GatherLaunch(c, ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, out_dtype, true);
 }
 
 template <auto HeadsLaunch>
-void query_all_gather_heads_out_op(const at::Tensor& q, int64_t workspace, at::Tensor& out) {
+void query_all_gather_heads_out_op(const at::Tensor& q, int64_t workspace, at::Tensor& out, int64_t tag) {
+  check_call_tag(tag);
   HeadsCall c = prepare_all_gather_heads(q, workspace, out);
-  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(q.scalar_type()), query_call_flags(kQueryHeadsOp));
+  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(q.scalar_type()), query_call_flags(kQueryHeadsOp), tag);
   HeadsLaunch(c, q, out);
 }
 

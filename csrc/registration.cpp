@@ -40,36 +40,38 @@ TORCH_LIBRARY(sdcp, m) {
   m.def("lse_correct(Tensor partial_out, Tensor gathered_lse, int rank, bool base2) -> (Tensor, Tensor)");
 
   // ---- Peer boundaries (workspace handle, device-side signals) ----------
+  // Every op that carries a call header takes `tag`, the caller's call tag
+  // (-1: untagged, else [0, 2**23 - 1)), compared by every peer with its own.
   // Signalling primitive: store x into every rank's inbox, publish, wait for
   // every peer; returns the rank-major stack [N, *x.shape].
-  m.def("peer_all_gather(Tensor x, int workspace) -> Tensor");
+  m.def("peer_all_gather(Tensor x, int workspace, int tag=-1) -> Tensor");
   // Output/LSE: producer-direct publish of each destination's head shard and
   // LSE, owner-side combine. Returns ([T, H/N, D], [T, H/N] fp32). With
   // seq_lens [R] and query_start_loc [R + 1] (vLLM's metadata, local to each
   // rank), padding rows and rows of empty shards get no weight.
   m.def("output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, "
-        "Tensor? seq_lens=None, Tensor? query_start_loc=None) -> (Tensor, Tensor)");
+        "Tensor? seq_lens=None, Tensor? query_start_loc=None, int tag=-1) -> (Tensor, Tensor)");
   m.def("output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, "
-        "Tensor(a!) out, Tensor(b!) out_lse, Tensor? seq_lens=None, Tensor? query_start_loc=None) -> ()");
+        "Tensor(a!) out, Tensor(b!) out_lse, Tensor? seq_lens=None, Tensor? query_start_loc=None, int tag=-1) -> ()");
   // Top-K: each owner publishes its candidate shard in place; every consumer
   // selects over local and peer shards. Returns [T, k] int32 global ids.
-  m.def("topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor");
+  m.def("topk_merge(Tensor scores, Tensor ids, int workspace, int k, int tag=-1) -> Tensor");
   // Query: the fused producer stores its head shard into every peer's buffer
   // and its own heads into the result; returns the gathered [T, N*H_loc, 576].
   m.def("query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
-        "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor");
+        "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype, int tag=-1) -> Tensor");
   // Query, zero-copy: produce, store and wait, leaving the gathered query in
   // this rank's view buffer for a reader that uses it in place;
   // query_release(inbox) (the view's first T rows) says the reader is done:
   // it re-fills them and no producer stores into them before it.
   m.def("query_publish(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, "
-        "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> ()");
+        "Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype, int tag=-1) -> ()");
   m.def("query_release(Tensor inbox, int workspace) -> ()");
   // Query, produced elsewhere: every rank's q [T, H_loc, W] (bf16, fp16, fp32,
   // float8_e4m3fn or float8_e5m2) gathered on heads into [T, N*H_loc, W], head
   // src*H_loc + h, through the same buffers (no RoPE).
-  m.def("query_all_gather_heads(Tensor q, int workspace) -> Tensor");
-  m.def("query_all_gather_heads_out(Tensor q, int workspace, Tensor(a!) out) -> ()");
+  m.def("query_all_gather_heads(Tensor q, int workspace, int tag=-1) -> Tensor");
+  m.def("query_all_gather_heads_out(Tensor q, int workspace, Tensor(a!) out, int tag=-1) -> ()");
 
   // ---- Workspace control (host side, never captured) --------------------
   m.def("workspace_nbytes(int kind, int[] params, int world_size) -> int");

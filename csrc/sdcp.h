@@ -64,6 +64,8 @@ void check_contiguous(const at::Tensor& t, const char* name);
 void check_same_device(const at::Tensor& t, const char* name,
                        const at::Tensor& ref, const char* ref_name);
 void check_float_dtype(const at::Tensor& t, const char* name);
+// A peer op's call tag (dataflag.h kHeaderTagMask): -1 (untagged) or [0, kCallTagLimit).
+void check_call_tag(int64_t tag);
 
 // "0x0000abcd"
 std::string hex32(uint32_t v);
@@ -202,9 +204,11 @@ struct DataFlagRecords {
   uint64_t void_word;
 };
 
-// A call's header, with kHeaderVoidBit when it is the placeholder of a void call.
-inline CallHeader call_header(const Workspace& ws, int64_t rows, int64_t dtype, uint32_t flags) {
+// A call's header: its call tag (checked by check_call_tag: -1 untagged) in
+// the dtype word, and kHeaderVoidBit when it is the placeholder of a void call.
+inline CallHeader call_header(const Workspace& ws, int64_t rows, int64_t dtype, uint32_t flags, int64_t tag) {
   CallHeader h = make_call_header(rows, dtype, flags, ws.geometry_hash);
+  h.w[kHeaderDtype] |= header_tag_bits(tag);  // the dtype is below 256: the word is never the sentinel
   if (ws.void_next.load(std::memory_order_relaxed)) h.w[kHeaderDtype] |= kHeaderVoidBit;
   return h;
 }

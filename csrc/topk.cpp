@@ -44,7 +44,9 @@ at::Tensor prepare_topk_select(const at::Tensor& scores, const at::Tensor& ids, 
   return at::empty({scores.size(0), k}, ids.options());
 }
 
-TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k) {
+TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k,
+                                 int64_t tag) {
+  check_call_tag(tag);
   TopKMergeCall c;
   c.out = prepare_topk_select(scores, ids, k);
   c.rows = scores.size(0);
@@ -56,7 +58,7 @@ TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids
                  "candidates_per_rank = " << c.geo.candidates_per_rank << " columns", scores.size(1));
   SDCP_CHECK_ARG(k == c.geo.k, "k", "the workspace's k = " << c.geo.k, k);
   // The flags word is unused: k and C are parameters, in the geometry hash.
-  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(scores.scalar_type()), 0u);
+  c.header = call_header(*c.ws, c.rows, static_cast<int64_t>(scores.scalar_type()), 0u, tag);
   check_workspace_health(*c.ws);
   return c;
 }

@@ -41,7 +41,8 @@ struct TopKMergeCall {
   CallHeader header;  // what this call is (rows, scores dtype, geometry; dataflag.h)
 };
 
-TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k);
+TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k,
+                                 int64_t tag);
 
 // The ops of one backend, written once on top of its launchers:
 //   SelectLaunch(scores, ids, k, out)      MergeLaunch(call, scores, ids)
@@ -53,8 +54,9 @@ at::Tensor topk_select_op(const at::Tensor& scores, const at::Tensor& ids, int64
 }
 
 template <auto MergeLaunch>
-at::Tensor topk_merge_op(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k) {
-  const TopKMergeCall c = prepare_topk_merge(scores, ids, workspace, k);
+at::Tensor topk_merge_op(const at::Tensor& scores, const at::Tensor& ids, int64_t workspace, int64_t k,
+                         int64_t tag) {
+  const TopKMergeCall c = prepare_topk_merge(scores, ids, workspace, k, tag);
   // A call without rows runs too: it stores and checks the call headers, so
   // it still waits for each peer's call of the same index (the buffer-reuse
   // argument, docs/PROTOCOL.md) and a peer with rows sees the difference.

@@ -305,3 +305,12 @@ def config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, 
         parallel_config=types.SimpleNamespace(num_ubatches=num_ubatches, dcp_comm_backend=backend,
                                               dcp_q_replicate=q_replicate),
         model_config=types.SimpleNamespace(hf_text_config=hf), dcp_max_num_tokens=bound)
+
+
+class Layer:
+    """An MLA attention layer as vLLM builds one (MLAAttention.__init__):
+    its name (``prefix``) first, then its own MLADCPManager."""
+
+    def __init__(self, dcp, prefix, **manager_kwargs):
+        self.layer_name = prefix
+        self.dcp_manager = dcp.MLADCPManager(**manager_kwargs)

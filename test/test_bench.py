@@ -22,7 +22,8 @@ def run_bench(*args, timeout=300):
 def test_bench_runs_every_boundary_on_the_host_backend(tmp_path):
     out = tmp_path / "bench"
     res = run_bench("--backend", "host", "--world-size", "2", "--rows", "1,3", "--replays", "1", "--trials", "1",
-                    "--k", "64", "--requests", "2", "--context", "40", "--layers", "1", "--sparse", "--out", str(out))
+                    "--k", "64", "--requests", "2", "--context", "40", "--layers", "1", "--sparse", "--tag",
+                    "--out", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["backend"] == "host" and data["meta"]["world_size"] == 2
@@ -33,6 +34,7 @@ def test_bench_runs_every_boundary_on_the_host_backend(tmp_path):
         assert [r["rows"] for r in rows] == [1, 3], name
         for r in rows:
             assert r["sdcp"]["k8"] > 0 and r["collective"]["k8"] > 0, (name, r)
+            assert r["sdcp_tagged"]["k8"] > 0, (name, r)  # --tag: the same call with a call tag
     olse = [r for r in data["results"]["output_lse"] if "rows" in r]
     assert all("needs CUDA" in r["symm_mem"]["error"] for r in olse)  # says so instead of failing
     assert all("needs CUDA" in r["vllm_a2a"]["error"] for r in olse)
@@ -40,6 +42,7 @@ def test_bench_runs_every_boundary_on_the_host_backend(tmp_path):
     text = tables(data)
     assert "are not performance" in text and "x |" not in text and "lower" not in text  # no ratio on the host
     assert "legend" in text and "sdcp::lse_correct" in text and "PR #50484" in text
+    assert "torch_sdcp tagged" in text and "(--tag)" in text
     decode = data["results"]["decode"][0]
     assert decode["agree"] and decode["sparse"] and decode["sdcp"]["k1"] > 0, decode
     assert (out / "latency.png").stat().st_size > 1000

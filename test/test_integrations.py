@@ -117,7 +117,7 @@ def _adapters_worker(rank, world):
     for t in (1, bound, bound + 3):  # the last one is above the bound: collective path
         inputs = _query_inputs(world, t, 4, 64, 16, seed=t)
         mine = inputs[rank]
-        got = sdcp.query_gather(*mine, group=group)
+        got = sdcp.query_gather(*mine, group=group, tag=t)  # a call tag on the peer and the collective path
         want = reference.query_gathered_layout(
             [reference.query_rope_quant_ref(*x, out_dtype=torch.bfloat16) for x in inputs])
         assert torch.equal(_as_bytes(got), _as_bytes(want)), f"query_gather bf16 t={t}"
@@ -133,7 +133,7 @@ def _adapters_worker(rank, world):
 
         # Engines today: produce locally, then all_gather(q, dim=1).
         local = reference.query_rope_quant_ref(*mine, out_dtype=torch.bfloat16)
-        gathered = sdcp.all_gather(local, group, dim=1)
+        gathered = sdcp.all_gather(local, group, dim=1, tag=t)
         assert torch.equal(_as_bytes(gathered), _as_bytes(want)), f"all_gather dim=1 t={t}"
         checks.append(("query", t))
 
@@ -152,7 +152,7 @@ def _adapters_worker(rank, world):
         out, lse = _partials(world, t, h, d, seed=100 + t)
         for base_e in (True, False):
             got, got_lse = sdcp.cp_lse_ag_out_rs(out[rank], lse[rank], group, return_lse=True,
-                                                 is_lse_base_on_e=base_e)
+                                                 is_lse_base_on_e=base_e, tag=t)
             assert got.shape == (t, h // world, d) and got.dtype == torch.bfloat16
             assert got_lse.shape == (t, h // world) and got_lse.dtype == torch.float32
             _check_output(rank, world, got, got_lse, out, lse, base2=not base_e)
@@ -170,7 +170,7 @@ def _adapters_worker(rank, world):
     # --- top-K: identical to the reference merge and to the collective path -------------------
     for t in (1, bound, bound + 5):
         shards = _candidates(world, t, 16, seed=200 + t)
-        got = sdcp.topk_merge(*shards[rank], group, 16)
+        got = sdcp.topk_merge(*shards[rank], group, 16, tag=t)
         assert torch.equal(got, reference.topk_merge_ref(shards, 16)), f"topk_merge t={t}"
         assert torch.equal(got, collective.topk_all_gather_merge(*shards[rank], 16, group=group))
         checks.append(("topk", t))
@@ -275,6 +275,13 @@ def test_argument_errors(world1):
         sdcp.topk_merge(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.int32), world1, 0)
     with pytest.raises(ValueError, match=r"argument 'ids': expected a Tensor, got list"):
         sdcp.topk_merge(torch.zeros(2, 8), [[0]], world1, 4)
+    tag = r"argument 'tag': expected None or an int in \[0, 8388607\), got "
+    with pytest.raises(ValueError, match=tag + "-1"):
+        sdcp.cp_lse_ag_out_rs(out, lse, world1, tag=-1)
+    with pytest.raises(ValueError, match=tag + "bool"):
+        sdcp.topk_merge(torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.int32), world1, 4, tag=False)
+    with pytest.raises(ValueError, match=tag + "8388607"):
+        sdcp.all_gather(out, world1, tag=2**23 - 1)
     with pytest.raises(ValueError, match=r"argument 'dim': expected an int in \[-3, 3\), got 3"):
         sdcp.all_gather(out, world1, dim=3)
     with pytest.raises(ValueError, match=r"argument 'input_': expected a tensor with at least one dimension"):

@@ -111,6 +111,30 @@ def _bad_calls(query, topk, combine, exchange):
         ("peer_all_gather: x over max_bytes", "x", lambda: ops.peer_all_gather(torch.zeros(17), exchange.handle)),
         ("peer_all_gather: handle a float", "workspace", lambda: ops.peer_all_gather(torch.zeros(2), 1.0)),
     ]
+    # Call tags: refused by the typed wrappers (None or [0, 2**23 - 1), no bool) and, straight to the op
+    # (-1 untagged), by the op's own check.
+    big = 2**23 - 1
+    cases += [
+        ("topk_merge: tag a bool", "tag", lambda: ops.topk_merge(scores, ids, topk.handle, 4, tag=True)),
+        ("peer_all_gather: tag -1", "tag", lambda: ops.peer_all_gather(torch.zeros(2), exchange.handle, tag=-1)),
+        ("query_gather: tag 2**23 - 1", "tag", lambda: ops.query_gather(nope, pe, pos, cache, torch.ones(1), h,
+                                                                        out_dtype=q_out, tag=big)),
+        ("op peer_all_gather: tag -2", "tag", lambda: torch.ops.sdcp.peer_all_gather(torch.zeros(2), exchange.handle,
+                                                                                      -2)),
+        ("op topk_merge: tag 2**23 - 1", "tag", lambda: torch.ops.sdcp.topk_merge(scores, ids, topk.handle, 4, big)),
+        ("op output_lse_combine: tag 2**23 - 1", "tag",
+         lambda: torch.ops.sdcp.output_lse_combine(part, lse, combine.handle, False, None, None, big)),
+        ("op output_lse_combine_out: tag 2**23 - 1", "tag",
+         lambda: torch.ops.sdcp.output_lse_combine_out(part, lse, combine.handle, False, out, out_lse, None, None,
+                                                       big)),
+        ("op query_gather: tag -5", "tag",
+         lambda: torch.ops.sdcp.query_gather(nope, pe, pos, cache, torch.ones(1), h, False, q_out, -5)),
+        ("op query_publish: tag 2**23 - 1", "tag",
+         lambda: torch.ops.sdcp.query_publish(nope, pe, pos, cache, torch.ones(1), h, False, q_out, big)),
+        ("op query_all_gather_heads: tag 2**23 - 1", "tag", lambda: torch.ops.sdcp.query_all_gather_heads(q3, h, big)),
+        ("op query_all_gather_heads_out: tag -2", "tag",
+         lambda: torch.ops.sdcp.query_all_gather_heads_out(q3, h, torch.empty(2, 4, 80, dtype=q_out), -2)),
+    ]
     return cases
 
 

@@ -16,16 +16,16 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(all_schemas(), """\
 sdcp::lse_combine(Tensor partial_out, Tensor partial_lse, bool base2) -> (Tensor, Tensor)
 sdcp::lse_correct(Tensor partial_out, Tensor gathered_lse, int rank, bool base2) -> (Tensor, Tensor)
-sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor? seq_lens=None, Tensor? query_start_loc=None) -> (Tensor, Tensor)
-sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse, Tensor? seq_lens=None, Tensor? query_start_loc=None) -> ()
-sdcp::peer_all_gather(Tensor x, int workspace) -> Tensor
-sdcp::query_all_gather_heads(Tensor q, int workspace) -> Tensor
-sdcp::query_all_gather_heads_out(Tensor q, int workspace, Tensor(a!) out) -> ()
-sdcp::query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> Tensor
-sdcp::query_publish(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype) -> ()
+sdcp::output_lse_combine(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor? seq_lens=None, Tensor? query_start_loc=None, int tag=-1) -> (Tensor, Tensor)
+sdcp::output_lse_combine_out(Tensor partial_out, Tensor partial_lse, int workspace, bool base2, Tensor(a!) out, Tensor(b!) out_lse, Tensor? seq_lens=None, Tensor? query_start_loc=None, int tag=-1) -> ()
+sdcp::peer_all_gather(Tensor x, int workspace, int tag=-1) -> Tensor
+sdcp::query_all_gather_heads(Tensor q, int workspace, int tag=-1) -> Tensor
+sdcp::query_all_gather_heads_out(Tensor q, int workspace, Tensor(a!) out, int tag=-1) -> ()
+sdcp::query_gather(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype, int tag=-1) -> Tensor
+sdcp::query_publish(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, int workspace, bool neox, ScalarType out_dtype, int tag=-1) -> ()
 sdcp::query_release(Tensor inbox, int workspace) -> ()
 sdcp::query_rope_quant(Tensor ql_nope, Tensor q_pe, Tensor positions, Tensor cos_sin_cache, Tensor? q_scale, bool neox, ScalarType out_dtype) -> Tensor
-sdcp::topk_merge(Tensor scores, Tensor ids, int workspace, int k) -> Tensor
+sdcp::topk_merge(Tensor scores, Tensor ids, int workspace, int k, int tag=-1) -> Tensor
 sdcp::topk_select(Tensor scores, Tensor ids, int k) -> Tensor
 sdcp::workspace_abort(int handle) -> ()
 sdcp::workspace_check(int handle) -> ()

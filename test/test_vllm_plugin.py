@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from _dist import run_workers
 from _helpers import requires_gpus
-from _vllm_stand_in import BOUND, H_LOC, Coordinator, D, FakeVllm, P, W, _Collect, build_fake_vllm
+from _vllm_stand_in import BOUND, H_LOC, Coordinator, D, FakeVllm, Layer, P, W, _Collect, build_fake_vllm
 from _vllm_stand_in import config as _config
 from _vllm_stand_in import mask_loop as _mask_loop
 from _vllm_stand_in import vllm_select as _vllm_select
@@ -198,18 +198,17 @@ def _protocol_worker(rank, world, rows_list, threads):
     n_ub = 2
     kw = dict(device="cpu", num_heads=H_LOC, query_head_dim=W, output_head_dim=D, output_dtype=torch.bfloat16,
               padded_num_heads=P, use_pcp=False)
-    managers = [  # layers: ag_rs base e, a2a base e, ag_rs base 2 (fp8 and bf16 queries share nothing)
-        (dcp.MLADCPManager(_config(n_ub, "ag_rs", index_topk=K), query_dtype=torch.float8_e4m3fn,
-                           is_lse_base_on_e=True, **kw), False),
-        (dcp.MLADCPManager(_config(n_ub, "a2a", index_topk=K), query_dtype=torch.float8_e4m3fn,
-                           is_lse_base_on_e=True, **kw), False),
-        (dcp.MLADCPManager(_config(n_ub, "ag_rs", index_topk=K), query_dtype=torch.float8_e4m3fn,
-                           is_lse_base_on_e=False, **kw), True),
+    managers = [  # layers 0-2: ag_rs base e, a2a base e, ag_rs base 2 (fp8 and bf16 queries share nothing)
+        (Layer(dcp, f"model.layers.{li}.self_attn.mla_attn", vllm_config=_config(n_ub, backend, index_topk=K),
+               query_dtype=torch.float8_e4m3fn, is_lse_base_on_e=not base2, **kw).dcp_manager, base2)
+        for li, (backend, base2) in enumerate((("ag_rs", False), ("a2a", False), ("ag_rs", True)))
     ]
     assert [c for c, _ in ns.calls if c.startswith("_init")] == [], "vLLM's own _init_* ran"
-    for mgr, _ in managers:
+    for li, (mgr, _) in enumerate(managers):
         assert isinstance(mgr.combine, functools.partial)
         assert mgr.combine.func is (plugin.dcp_a2a_lse_reduce if mgr.use_a2a else plugin.cp_lse_ag_out_rs)
+        # Each layer's calls carry its index as their call tag.
+        assert mgr.combine.keywords["tag"] == mgr.query_gather.keywords["tag"] == li
     # One set per micro-batch (Output/LSE, query, top-K), shared by every layer.
     wss = plugin.workspaces()
     assert len(wss) == 3 * n_ub and all(w.peer for w in wss), wss
@@ -269,6 +268,46 @@ def test_vllm_protocol_two_microbatches():
         # Once per seam (both combines, the query gather, the top-K merge), not per call.
         assert len(rows_notes) == 4, infos
         assert any("installed" in m for m in infos), infos
+
+
+def _layer_tag_worker(rank, world):
+    """Rank r builds layer 3 + r: its first combine and query gather are
+    another layer's call on the peer, named on every rank by the call tags."""
+    torch.set_num_threads(1)
+    ns = build_fake_vllm()
+    sys.modules.update(ns.mods)
+    groups = {u: dist.new_group(backend="gloo") for u in range(2)}
+    ns.coordinator = Coordinator(dist.group.WORLD, groups, lambda: 0)
+
+    from torch_sdcp.integrations import vllm as plugin
+
+    vllm_entry.register()
+    dcp = ns.mods["vllm.v1.attention.ops.dcp"]
+    mgrs = [Layer(dcp, f"model.layers.{3 + rank}.self_attn.mla_attn", vllm_config=_config(), device="cpu",
+                  num_heads=H_LOC, query_head_dim=W, output_head_dim=D, query_dtype=torch.float8_e4m3fn,
+                  output_dtype=torch.bfloat16, padded_num_heads=P, is_lse_base_on_e=True,
+                  use_pcp=False).dcp_manager for _ in range(2)]  # one layer for the combine, one for the query
+    assert mgrs[0].combine.keywords["tag"] == 3 + rank
+    per_rank, qsl = _combine_inputs(world, 2, seed=5)
+    out, lse, seq_lens = per_rank[rank]
+    named = "rank 0 called with call tag 3, rank 1 with call tag 4"
+    with pytest.raises(RuntimeError, match=named):
+        mgrs[0].combine(out, lse, seq_lens=seq_lens, query_start_loc=qsl)
+    with pytest.raises(RuntimeError, match=named):
+        mgrs[1].query_gather(_query_inputs(world, 2, 6, torch.float8_e4m3fn)[rank])
+    plugin.teardown()
+    return True
+
+
+def test_vllm_layers_carry_their_index_as_call_tag():
+    assert run_workers(_layer_tag_worker, 2, timeout=120, env={"SDCP_VLLM": "1"}) == [True, True]
+
+
+def test_layer_index(plugin):
+    assert plugin.layer_index("model.layers.3.self_attn.attn") == 3
+    assert plugin.layer_index("model.layers.61.mtp.attn") == 61
+    for name in ("lm_head", "model.layers.3.experts.5", None, 3):
+        assert plugin.layer_index(name) is None, name
 
 
 def test_vllm_protocol_three_ranks():
@@ -384,17 +423,18 @@ def test_install_idempotent_and_reversible(plugin):
 
 def test_patched_signatures_match(plugin):
     """The replacements take exactly what vLLM passes (the table the
-    conformance test checks against vLLM's sources)."""
+    conformance test checks against vLLM's sources), and the call tag that
+    the manager's partials bind (keyword-only, never passed by vLLM)."""
     import inspect
 
     def params(text):
         return text.replace(" ", "")
 
-    def strip(fn):  # parameters without annotations
+    def strip(fn):  # parameters without annotations, less the face's own keyword-only call tag
         s = inspect.signature(fn)
         return "(" + ",".join(
             p.name + ("" if p.default is inspect.Parameter.empty else "=" + repr(p.default))
-            for p in s.parameters.values()) + ")"
+            for p in s.parameters.values() if not (p.name == "tag" and p.kind is p.KEYWORD_ONLY)) + ")"
 
     table = plugin.VLLM_SIGNATURES
     dcp, idx = "vllm.v1.attention.ops.dcp", "vllm.model_executor.layers.sparse_attn_indexer"

@@ -69,7 +69,8 @@ def render(data: dict) -> str:
                     out.append(f"\nAttention: {DecodeStep.ATTENTION.get(r['attention'], r['attention'])}.")
             elif "rows" not in r:
                 out.append(f"\n{json.dumps(r)}")
-    out += legend(data["results"].keys())
+    tagged = any("sdcp_tagged" in r for rows in data["results"].values() for r in rows)
+    out += legend(data["results"].keys(), tagged=tagged)
     return "\n".join(out)
 
 

@@ -61,6 +61,22 @@ def check_positive_int(value: Any, arg: str, *, named: bool = False) -> int:
     return value
 
 
+#: Call tags are ints in [0, CALL_TAG_LIMIT): the call header keeps tag + 1 in
+#: 23 bits of its dtype word (csrc/dataflag.h kHeaderTagMask).
+CALL_TAG_LIMIT = 2**23 - 1
+
+
+def call_tag(tag: Any) -> int:
+    """A call method's ``tag`` as the peer ops take it: -1 for None
+    (untagged), else the int itself, in [0, CALL_TAG_LIMIT) (bools refused)."""
+    if tag is None:
+        return -1
+    if type(tag) is int and 0 <= tag < CALL_TAG_LIMIT:
+        return tag
+    raise arg_error("tag", f"None or an int in [0, {CALL_TAG_LIMIT})",
+                    repr(tag) if is_int(tag) else type(tag).__name__)
+
+
 def check_bool(value: Any, arg: str) -> bool:
     check(isinstance(value, bool), arg, "a bool", repr(value))
     return value

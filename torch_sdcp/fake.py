@@ -36,13 +36,13 @@ def _lse_correct(partial_out, gathered_lse, rank, base2):
 
 
 @register_fake("sdcp::peer_all_gather")
-def _peer_all_gather(x, workspace):
+def _peer_all_gather(x, workspace, tag=-1):
     n = _registry.world_size(workspace)
     return x.new_empty((n, *x.shape))
 
 
 @register_fake("sdcp::output_lse_combine")
-def _output_lse_combine(partial_out, partial_lse, workspace, base2, seq_lens=None, query_start_loc=None):
+def _output_lse_combine(partial_out, partial_lse, workspace, base2, seq_lens=None, query_start_loc=None, tag=-1):
     n = _registry.world_size(workspace)
     t, h, d = partial_out.shape
     return partial_out.new_empty((t, h // n, d)), partial_lse.new_empty((t, h // n))
@@ -50,24 +50,24 @@ def _output_lse_combine(partial_out, partial_lse, workspace, base2, seq_lens=Non
 
 @register_fake("sdcp::output_lse_combine_out")
 def _output_lse_combine_out(partial_out, partial_lse, workspace, base2, out, out_lse, seq_lens=None,
-                            query_start_loc=None):
+                            query_start_loc=None, tag=-1):
     return None
 
 
 @register_fake("sdcp::topk_merge")
-def _topk_merge(scores, ids, workspace, k):
+def _topk_merge(scores, ids, workspace, k, tag=-1):
     return ids.new_empty((scores.shape[0], k))
 
 
 @register_fake("sdcp::query_gather")
-def _query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype):
+def _query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, tag=-1):
     n = _registry.world_size(workspace)
     t, h, nope = ql_nope.shape
     return ql_nope.new_empty((t, n * h, nope + q_pe.shape[2]), dtype=out_dtype)
 
 
 @register_fake("sdcp::query_publish")
-def _query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype):
+def _query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, neox, out_dtype, tag=-1):
     return None
 
 
@@ -77,14 +77,14 @@ def _query_release(inbox, workspace):
 
 
 @register_fake("sdcp::query_all_gather_heads")
-def _query_all_gather_heads(q, workspace):
+def _query_all_gather_heads(q, workspace, tag=-1):
     n = _registry.world_size(workspace)
     t, h, w = q.shape
     return q.new_empty((t, n * h, w))
 
 
 @register_fake("sdcp::query_all_gather_heads_out")
-def _query_all_gather_heads_out(q, workspace, out):
+def _query_all_gather_heads_out(q, workspace, out, tag=-1):
     return None
 
 

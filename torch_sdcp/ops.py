@@ -10,14 +10,20 @@ into a peer, no call header, no call-index advance), as a ``ValueError`` or
 error after publishing is a ``RuntimeError``. Here that means the Python
 kinds of the arguments are checked before the op is called, so that a list
 where a tensor belongs, or a float where an int belongs, never reaches the
-dispatcher (whose refusal is a bare ``RuntimeError``)."""
+dispatcher (whose refusal is a bare ``RuntimeError``).
+
+Every peer op that carries a call header (all but ``query_release``) takes
+``tag``: None (untagged) or an int in [0, 2**23 - 1), for example the layer
+index, stored in the call header and compared by every peer, so that a
+skipped, added or reordered call is named on every rank ("call tag 7" against
+"call tag 8")."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from torch_sdcp._checks import check, check_choice, check_dtype, check_int, check_tensor
+from torch_sdcp._checks import call_tag, check, check_choice, check_dtype, check_int, check_tensor
 
 __all__ = [
     # the wrappers of the data-path operators (the workspace_* operators belong to torch_sdcp.workspace)
@@ -110,63 +116,63 @@ def lse_correct(partial_out: Tensor, gathered_lse: Tensor, rank: int, *,
     return torch.ops.sdcp.lse_correct(partial_out, gathered_lse, rank, lse_is_base2(lse_base))
 
 
-def peer_all_gather(x: Tensor, workspace: int) -> Tensor:
+def peer_all_gather(x: Tensor, workspace: int, *, tag: int | None = None) -> Tensor:
     """[N, *x.shape]: every rank's x, through an exchange workspace."""
     if not (isinstance(x, Tensor) and type(workspace) is int):
         _refuse(("x", x, "Tensor"), ("workspace", workspace, "int"))
-    return torch.ops.sdcp.peer_all_gather(x, workspace)
+    return torch.ops.sdcp.peer_all_gather(x, workspace, call_tag(tag))
 
 
 def output_lse_combine(partial_out: Tensor, partial_lse: Tensor, workspace: int, *, lse_base: str = "e",
-                       seq_lens: Tensor | None = None,
-                       query_start_loc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                       seq_lens: Tensor | None = None, query_start_loc: Tensor | None = None,
+                       tag: int | None = None) -> tuple[Tensor, Tensor]:
     """This rank's heads of the combined output [T, H/N, D] and LSE [T, H/N].
     With vLLM's seq_lens [R] / query_start_loc [R + 1] (this rank's, int32 or
     int64, both or neither), padding rows and rows of empty shards get no
     weight (torch_sdcp.semantics.mask_empty_shards)."""
     _combine_args_ok(partial_out, partial_lse, workspace, seq_lens, query_start_loc)
     return torch.ops.sdcp.output_lse_combine(partial_out, partial_lse, workspace, lse_is_base2(lse_base),
-                                             seq_lens, query_start_loc)
+                                             seq_lens, query_start_loc, call_tag(tag))
 
 
 def output_lse_combine_out(partial_out: Tensor, partial_lse: Tensor, workspace: int, out: Tensor,
                            out_lse: Tensor, *, lse_base: str = "e", seq_lens: Tensor | None = None,
-                           query_start_loc: Tensor | None = None) -> None:
+                           query_start_loc: Tensor | None = None, tag: int | None = None) -> None:
     """As output_lse_combine, written into caller-owned out / out_lse."""
     _combine_args_ok(partial_out, partial_lse, workspace, seq_lens, query_start_loc)
     if not (isinstance(out, Tensor) and isinstance(out_lse, Tensor)):
         _refuse(("out", out, "Tensor"), ("out_lse", out_lse, "Tensor"))
     torch.ops.sdcp.output_lse_combine_out(partial_out, partial_lse, workspace, lse_is_base2(lse_base), out, out_lse,
-                                          seq_lens, query_start_loc)
+                                          seq_lens, query_start_loc, call_tag(tag))
 
 
-def topk_merge(scores: Tensor, ids: Tensor, workspace: int, k: int) -> Tensor:
+def topk_merge(scores: Tensor, ids: Tensor, workspace: int, k: int, *, tag: int | None = None) -> Tensor:
     """Global top-k ids [T, k] over every rank's candidate shard."""
     if not (isinstance(scores, Tensor) and isinstance(ids, Tensor) and type(workspace) is int and type(k) is int):
         _refuse(("scores", scores, "Tensor"), ("ids", ids, "Tensor"), ("workspace", workspace, "int"), ("k", k, "int"))
-    return torch.ops.sdcp.topk_merge(scores, ids, workspace, k)
+    return torch.ops.sdcp.topk_merge(scores, ids, workspace, k, call_tag(tag))
 
 
 def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                  q_scale: Tensor | None, workspace: int, *, rope_style: str = "interleaved",
-                 out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, tag: int | None = None) -> Tensor:
     """Produce this rank's head shard into every peer's buffer and its own
     heads into the result; returns the gathered [T, N * H_loc, Dn + R]
     (head = src_rank * H_loc + h)."""
     _query_args_ok(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype)
     return torch.ops.sdcp.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace,
-                                       rope_is_neox(rope_style), out_dtype)
+                                       rope_is_neox(rope_style), out_dtype, call_tag(tag))
 
 
 def query_publish(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                   q_scale: Tensor | None, workspace: int, *, rope_style: str = "interleaved",
-                  out_dtype: torch.dtype = torch.bfloat16) -> None:
+                  out_dtype: torch.dtype = torch.bfloat16, tag: int | None = None) -> None:
     """As query_gather, but the gathered query stays in this rank's inbox (the
     view buffer) for a zero-copy reader, which must call query_release when it
     is done."""
     _query_args_ok(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace, out_dtype)
     torch.ops.sdcp.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, workspace,
-                                 rope_is_neox(rope_style), out_dtype)
+                                 rope_is_neox(rope_style), out_dtype, call_tag(tag))
 
 
 def query_release(inbox: Tensor, workspace: int) -> None:
@@ -178,17 +184,17 @@ def query_release(inbox: Tensor, workspace: int) -> None:
     torch.ops.sdcp.query_release(inbox, workspace)
 
 
-def query_all_gather_heads(q: Tensor, workspace: int) -> Tensor:
+def query_all_gather_heads(q: Tensor, workspace: int, *, tag: int | None = None) -> Tensor:
     """A query produced elsewhere, ``q [T, H_loc, W]`` on every rank ->
     ``[T, N * H_loc, W]`` (head = src_rank * H_loc + h), through a query
     workspace; every non-NaN value bit-exact, NaN stays NaN."""
     if not (isinstance(q, Tensor) and type(workspace) is int):
         _refuse(("q", q, "Tensor"), ("workspace", workspace, "int"))
-    return torch.ops.sdcp.query_all_gather_heads(q, workspace)
+    return torch.ops.sdcp.query_all_gather_heads(q, workspace, call_tag(tag))
 
 
-def query_all_gather_heads_out(q: Tensor, workspace: int, out: Tensor) -> None:
+def query_all_gather_heads_out(q: Tensor, workspace: int, out: Tensor, *, tag: int | None = None) -> None:
     """As query_all_gather_heads, written into caller-owned ``out``."""
     if not (isinstance(q, Tensor) and isinstance(out, Tensor) and type(workspace) is int):
         _refuse(("q", q, "Tensor"), ("workspace", workspace, "int"), ("out", out, "Tensor"))
-    torch.ops.sdcp.query_all_gather_heads_out(q, workspace, out)
+    torch.ops.sdcp.query_all_gather_heads_out(q, workspace, out, call_tag(tag))

@@ -10,6 +10,16 @@ from torch_sdcp.bench.decode import DecodeStep
 from torch_sdcp.bench.timing import guarded
 from torch_sdcp.inputs import SCORE_DISTRIBUTIONS, rope_cache, score_distribution
 
+#: The call tag of the "sdcp_tagged" path (--tag): any valid tag costs the same.
+TAG = 7
+
+
+def time_ours(ctx, row: dict, call) -> None:
+    """row["sdcp"]: ``call()`` untagged; with --tag, row["sdcp_tagged"]: ``call(tag=TAG)``, timed right after."""
+    row["sdcp"] = guarded(ctx.timer, lambda: lambda: call())
+    if ctx.tag:
+        row["sdcp_tagged"] = guarded(ctx.timer, lambda: lambda: call(tag=TAG))
+
 
 def bench_signal(ctx, rows_list, out: list) -> None:
     """The fixed cost of one peer round: an exchange of 8 bytes (publish + wait
@@ -19,8 +29,8 @@ def bench_signal(ctx, rows_list, out: list) -> None:
     ws = torch_sdcp.ExchangeWorkspace(None, 64, backend=ctx.backend, device=ctx.device)
     x = torch.full((2,), float(ctx.rank), device=ctx.device)
     gathered = [torch.empty_like(x) for _ in range(ctx.world)]
-    row = {"rows": 1, "collective": guarded(ctx.timer, lambda: lambda: dist.all_gather(gathered, x)),
-           "sdcp": guarded(ctx.timer, lambda: lambda: ws.all_gather(x))}
+    row = {"rows": 1, "collective": guarded(ctx.timer, lambda: lambda: dist.all_gather(gathered, x))}
+    time_ours(ctx, row, lambda **tag: ws.all_gather(x, **tag))
     out.append(row)
     ctx.progress("signal")
     ws.close()
@@ -61,7 +71,7 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
 
         for name in ("symm_mem", "vllm_a2a"):
             row[name] = guarded(ctx.timer, comp_fn(name))
-        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.combine(po, pl, return_lse=True))
+        time_ours(ctx, row, lambda **tag: ws.combine(po, pl, return_lse=True, **tag))
         # The least a rank's memory must move: its partials and LSEs read once, its heads' result written once.
         hl = h // ctx.world
         row["bytes"] = t * h * (d * po.element_size() + 4) + t * hl * (d * po.element_size() + 4)
@@ -90,7 +100,7 @@ def bench_topk(ctx, rows_list, out: list) -> None:
         ids = (torch.randperm(t * k, generator=g).view(t, k) * n + r).to(torch.int32).to(dev)
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.topk_all_gather_merge(scores, ids, k))
-        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.merge(scores, ids))
+        time_ours(ctx, row, lambda **tag: ws.merge(scores, ids, **tag))
         row["bytes"] = t * k * (4 + 4) + t * k * 4  # scores and ids read once, k ids written
         # The selection kernel alone: over the gathered N*C candidates (the
         # collective path's share), and over C (an owner's sort).
@@ -128,7 +138,7 @@ def bench_query(ctx, rows_list, out: list) -> None:
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.query_all_gather(
             nope, pe, pos, cache, scale, out_dtype=dtype))
-        row["sdcp"] = guarded(ctx.timer, lambda: lambda: ws.gather(nope, pe, pos, cache, scale))
+        time_ours(ctx, row, lambda **tag: ws.gather(nope, pe, pos, cache, scale, **tag))
         # Inputs read once (nope, rope part, positions, one cache row per row), the gathered query written once.
         out_elem = torch.tensor([], dtype=dtype).element_size()
         row["bytes"] = (t * hl * (ctx.head_dim + ctx.rope_dim) * 2 + t * (pos.element_size() + ctx.rope_dim *

@@ -54,6 +54,7 @@ class Context:
         self.requests, self.context, self.layers, self.sparse = args.requests, args.context, args.layers, args.sparse
         self.eager_collective = args.eager_collective
         self.topk_distributions = args.topk_distributions
+        self.tag = args.tag
         self.timer = Timer(device, args.replays, args.trials)
         self.started = time.monotonic()
 
@@ -166,6 +167,8 @@ def parse_args(argv=None):
                    help="top-K: also time the owner's ordering step alone (sdcp::topk_select over one rank's C "
                         "candidates) for uniform, normal, 80-distinct-value and all-equal scores (the sort_* "
                         "entries of the kernel-alone line)")
+    p.add_argument("--tag", action="store_true",
+                   help="also time each torch_sdcp call with a call tag (tag=7), beside the untagged one")
     p.add_argument("--replays", type=positive_int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
     p.add_argument("--trials", type=positive_int, default=None, help="default 7 on CUDA, 3 on host")
     p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")

@@ -8,11 +8,17 @@ import textwrap
 
 from torch_sdcp.bench.decode import DecodeStep
 
-PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_masked", "sdcp_view")
-OURS = ("sdcp", "sdcp_masked", "sdcp_view")
+PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_tagged", "sdcp_masked",
+         "sdcp_view")
+OURS = ("sdcp", "sdcp_tagged", "sdcp_masked", "sdcp_view")
 PATH_NAMES = {"collective": "collective", "collective_eager": "collective (eager ops)", "symm_mem": "symm-mem",
-              "vllm_a2a": "vLLM a2a", "sdcp": "torch_sdcp", "sdcp_masked": "torch_sdcp masked",
-              "sdcp_view": "torch_sdcp view"}
+              "vllm_a2a": "vLLM a2a", "sdcp": "torch_sdcp", "sdcp_tagged": "torch_sdcp tagged",
+              "sdcp_masked": "torch_sdcp masked", "sdcp_view": "torch_sdcp view"}
+#: The boundaries that time a tagged call with --tag.
+TAG_BOUNDARIES = ("signal", "query", "topk", "output_lse")
+#: What the "torch_sdcp tagged" path (--tag) runs, for every boundary that has it.
+TAGGED = ("torch_sdcp tagged", "(--tag) the torch_sdcp call above with a call tag (tag=7): the tag rides in the "
+                               "call header's dtype word, compared by every peer; its cost against the untagged call")
 PATH_KEYS = {name: path for path, name in PATH_NAMES.items()}
 
 # The host backend runs every path on the CPU: the collective path over gloo,
@@ -118,16 +124,17 @@ def strongest_baseline(row: dict) -> tuple | None:
     return PATH_NAMES[p], us
 
 
-def legend(names, host: bool = False) -> list:
+def legend(names, host: bool = False, tagged: bool = False) -> list:
     """LEGEND's lines for the boundaries `names`; with `host`, as they ran on
-    the host backend (gloo in place of NCCL, the ops' CPU implementations)."""
+    the host backend (gloo in place of NCCL, the ops' CPU implementations);
+    with `tagged`, the tagged path's line too."""
     if not host:
         lines = ["\nlegend (what each path runs)"]
     else:
         lines = [("\nlegend (what each path runs; on the host backend every sdcp:: op runs its CPU implementation "
                   "and the collectives run over gloo)")]
     for name in names:
-        for path, what in LEGEND.get(name, []):
+        for path, what in LEGEND.get(name, []) + ([TAGGED] if tagged and name in TAG_BOUNDARIES else []):
             if host:
                 what = what.replace("NCCL; gloo on the host backend", "gloo").replace("NCCL", "gloo")
                 path = HOST_PATH_NAMES.get(PATH_KEYS.get(path, ""), path)
@@ -206,7 +213,8 @@ def tables(data: dict) -> str:
                         lines.append(HOST_DECODE_NOTE.format(world=meta["world_size"]))
             else:
                 lines.append(f"  {json.dumps(row)}")
-    lines += legend(data["results"].keys(), host=not cuda)
+    tagged = any("sdcp_tagged" in r for rows in data["results"].values() for r in rows)
+    lines += legend(data["results"].keys(), host=not cuda, tagged=tagged)
     return "\n".join(lines)
 
 

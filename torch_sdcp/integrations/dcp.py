@@ -23,6 +23,10 @@ raises ``RuntimeError`` naming the missing ``prepare_*`` call when that first us
 is inside capture or tracing. ``teardown()`` closes every cached workspace
 (collective, idempotent).
 
+Every adapter takes a keyword-only ``tag``: the call tag of its peer call
+(None, or an int in [0, 2**23 - 1), e.g. the layer index; docs/PROTOCOL.md
+"Failure behaviour"), checked before any path is taken.
+
 Rows are dimension 0 of every input (decode tokens). A call with more rows than
 the workspace's ``max_rows`` runs the collective path of
 :mod:`torch_sdcp.collective` and logs it once per workspace and row count
@@ -45,7 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp import collective, ops
-from torch_sdcp._checks import arg_error, check_bool, check_dim, check_dtype, check_int, check_tensor
+from torch_sdcp._checks import arg_error, call_tag, check_bool, check_dim, check_dtype, check_int, check_tensor
 from torch_sdcp.integrations._core import DEFAULT_MAX_ROWS, OUTPUT_DTYPES, Entry, Face, Seam, Site, normalise_device
 
 __all__ = [
@@ -140,7 +144,7 @@ def prepare_all_gather(group: GroupLike, *, max_rows: int, row_shape: Sequence[i
                          max_rows, options, "prepare_all_gather")
 
 
-def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
+def all_gather(input_: Tensor, group: GroupLike, dim: int = -1, *, tag: int | None = None) -> Tensor:
     """Every rank's ``input_`` concatenated along ``dim`` (rank-major), the
     result of ``GroupCoordinator.all_gather(input_, dim)`` and of
     ``torch.cat(all_gather list, dim)``; for the query ``[T, H_loc, D]`` with
@@ -151,6 +155,7 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
     above the prepared ``max_rows`` take the collective path (logged).
     """
     x = check_tensor(input_, "input_")
+    call_tag(tag)
     if x.dim() == 0:
         raise arg_error("input_", "a tensor with at least one dimension", "a 0-D tensor")
     if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
@@ -167,7 +172,7 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1) -> Tensor:
         return collective.all_gather_stack(x.view(torch.uint8), g.pg).view(x.dtype)
 
     stacked = _face.call(_ALL_GATHER, Site(g, {"row_shape": row_shape, "dtype": x.dtype}, x.device), x.shape[0],
-                         lambda ws: ws.all_gather(x), collective_path)  # [N, *x.shape]
+                         lambda ws: ws.all_gather(x, tag=tag), collective_path)  # [N, *x.shape]
     n = stacked.shape[0]
     shape = list(x.shape)
     shape[d] *= n
@@ -203,7 +208,8 @@ def prepare_query_gather(group: GroupLike, *, max_rows: int, local_heads: int, n
 
 def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
                  q_scale: Tensor | None = None, *, group: GroupLike,
-                 out_dtype: torch.dtype = torch.bfloat16, rope_style: str = "interleaved") -> Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, rope_style: str = "interleaved",
+                 tag: int | None = None) -> Tensor:
     """The fused query producer and gather: RoPE (``rope_style``) on
     ``q_pe [T, H_loc, R]``, concatenation after ``ql_nope [T, H_loc, Dn]``,
     bf16 or float8_e4m3fn (``saturate(x / q_scale)``), gathered on heads:
@@ -219,12 +225,13 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
     check_dim(q_pe, "q_pe", 3)
     check_dtype(out_dtype, "out_dtype", *ops.QUERY_DTYPES)
     ops.rope_is_neox(rope_style)
+    call_tag(tag)
     g = _face.group(group)
     local_heads, nope_dim, rope_dim = ql_nope.shape[1], ql_nope.shape[2], q_pe.shape[2]
     geometry = {"local_heads": local_heads, "nope_dim": nope_dim, "rope_dim": rope_dim, "out_dtype": out_dtype,
                     "rope_style": rope_style}
     return _face.call(_QUERY, Site(g, geometry, ql_nope.device), ql_nope.shape[0],
-                      lambda ws: ws.gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale))
+                      lambda ws: ws.gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag=tag))
 
 
 # ---------------------------------------------------------------------------
@@ -251,7 +258,7 @@ def prepare_output_lse(group: GroupLike, *, max_rows: int, total_heads: int, hea
 
 
 def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: GroupLike, ctx: Any = None,
-                     return_lse: bool = False, is_lse_base_on_e: bool = True
+                     return_lse: bool = False, is_lse_base_on_e: bool = True, *, tag: int | None = None
                      ) -> Tensor | tuple[Tensor, Tensor]:
     """vLLM's ``cp_lse_ag_out_rs`` call shape: ``cp_attn_out [T, H, D]`` and
     ``cp_attn_lse [T, H]`` (fp32) of this rank's KV shard for all ``H`` heads ->
@@ -273,6 +280,7 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: GroupLi
     check_dtype(cp_attn_out.dtype, "cp_attn_out", *OUTPUT_DTYPES)
     check_bool(return_lse, "return_lse")
     check_bool(is_lse_base_on_e, "is_lse_base_on_e")
+    call_tag(tag)
     g = _face.group(cp_group, "cp_group")
     rows, total_heads, head_dim = cp_attn_out.shape
     if total_heads % g.world:
@@ -282,7 +290,8 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: GroupLi
     site = Site(g, {"total_heads": total_heads, "head_dim": head_dim, "dtype": dtype}, cp_attn_out.device)
     return _face.call(_OUTPUT_LSE, site, rows,
                       lambda ws: ws.combine(cp_attn_out.contiguous(), cp_attn_lse.contiguous(),
-                                            lse_base="e" if is_lse_base_on_e else "2", return_lse=return_lse))
+                                            lse_base="e" if is_lse_base_on_e else "2", return_lse=return_lse,
+                                            tag=tag))
 
 
 # ---------------------------------------------------------------------------
@@ -305,7 +314,7 @@ def prepare_topk(group: GroupLike, *, max_rows: int, k: int, candidates_per_rank
                          options, "prepare_topk")
 
 
-def topk_merge(scores: Tensor, ids: Tensor, group: GroupLike, k: int) -> Tensor:
+def topk_merge(scores: Tensor, ids: Tensor, group: GroupLike, k: int, *, tag: int | None = None) -> Tensor:
     """The global top-``k`` over every rank's candidate shard (``scores [T, C]``
     fp32, global token ``ids [T, C]`` int32, -1 = none): ids ``[T, k]`` int32 in
     selection order (score descending, lower id on ties, NaN below -inf),
@@ -316,12 +325,13 @@ def topk_merge(scores: Tensor, ids: Tensor, group: GroupLike, k: int) -> Tensor:
     check_dim(scores, "scores", 2)
     check_dim(ids, "ids", 2)
     check_int(k, "k", 1)
+    call_tag(tag)
     g = _face.group(group)
     candidates = scores.shape[1]
     if candidates < 1:
         raise arg_error("scores", "at least one candidate per row", f"shape {list(scores.shape)}")
     return _face.call(_TOPK, Site(g, {"k": k, "candidates_per_rank": candidates}, scores.device), scores.shape[0],
-                      lambda ws: ws.merge(scores, ids))
+                      lambda ws: ws.merge(scores, ids, tag=tag))
 
 
 # ---------------------------------------------------------------------------

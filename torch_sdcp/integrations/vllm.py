@@ -19,7 +19,11 @@ are valid, then calls :func:`install`, which, on a vLLM release it knows
   ``TopKWorkspace`` (:func:`merge_dcp_topk_global`);
 - ``MLADCPManager.__init__``, wrapped to read the model's ``index_topk``,
   prepare the top-K workspaces and log each seam on or off, with why, once
-  per DCP group;
+  per DCP group, and to read the index of the layer that builds the manager
+  (one manager per attention layer): its combine and query gather carry it
+  as their call tag (:func:`layer_index`), so a layer skipped or reordered
+  on one rank is named on every rank; the top-K merge is a module function
+  that vLLM's indexer calls without its layer, so it stays untagged;
 - ``Worker.sample_tokens`` (``vllm.v1.worker.gpu_worker``, patched when the
   first manager is built, in the worker): the per-step health check over
   every live workspace, after the step's synchronisation (for an async
@@ -88,6 +92,7 @@ __all__ = [
     "gather_query",
     "install",
     "is_installed",
+    "layer_index",
     "mask_empty_shards",
     "merge_dcp_topk_global",
     "supported_version",
@@ -261,6 +266,27 @@ def _decide(seam: str, on: bool, why: str) -> None:
     _building()["seams"][seam] = (on, why)
 
 
+def layer_index(name: object) -> int | None:
+    """The layer index in a vLLM layer name (``model.layers.3.self_attn.attn``
+    -> 3): its one integer part, as vLLM's ``extract_layer_index`` reads it;
+    None for anything else (no integer part, or several)."""
+    if not isinstance(name, str):
+        return None
+    found = [int(part) for part in name.split(".") if part.isdigit()]
+    return found[0] if len(found) == 1 else None
+
+
+def _builder_layer_index(frame: Any) -> int | None:
+    """The index of the layer whose constructor (``frame``) builds the
+    manager: its ``prefix`` argument (every vLLM layer takes its name so),
+    else its ``self.layer_name``. Read once per manager, at model load."""
+    if frame is None:
+        return None
+    names = frame.f_locals
+    index = layer_index(names.get("prefix"))
+    return index if index is not None else layer_index(getattr(names.get("self"), "layer_name", None))
+
+
 def _manager_init(self, *args, **kwargs):
     """Wraps MLADCPManager.__init__: lets the patched _init_* see the
     vllm_config, prepares the top-K workspaces of a sparse-indexer model
@@ -270,7 +296,7 @@ def _manager_init(self, *args, **kwargs):
     stack = getattr(_state.config, "stack", None)
     if stack is None:
         stack = _state.config.stack = []
-    building = {"config": vllm_config, "seams": {}}
+    building = {"config": vllm_config, "seams": {}, "tag": _builder_layer_index(sys._getframe(1))}
     stack.append(building)
     try:
         _install_step_check()
@@ -337,7 +363,7 @@ def _manager_init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, us
     _decide("combine", True, f"peer memory in place of {backend}, {num_heads * world} heads x {head_dim}, "
             f"{bound} rows, {self.num_ubatches} micro-batch(es)")
     fn = dcp_a2a_lse_reduce if self.use_a2a else cp_lse_ag_out_rs
-    return functools.partial(fn, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e)
+    return functools.partial(fn, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e, tag=_building().get("tag"))
 
 
 def _manager_init_query_gather(self, num_heads, head_dim, dtype):
@@ -359,7 +385,7 @@ def _manager_init_query_gather(self, num_heads, head_dim, dtype):
     _decide("query", True, f"peer memory, {self.group.world_size} x {num_heads} heads x {head_dim} of {dtype}, "
             f"{bound} rows, {self.num_ubatches} micro-batch(es); used where the attention class gathers")
     return functools.partial(gather_query, cp_group=self.group, padded_num_heads=self.padded_num_heads,
-                             fallback=self._gather_query)
+                             fallback=self._gather_query, tag=_building().get("tag"))
 
 
 # ---------------------------------------------------------------------------

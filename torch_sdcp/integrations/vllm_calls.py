@@ -151,7 +151,7 @@ _TOPK = _seam("topk", "merge_dcp_topk_global", "the top-K merge")
 
 def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any,
              return_lse: bool, is_lse_base_on_e: bool, seq_lens: Tensor | None,
-             query_start_loc: Tensor | None):
+             query_start_loc: Tensor | None, tag: int | None):
     args = (cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e, seq_lens, query_start_loc)
     fallback = _hooks.originals.get(fallback_name, _collective_combine)
     group = _face.group(cp_group, "cp_group")
@@ -163,7 +163,8 @@ def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_gr
 
     def peer(workspace):  # the mask runs inside the combine kernel
         return workspace.combine(out.contiguous(), lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
-                                 return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc)
+                                 return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                                 tag=tag)
 
     site = Site(group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device)
     return _face.call(_SEAMS[fallback_name], site, rows, peer, lambda: fallback(*args))
@@ -171,7 +172,7 @@ def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_gr
 
 def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
                      return_lse: bool = False, is_lse_base_on_e: bool = True, seq_lens: Tensor | None = None,
-                     query_start_loc: Tensor | None = None):
+                     query_start_loc: Tensor | None = None, *, tag: int | None = None):
     """vLLM's ``cp_lse_ag_out_rs`` (``--dcp-comm-backend ag_rs``) on peer
     memory. ``cp_attn_out [B, H, D]`` (or ``[B, 1, H, D]``) and
     ``cp_attn_lse [B, H]`` of this rank's KV shard -> this rank's heads
@@ -179,20 +180,23 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ct
     ``return_lse``). With ``seq_lens``/``query_start_loc``, rows of empty
     shards and padding rows get LSE -inf first (no weight). ``ctx`` (vLLM's
     Triton kernel cache) is accepted and ignored. Rows above the prepared
-    bound, or no prepared workspace, run vLLM's own function."""
+    bound, or no prepared workspace, run vLLM's own function. ``tag`` (not
+    vLLM's: the manager's partial binds it to its layer's index) is the call
+    tag of the peer call."""
     return _combine("cp_lse_ag_out_rs", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e,
-                    seq_lens, query_start_loc)
+                    seq_lens, query_start_loc, tag)
 
 
 def dcp_a2a_lse_reduce(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
                        return_lse: bool = False, is_lse_base_on_e: bool = True, seq_lens: Tensor | None = None,
-                       query_start_loc: Tensor | None = None):
+                       query_start_loc: Tensor | None = None, *, tag: int | None = None):
     """vLLM's ``dcp_a2a_lse_reduce`` (``--dcp-comm-backend a2a``) on peer
     memory: the same inputs, masking and result as :func:`cp_lse_ag_out_rs`
     (the two backends differ in how vLLM moves data, not in what they
-    compute). Falls back to vLLM's own ``dcp_a2a_lse_reduce``."""
+    compute). Falls back to vLLM's own ``dcp_a2a_lse_reduce``. ``tag`` as
+    for :func:`cp_lse_ag_out_rs`."""
     return _combine("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e,
-                    seq_lens, query_start_loc)
+                    seq_lens, query_start_loc, tag)
 
 
 # ---------------------------------------------------------------------------
@@ -213,7 +217,8 @@ def _storage(rows: int, heads: int, width: int, padded_num_heads: int | None, li
     return flat[: rows * heads * width].view(rows, heads, width)
 
 
-def gather_heads(workspace: Any, query: Tensor, padded_num_heads: int | None = None) -> Tensor:
+def gather_heads(workspace: Any, query: Tensor, padded_num_heads: int | None = None, *,
+                 tag: int | None = None) -> Tensor:
     """``[T, H_loc, W]`` on every rank -> ``[T, N*H_loc, W]``, head
     ``src*H_loc + h``: ``all_gather(query, dim=1)``, with ``padded_num_heads``
     heads of storage per row when asked.
@@ -224,15 +229,15 @@ def gather_heads(workspace: Any, query: Tensor, padded_num_heads: int | None = N
     bit-exact, and an aligned 4-byte word of all-ones bytes (a NaN) arrives as
     the canonical NaN word. On an ``ExchangeWorkspace`` (any other dtype): a
     tagged peer all-gather of the raw bytes (``[N, T, H_loc, W]``) and one
-    layout copy, bit-exact for every byte."""
+    layout copy, bit-exact for every byte. ``tag``: the call tag."""
     import torch_sdcp
 
     rows, local_heads, width = query.shape
     out = _storage(rows, workspace.world_size * local_heads, width, padded_num_heads, query)
     if isinstance(workspace, torch_sdcp.QueryWorkspace):
-        return workspace.all_gather_heads(query.contiguous(), out=out)
+        return workspace.all_gather_heads(query.contiguous(), out=out, tag=tag)
     raw = query.contiguous().view(torch.uint8)  # bytes: float8 and bf16 alike
-    stacked = workspace.all_gather(raw)  # [N, T, H_loc, W * element size]
+    stacked = workspace.all_gather(raw, tag=tag)  # [N, T, H_loc, W * element size]
     out.view(torch.uint8).view(rows, stacked.shape[0], local_heads, -1).copy_(stacked.permute(1, 0, 2, 3))
     return out
 
@@ -250,7 +255,7 @@ def _collective_gather_query(query: Tensor, cp_group: Any, padded_num_heads: int
 
 
 def gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None = None,
-                 fallback: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+                 fallback: Callable[[Tensor], Tensor] | None = None, *, tag: int | None = None) -> Tensor:
     """The MLA DCP query gather on heads: an already-roped (and possibly
     FP8-quantised) ``query [T, H_loc, W]`` -> ``[T, N*H_loc, W]``, equal to
     ``cp_group.all_gather(query, dim=1)`` with every non-NaN value bit-exact
@@ -258,7 +263,8 @@ def gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None = No
     ``padded_num_heads`` the result's storage has that many heads per row.
     Rows above the prepared bound, or no prepared workspace, call
     ``fallback(query)`` (the manager's own ``_gather_query`` when patched
-    into vLLM) or torch.distributed's all_gather."""
+    into vLLM) or torch.distributed's all_gather. ``tag``: the call tag (the
+    manager's partial binds its layer's index)."""
     if query.dim() != 3:
         raise ValueError(f"torch_sdcp: argument 'query': expected [T, H_loc, W], got shape {list(query.shape)}")
 
@@ -273,7 +279,7 @@ def gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None = No
     def peer(workspace):
         if rows == 0:
             return _storage(0, group.world * local_heads, width, padded_num_heads, query)
-        return gather_heads(workspace, query, padded_num_heads)
+        return gather_heads(workspace, query, padded_num_heads, tag=tag)
 
     return _face.call(_QUERY, Site(group, query_geometry(local_heads, width, query.dtype), query.device), rows, peer,
                       slow)

@@ -1,6 +1,6 @@
 """The policies and argument checks that every workspace family shares: the
 timeout of a wait on a peer, the bound of a size parameter, the process group
-and the rows a void call's placeholder stands for (a call's tensors are
+and the rows and call tag a void call's placeholder stands for (a call's tensors are
 checked with torch_sdcp._checks, in the words of csrc)."""
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
 
-from torch_sdcp._checks import arg_error, check, check_positive_int
+from torch_sdcp._checks import arg_error, call_tag, check, check_positive_int
 
 #: Bound of every wait on a peer when neither ``timeout_s`` nor
 #: ``SDCP_TIMEOUT_S`` says otherwise: minutes, because engines skew by many
@@ -81,6 +82,19 @@ def resolve_group(group: object) -> tuple[dist.ProcessGroup | None, int, int]:
         raise arg_error("group", f"a process group that contains this process (global rank {dist.get_rank()})",
                         "a group it is not a member of")
     return group, rank, dist.get_world_size(group)
+
+
+def placeholder_tag(arguments: Mapping[str, Any]) -> int | None:
+    """The call tag a void call's placeholder carries: the call's own when it
+    is a valid tag, so that the peers still compare it (a skipped or reordered
+    call is named, not voided); else None. An untagged placeholder pairs with
+    any tag (csrc/dataflag.h header_dtype_difference): a call refused for its
+    tag still pairs with the peers' call, void."""
+    tag = arguments.get("tag")
+    try:
+        return None if call_tag(tag) < 0 else tag
+    except ValueError:
+        return None
 
 
 def leading_rows(*candidates: tuple[object, int]) -> int | None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torch_sdcp import _registry
-from torch_sdcp._checks import arg_error, check_bool
+from torch_sdcp._checks import arg_error, call_tag, check_bool
 from torch_sdcp.families import Family
 from torch_sdcp.peer import PeerArena, liveness
 from torch_sdcp.peer.arena import creation_errors_posted, post_creation_error
@@ -50,7 +50,9 @@ class PeerWorkspace:
     ``PARTS``) and the flags below, checks its creation arguments before
     calling this ``__init__``, and writes each call method as ``@call_method`` around
     ``with self._call(what):`` (argument checks, then ``self._take_path(rows,
-    arg)``, then its op or the collective path); its hooks are
+    arg, tag)``, then its op with ``tag=tag`` or the collective path); every
+    call method that makes a peer op's call takes ``tag: int | None = None``
+    (keyword), the call tag its header carries; its hooks are
     ``void_placeholder`` and, where it has a precondition of resize,
     ``_require_resizable``.
     """
@@ -273,10 +275,15 @@ class PeerWorkspace:
         """The guard of the call ``what`` (a context manager, see ``_Call``)."""
         return _Call(self._calls, self, what, poison)
 
-    def _take_path(self, rows: int | None, arg: str) -> bool:
+    def _take_path(self, rows: int | None, arg: str, tag: Any = None) -> bool:
         """After the call's argument checks: True for the peer path, False for
         the collective path (``CallState.take_path``; ``rows`` None for a call
-        bounded in bytes)."""
+        bounded in bytes). The call's ``tag`` is checked first, alike on both
+        paths and before anything is published, so a bad tag is a void call.
+        (The collective path carries no call header: its tag is checked, not
+        compared.)"""
+        if tag is not None:  # untagged calls skip the check (a call's Python cost is what 1 row pays)
+            call_tag(tag)
         return self._calls.take_path(self, rows, arg)
 
     def _require_on_device(self, **tensors: Any) -> None:

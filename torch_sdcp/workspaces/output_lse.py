@@ -14,7 +14,7 @@ from torch_sdcp._checks import arg_error, check, check_bool, check_dim, check_ma
 from torch_sdcp.families import OUTPUT_LSE
 from torch_sdcp.semantics import mask_empty_shards
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, resolve_group, validate_size_param
+from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, resolve_group, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -114,7 +114,7 @@ class OutputLSEWorkspace(PeerWorkspace):
 
     def void_placeholder(self, what, arguments):
         """A void combine: the rows of ``partial_out``, every shard empty
-        (LSE -inf), the call's LSE base; base e when the call's is not a base
+        (LSE -inf), the call's LSE base and tag; base e when the call's is not a base
         (a peer that called with base 2 then meets a base mismatch, and the
         call poisons)."""
         rows = leading_rows((arguments.get("partial_out"), 3), (arguments.get("partial_lse"), 2))
@@ -125,17 +125,21 @@ class OutputLSEWorkspace(PeerWorkspace):
             return None
         out = torch.zeros(rows, self.total_heads, self.head_dim, dtype=self.dtype, device=self.device)
         lse = torch.full((rows, self.total_heads), -math.inf, device=self.device)
-        return lambda: ops.output_lse_combine(out, lse, self.peer_handle, lse_base=base)
+        tag = placeholder_tag(arguments)
+        return lambda: ops.output_lse_combine(out, lse, self.peer_handle, lse_base=base, tag=tag)
 
     @call_method
     def combine(self, partial_out: Tensor, partial_lse: Tensor, *, lse_base: str = "e",
-                return_lse: bool = False, seq_lens: Tensor | None = None, query_start_loc: Tensor | None = None):
+                return_lse: bool = False, seq_lens: Tensor | None = None, query_start_loc: Tensor | None = None,
+                tag: int | None = None):
         """partial_out [T, H, D] of the workspace dtype, partial_lse [T, H] fp32
         over this rank's KV shard -> this rank's heads [T, H/N, D] (and their
         LSE [T, H/N]). With vLLM's seq_lens [R] and query_start_loc [R + 1]
         (this rank's, int32 or int64, on the inputs' device), padding rows and
         rows of empty shards get no weight, inside the one combine kernel
-        (torch_sdcp.semantics.mask_empty_shards)."""
+        (torch_sdcp.semantics.mask_empty_shards). ``tag``: the call tag (None,
+        or an int in [0, 2**23 - 1), e.g. the layer index), compared by every
+        peer."""
         with self._call("combine"):
             _validate_combine_inputs(self, partial_out, partial_lse)
             self._require_on_device(partial_out=partial_out, partial_lse=partial_lse, seq_lens=seq_lens,
@@ -143,9 +147,9 @@ class OutputLSEWorkspace(PeerWorkspace):
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             check_bool(return_lse, "return_lse")
-            if self._take_path(partial_out.shape[0], "partial_out"):
+            if self._take_path(partial_out.shape[0], "partial_out", tag):
                 out, lse = ops.output_lse_combine(partial_out, partial_lse, self.peer_handle, lse_base=lse_base,
-                                                  seq_lens=seq_lens, query_start_loc=query_start_loc)
+                                                  seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
             else:  # the fused collective path, made contiguous like the peer path's output
                 if masked:
                     partial_lse = mask_empty_shards(partial_lse, seq_lens, query_start_loc)
@@ -156,7 +160,7 @@ class OutputLSEWorkspace(PeerWorkspace):
     @call_method
     def combine_out(self, partial_out: Tensor, partial_lse: Tensor, out: Tensor, out_lse: Tensor, *,
                     lse_base: str = "e", seq_lens: Tensor | None = None,
-                    query_start_loc: Tensor | None = None) -> None:
+                    query_start_loc: Tensor | None = None, tag: int | None = None) -> None:
         """As combine, written into caller-owned out [T, H/N, D] (the workspace
         dtype) and out_lse [T, H/N] fp32, both contiguous, on the inputs'
         device; the same checks on the peer and the collective path."""
@@ -167,9 +171,9 @@ class OutputLSEWorkspace(PeerWorkspace):
                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
-            if self._take_path(partial_out.shape[0], "partial_out"):
+            if self._take_path(partial_out.shape[0], "partial_out", tag):
                 ops.output_lse_combine_out(partial_out, partial_lse, self.peer_handle, out, out_lse, lse_base=lse_base,
-                                           seq_lens=seq_lens, query_start_loc=query_start_loc)
+                                           seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
             else:
                 if masked:
                     partial_lse = mask_empty_shards(partial_lse, seq_lens, query_start_loc)

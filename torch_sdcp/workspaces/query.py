@@ -11,7 +11,7 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check, check_dim
 from torch_sdcp.families import QUERY
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, validate_size_param
+from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, validate_size_param
 from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace, VoidedCallError
 
 
@@ -118,15 +118,15 @@ class QueryWorkspace(PeerWorkspace):
 
     def void_placeholder(self, what, arguments):
         """A void gather, gather_view or all_gather_heads: the rows of the
-        call's query, zeros (a void view is published and released at once:
-        the caller never got it)."""
+        call's query, zeros, the call's tag (a void view is published and
+        released at once: the caller never got it)."""
         rows = leading_rows((arguments.get("q" if what == "all_gather_heads" else "ql_nope"), 3))
         if rows is None or rows > self.max_rows:
             return None
-        device, heads = self.device, self.local_heads
+        device, heads, tag = self.device, self.local_heads, placeholder_tag(arguments)
         if what == "all_gather_heads":
             q = torch.zeros(rows, heads, self.nope_dim + self.rope_dim, dtype=self.dtype, device=device)
-            return lambda: ops.query_all_gather_heads(q, self.peer_handle)
+            return lambda: ops.query_all_gather_heads(q, self.peer_handle, tag=tag)
         if what not in ("gather", "gather_view") or self.rope_dim == 0:
             return None
         scaled = arguments.get("q_scale") is not None
@@ -139,73 +139,77 @@ class QueryWorkspace(PeerWorkspace):
         scale = torch.ones(1, device=device) if scaled else None
         if what == "gather":
             return lambda: ops.query_gather(nope, pe, positions, cache, scale, self.peer_handle,
-                                            rope_style=self.rope_style, out_dtype=self.dtype)
+                                            rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
         inbox = self._inbox_view if self._inbox_view is not None else self.inbox
 
         def publish_and_release() -> None:
             ops.query_publish(nope, pe, positions, cache, scale, self.peer_handle, rope_style=self.rope_style,
-                              out_dtype=self.dtype)
+                              out_dtype=self.dtype, tag=tag)
             ops.query_release(inbox[:rows], self.peer_handle)
 
         return publish_and_release
 
     @call_method
     def gather(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-               q_scale: Tensor | None = None) -> Tensor:
+               q_scale: Tensor | None = None, *, tag: int | None = None) -> Tensor:
         """A fresh gathered query [T, N*H_loc, nope+rope] (head = src*H_loc + h),
-        bit-identical to producing locally then all_gather on heads."""
+        bit-identical to producing locally then all_gather on heads. ``tag``:
+        the call tag (None, or an int in [0, 2**23 - 1), e.g. the layer
+        index), compared by every peer."""
         with self._call("gather"):
             if not torch.compiler.is_compiling():
                 self._require_no_open_view("gather")
-            return self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+            return self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag)
 
-    def _gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
+    def _gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag) -> Tensor:
         _validate_query_inputs(ql_nope, q_pe)
         self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                             q_scale=q_scale)
-        if self._take_path(ql_nope.shape[0], "ql_nope"):
+        if self._take_path(ql_nope.shape[0], "ql_nope", tag):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
-                                    rope_style=self.rope_style, out_dtype=self.dtype)
+                                    rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
         return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
                                            neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
 
     @call_method
     def gather_view(self, ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache: Tensor,
-                    q_scale: Tensor | None = None) -> Tensor:
+                    q_scale: Tensor | None = None, *, tag: int | None = None) -> Tensor:
         """Zero-copy: as gather, but returns a view [T, N*H_loc, nope+rope] of
         this rank's inbox. The view stays valid until ``release()``, which the
         caller must call after the last kernel that reads it has been enqueued
         (same stream) and before the next gather or gather_view. Eager and CUDA
         graphs only: under torch.compile use ``gather``. A call with more rows
         than max_rows takes the collective path and returns a fresh tensor
-        (release() is still required, and does nothing on the device)."""
+        (release() is still required, and does nothing on the device).
+        ``tag`` as for gather (``release()`` carries no call header, so no
+        tag)."""
         if torch.compiler.is_compiling():
             raise RuntimeError("torch_sdcp: QueryWorkspace.gather_view is not traceable by torch.compile (its "
                                "result aliases workspace memory); use gather() inside compiled regions")
         try:
-            return self._gather_view(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+            return self._gather_view(ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag)
         except VoidedCallError:  # the caller never gets this view: release it, as every peer releases its own
             if self._open_view is not None:
                 self.release()
             raise
 
-    def _gather_view(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
+    def _gather_view(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag) -> Tensor:
         with self._call("gather_view"):
             self._require_no_open_view("gather_view")
             _validate_query_inputs(ql_nope, q_pe)
             self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                                 q_scale=q_scale)
             rows = ql_nope.shape[0]
-            if self._take_path(rows, "ql_nope"):
+            if self._take_path(rows, "ql_nope", tag):
                 ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
-                                  rope_style=self.rope_style, out_dtype=self.dtype)
+                                  rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
                 inbox = self._inbox_view if self._inbox_view is not None else self.inbox
                 assert inbox is not None  # peer memory: the arena is there
                 self._inbox_view = inbox
                 view = inbox[:rows]
                 self._view_published = True
             else:
-                view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+                view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag)
             self._open_view = view
             return view
 
@@ -225,14 +229,15 @@ class QueryWorkspace(PeerWorkspace):
                 ops.query_release(view, self.peer_handle)  # re-fills the rows the view had
 
     @call_method
-    def all_gather_heads(self, q: Tensor, out: Tensor | None = None) -> Tensor:
+    def all_gather_heads(self, q: Tensor, out: Tensor | None = None, *, tag: int | None = None) -> Tensor:
         """A query produced elsewhere, ``q [T, H_loc, nope+rope]`` of the
         workspace dtype on every rank -> ``[T, N*H_loc, nope+rope]``, head
         ``src*H_loc + h``: ``all_gather(q, dim=1)`` with every non-NaN value
         bit-exact (an aligned 4-byte word of all-ones bytes, a NaN, arrives as
         the canonical NaN word). Written into ``out`` when given (contiguous,
         that shape and dtype, for example a view of larger storage), which is
-        returned. Rows above max_rows take the collective path."""
+        returned. Rows above max_rows take the collective path. ``tag`` as for
+        gather."""
         with self._call("all_gather_heads"):
             if not torch.compiler.is_compiling():
                 self._require_no_open_view("all_gather_heads")
@@ -242,10 +247,10 @@ class QueryWorkspace(PeerWorkspace):
             if out is not None and not isinstance(out, Tensor):
                 raise arg_error("out", "a Tensor or None", type(out).__name__)
             self._require_on_device(q=q, out=out)
-            if self._take_path(q.shape[0], "q"):
+            if self._take_path(q.shape[0], "q", tag):
                 if out is None:
-                    return ops.query_all_gather_heads(q, self.peer_handle)
-                ops.query_all_gather_heads_out(q, self.peer_handle, out)
+                    return ops.query_all_gather_heads(q, self.peer_handle, tag=tag)
+                ops.query_all_gather_heads_out(q, self.peer_handle, out, tag=tag)
                 return out
             return collective.all_gather_heads(q, self.group, out)
 

@@ -12,7 +12,7 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check_dim
 from torch_sdcp.families import TOPK
 from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, validate_size_param
+from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -45,24 +45,27 @@ class TopKWorkspace(PeerWorkspace):
         super().__init__(group, [max_rows, self.candidates_per_rank, self.k], **kwargs)
 
     def void_placeholder(self, what, arguments):
-        """A void merge: the rows of ``scores``, no candidate (score -inf, id -1)."""
+        """A void merge: the rows of ``scores``, no candidate (score -inf, id -1), the call's tag."""
         rows = leading_rows((arguments.get("scores"), 2), (arguments.get("ids"), 2))
         if rows is None or rows > self.max_rows:
             return None
         scores = torch.full((rows, self.candidates_per_rank), -math.inf, device=self.device)
         ids = torch.full((rows, self.candidates_per_rank), -1, dtype=torch.int32, device=self.device)
-        return lambda: ops.topk_merge(scores, ids, self.peer_handle, self.k)
+        tag = placeholder_tag(arguments)
+        return lambda: ops.topk_merge(scores, ids, self.peer_handle, self.k, tag=tag)
 
     @call_method
-    def merge(self, scores: Tensor, ids: Tensor) -> Tensor:
+    def merge(self, scores: Tensor, ids: Tensor, *, tag: int | None = None) -> Tensor:
         """scores [T, C] fp32, global ids [T, C] int32 (-1: none) -> the global
-        top-k ids [T, k] int32 in selection order, identical on every rank."""
+        top-k ids [T, k] int32 in selection order, identical on every rank.
+        ``tag``: the call tag (None, or an int in [0, 2**23 - 1), e.g. the
+        layer index), compared by every peer."""
         with self._call("merge"):
             check_dim(scores, "scores", 2, "[T, C]")
             if not isinstance(ids, Tensor):
                 raise arg_error("ids", "a Tensor", type(ids).__name__)
             self._require_on_device(scores=scores, ids=ids)
-            if self._take_path(scores.shape[0], "scores"):
-                return ops.topk_merge(scores, ids, self.peer_handle, self.k)
+            if self._take_path(scores.shape[0], "scores", tag):
+                return ops.topk_merge(scores, ids, self.peer_handle, self.k, tag=tag)
             return collective.topk_all_gather_merge(scores, ids, self.k, group=self.group)
 
