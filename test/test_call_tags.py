@@ -218,3 +218,38 @@ def _void_keeps_tag_worker(rank, world):
 
 def test_a_void_call_carries_its_valid_tag():
     assert run_workers(_void_keeps_tag_worker, 2, timeout=120) == [True, True]
+
+
+def _over_bound_worker(rank, world):
+    """Calls over max_rows take the collective path after an agreement on the
+    group's store: the tags are part of it. Same tags: the right result.
+    Different tags (or one untagged): the mismatch is named on every rank
+    and no rank enters a collective."""
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    po, pl = rank_partials(6, seed=rank)  # 6 rows > max_rows 4
+    want = torch_sdcp.collective.lse_all_gather_correct_reduce_scatter(po, pl)
+    wrong = []
+    for mine in ((3, 4), (None, 5)):
+        ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST)
+
+        def case(ws=ws, mine=mine):
+            assert torch.equal(ws.combine(po, pl, tag=2), want)
+            tag = mine[rank]
+            ranks = ", ".join(f"rank {r}: combine\\(\\) with 6 rows"
+                              + ("" if mine[r] is None else f" \\(call tag {mine[r]}\\)") for r in range(2))
+            with pytest.raises(RuntimeError, match=rf"call mismatch on the collective path .*: {ranks}; no rank "
+                                                   "entered a collective"):
+                ws.combine(po, pl, **({} if tag is None else {"tag": tag}))
+
+        _checked(wrong, f"tags {mine}", case)
+        ws.close()
+        dist.barrier()
+    return wrong
+
+
+def test_tags_are_compared_on_the_collective_path_over_the_bound():
+    results = run_workers(_over_bound_worker, 2, timeout=300)
+    assert results == [[], []], "\n".join(results[0] + results[1])

@@ -291,7 +291,7 @@ class CallState:
 
     # -- the path of a call (torch_sdcp.route decides) ------------------------------------------
 
-    def take_path(self, host: CallHost, rows: int | None, arg: str) -> bool:
+    def take_path(self, host: CallHost, rows: int | None, arg: str, tag: int | None = None) -> bool:
         """The call's Python argument checks are over: True when it takes
         the peer path, False when it takes the collective path, after acting
         on why. ``rows`` None: a call bounded in bytes, not rows (the
@@ -303,7 +303,9 @@ class CallState:
         anything (csrc/README.md "The argument contract of the peer ops"), so
         it voids like a Python-side argument error; every other error
         poisons. On the collective path the call is committed from here on:
-        every error poisons (its agreement and collectives involve the peers)."""
+        every error poisons (its agreement and collectives involve the peers).
+        ``tag``: the call's checked call tag, compared in the agreement of a
+        call over the bound as the peer path's header compares it."""
         decision = route(host, rows) if rows is not None else route_without_rows(host)
         if decision.peer:
             self.require_ordered_stream(host)
@@ -311,12 +313,12 @@ class CallState:
         self.committed = True
         if decision.why is Why.ROWS_OVER_BOUND:
             assert rows is not None
-            self.collective_over_rows(host, rows, arg)
+            self.collective_over_rows(host, rows, arg, tag)
         else:  # collective mode: its calls run collectives at once
             self.refuse_poisoned(host)
         return False
 
-    def collective_over_rows(self, host: CallHost, rows: int, arg: str) -> None:
+    def collective_over_rows(self, host: CallHost, rows: int, arg: str, tag: int | None = None) -> None:
         """A peer workspace's call of more rows than max_rows: an error with
         rows_fallback=False; else logged once per workspace, refused when the
         workspace is poisoned (a peer's abort poisons the collective path too)
@@ -340,7 +342,7 @@ class CallState:
         agree_collective_path(arena, name=_name(host), rank=host.rank,
                               max_rows=host.max_rows, timeout_s=host.timeout_s,
                               what=self.caller[2] if self.caller is not None else "call", rows=rows,
-                              index=self.collective_calls, peer_failure=peer_failure)
+                              index=self.collective_calls, peer_failure=peer_failure, tag=tag)
 
     def log_once(self, host: CallHost, key: str, message: str) -> None:
         """Log a policy decision once per workspace and ``key``."""

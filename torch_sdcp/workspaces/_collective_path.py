@@ -25,7 +25,7 @@ def _ranks(ranks: list[int]) -> str:
 
 def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: int,
                           timeout_s: float, what: str, rows: int, index: int,
-                          peer_failure: Callable[[], str | None]) -> None:
+                          peer_failure: Callable[[], str | None], tag: int | None = None) -> None:
     """Before the collectives of the call ``what`` of ``rows`` rows (the
     ``index``-th collective-path call of this arena), every rank says on the
     group's store that it takes the collective path and waits, within
@@ -33,10 +33,12 @@ def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: i
     path, or a different call, is named on every rank and no rank enters a
     collective, so none is left waiting in one. ``peer_failure`` says why the
     peers will not come (a peer aborted the workspace, or exited), or None.
-    The caller skips it where there is no peer (one rank) and under tracing."""
+    The caller skips it where there is no peer (one rank) and under tracing.
+    The call's ``tag`` (None: untagged) is part of what the ranks compare, as
+    the peer path's call header carries it."""
     where = (f"torch_sdcp: {name} on rank {rank}: {what}() has {rows} rows > max_rows = "
              f"{max_rows} on this rank and takes the collective path")
-    mine = f"{_SAME_COLLECTIVES.get(what, what)}() with {rows} rows"
+    mine = f"{_SAME_COLLECTIVES.get(what, what)}() with {rows} rows" + ("" if tag is None else f" (call tag {tag})")
     try:
         got = arena.agree_call(f"collective{index}", mine.encode(), timeout_s, peer_failure)
     except AgreementAbandoned as e:

@@ -281,10 +281,10 @@ class PeerWorkspace:
         bounded in bytes). The call's ``tag`` is checked first, alike on both
         paths and before anything is published, so a bad tag is a void call.
         (The collective path carries no call header: its tag is checked, not
-        compared.)"""
+        compared, except in the agreement of a call over max_rows.)"""
         if tag is not None:  # untagged calls skip the check (a call's Python cost is what 1 row pays)
             call_tag(tag)
-        return self._calls.take_path(self, rows, arg)
+        return self._calls.take_path(self, rows, arg, tag)
 
     def _require_on_device(self, **tensors: Any) -> None:
         """The call's tensors live on the workspace's device. A meta tensor
