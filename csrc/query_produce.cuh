@@ -72,7 +72,9 @@ struct ItemInputs {
   int64_t pos64;
   int32_t pos32;
   uint4 nope[kNopePrefetch];
-  uint32_t x0, x1;  // bf16 bits (32-bit registers: two 16-bit fields would be packed into one, which waits for the loads)
+  // bf16 bits, one per 32-bit register: two 16-bit fields would be packed
+  // into one register, and the packing waits for the loads.
+  uint32_t x0, x1;
 };
 
 __device__ __forceinline__ float bf16_bits_to_float(uint32_t b) { return __uint_as_float(b << 16); }
