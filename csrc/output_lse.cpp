@@ -166,11 +166,22 @@ namespace {
 std::string output_lse_flags_text(uint32_t v) { return cat("lse base ", v ? "2" : "e"); }
 }  // namespace
 
+namespace {
+
+const uint32_t* output_lse_header_entry(const Workspace& ws, int64_t src, uint64_t call, bool) {
+  const auto g = OutputLSEGeometry::of(ws);
+  return reinterpret_cast<const uint32_t*>(ws.slot_data(ws.rank, static_cast<int64_t>(call % kDataFlagBuffers)) +
+                                           g.header_offset) + peer_slot(src, ws.rank, ws.world_size) * kHeaderFields;
+}
+
+}  // namespace
+
 const FamilyInfo kOutputLSEFamily = {
     .name = "output_lse",
     .layout = output_lse_layout,
     .rows_unit = " rows",
     .flags_text = output_lse_flags_text,
+    .header_entry = output_lse_header_entry,
 };
 
 }  // namespace sdcp

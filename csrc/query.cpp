@@ -209,6 +209,14 @@ std::string query_bad_input_text(const DataFlagError& e) {
              "; positions are checked on the device only (a host check would synchronise the stream)");
 }
 
+// The copying calls' header set is call % 2, the view's its own.
+const uint32_t* query_header_entry(const Workspace& ws, int64_t src, uint64_t call, bool view) {
+  return query_header(ws, QueryGeometry::of(ws), ws.rank, src,
+                      view ? kQueryViewHeaders : static_cast<int64_t>(call % kDataFlagBuffers));
+}
+
+const uint64_t* query_view_counter(const Workspace& ws) { return &query_control(ws, ws.rank)->view_call; }
+
 }  // namespace
 
 const FamilyInfo kQueryFamily = {
@@ -222,6 +230,8 @@ const FamilyInfo kQueryFamily = {
                          "not call release()",
     .bad_input_reason = "a kernel on that rank met bad input (a position outside cos_sin_cache)",
     .bad_input_text = query_bad_input_text,
+    .header_entry = query_header_entry,
+    .view_counter = query_view_counter,
 };
 
 }  // namespace sdcp

@@ -93,4 +93,9 @@ TORCH_LIBRARY(sdcp, m) {
   m.def("workspace_void_next(int handle, bool on) -> ()");
   m.def("workspace_take_void(int handle) -> int");
   m.def("workspace_void_address(int handle) -> int");
+  // For a call over max_rows on this rank: the index of its next call (its
+  // next view call with `view`), then the call headers its peers stored for
+  // it, 4 words per rank, rank-major (0xFFFFFFFF: not landed, or this rank).
+  // Synchronise the stream first on CUDA; never captured.
+  m.def("workspace_peer_headers(int handle, bool view) -> int[]");
 }

@@ -119,6 +119,8 @@ struct WorkspaceLayout {
   int64_t part_values[kPartValues] = {0, 0, 0, 0};
 };
 
+struct Workspace;
+
 // What the workspace code needs of a family: its name, its slot layout and
 // the words of its failure texts. Each family defines its entry in
 // <family>.cpp; a text the family does not need is null.
@@ -141,6 +143,15 @@ struct FamilyInfo {
   // rank's record says about the argument.
   const char* bad_input_reason;
   std::string (*bad_input_text)(const DataFlagError& e);
+  // Where this rank finds source src's call header of call `call` (of its
+  // view call with `view`), in its own region: what a call over max_rows on
+  // this rank looks for, to learn that a peer took the peer path and with
+  // how many rows (workspace_peer_headers). Null where the family has no
+  // such header (the exchange's are tagged words); `view` only for a family
+  // with a view_counter.
+  const uint32_t* (*header_entry)(const Workspace& ws, int64_t src, uint64_t call, bool view);
+  // The counter of this rank's view calls, in its own region (the query).
+  const uint64_t* (*view_counter)(const Workspace& ws);
 };
 
 extern const FamilyInfo kExchangeFamily, kOutputLSEFamily, kTopKFamily, kQueryFamily;
@@ -240,6 +251,9 @@ void check_workspace_health(const Workspace& ws);
 struct DataFlagDeviceHooks {
   std::shared_ptr<void> (*alloc_error)(const c10::Device& device, DataFlagError** host, DataFlagError** dev) = nullptr;
   void (*store_abort)(const Workspace& ws, uint64_t word) = nullptr;
+  // Copies `bytes` of the workspace's device memory at `src` to host `dst`
+  // (on a side stream, waited for).
+  void (*read)(const Workspace& ws, void* dst, const void* src, size_t bytes) = nullptr;
 };
 DataFlagDeviceHooks& dataflag_device_hooks();
 

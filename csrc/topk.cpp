@@ -64,10 +64,21 @@ TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids
 }
 
 // The flags word is unused (k and C are in the geometry hash).
+namespace {
+
+const uint32_t* topk_header_entry(const Workspace& ws, int64_t src, uint64_t call, bool) {
+  const auto g = TopKGeometry::of(ws);
+  return reinterpret_cast<const uint32_t*>(ws.slot_data(ws.rank, static_cast<int64_t>(call % kDataFlagBuffers)) +
+                                           g.header_offset) + peer_slot(src, ws.rank, ws.world_size) * kHeaderFields;
+}
+
+}  // namespace
+
 const FamilyInfo kTopKFamily = {
     .name = "topk",
     .layout = topk_layout,
     .rows_unit = " rows",
+    .header_entry = topk_header_entry,
 };
 
 }  // namespace sdcp

@@ -154,6 +154,44 @@ int64_t workspace_take_void(int64_t handle) {
 // every call without an op call (a plain load; the take above clears it).
 int64_t workspace_void_address(int64_t handle) { return static_cast<int64_t>(reinterpret_cast<uintptr_t>(lookup(handle)->void_host)); }
 
+// What this rank's peers have stored for its next call (its next view call
+// with `view`): [the call's index, then rank-major 4 header words per rank,
+// kSentinel where none has landed and for this rank]. For a call over
+// max_rows on this rank, before it takes the collective path: a header here
+// means that peer took the peer path, with the rows in its first word. The
+// index is exact only when no call of this rank is running: the caller
+// synchronises its stream first on CUDA, where both are copied off the
+// device on a side stream.
+std::vector<int64_t> workspace_peer_headers(int64_t handle, bool view) {
+  const auto ws = lookup(handle);
+  const FamilyInfo& f = family(ws->kind);
+  TORCH_CHECK_VALUE(f.header_entry != nullptr && (!view || f.view_counter != nullptr),
+                    cat("torch_sdcp: argument 'handle': expected a workspace whose calls carry untagged call headers",
+                        view ? " and a view" : "", ", got a ", f.name, " workspace"));
+  const bool device = ws->device.is_cuda();
+  TORCH_CHECK(!device || dataflag_device_hooks().read != nullptr,
+              "torch_sdcp: workspace_peer_headers: this build has no CUDA kernels to read device memory with");
+  auto load = [&](void* dst, const void* src, size_t bytes) {
+    if (device) {
+      dataflag_device_hooks().read(*ws, dst, src, bytes);
+    } else {
+      for (size_t i = 0; i < bytes / 4; ++i)
+        static_cast<uint32_t*>(dst)[i] = __atomic_load_n(static_cast<const uint32_t*>(src) + i, __ATOMIC_ACQUIRE);
+    }
+  };
+  uint64_t call = 0;
+  load(&call, view ? f.view_counter(*ws) : &ws->control(ws->rank)->call_index[0], sizeof(call));
+  std::vector<int64_t> out(1 + ws->world_size * kHeaderFields, static_cast<int64_t>(kSentinel));
+  out[0] = static_cast<int64_t>(call);
+  for (int64_t src = 0; src < ws->world_size; ++src) {
+    if (src == ws->rank) continue;
+    uint32_t words[kHeaderFields];
+    load(words, f.header_entry(*ws, src, call, view), sizeof(words));
+    for (uint32_t w = 0; w < kHeaderFields; ++w) out[1 + src * kHeaderFields + w] = words[w];
+  }
+  return out;
+}
+
 std::vector<int64_t> workspace_handles() {
   std::lock_guard<std::mutex> lock(g_mutex);
   std::vector<int64_t> out;
@@ -197,6 +235,7 @@ TORCH_LIBRARY_IMPL(sdcp, CompositeExplicitAutograd, m) {
   m.impl("workspace_void_next", &workspace_void_next);
   m.impl("workspace_take_void", &workspace_take_void);
   m.impl("workspace_void_address", &workspace_void_address);
+  m.impl("workspace_peer_headers", &workspace_peer_headers);
 }
 
 }  // namespace sdcp

@@ -32,6 +32,7 @@ sdcp::workspace_check(int handle) -> ()
 sdcp::workspace_handles() -> int[]
 sdcp::workspace_layout(int kind, int[] params, int world_size) -> int[]
 sdcp::workspace_nbytes(int kind, int[] params, int world_size) -> int
+sdcp::workspace_peer_headers(int handle, bool view) -> int[]
 sdcp::workspace_register(int handle, int kind, int[] params, int base, int stride, int rank, int world_size, Device device, int timeout_ns) -> ()
 sdcp::workspace_take_void(int handle) -> int
 sdcp::workspace_unregister(int handle) -> ()
