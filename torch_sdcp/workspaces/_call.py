@@ -16,14 +16,24 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
 from torch_sdcp._checks import arg_error
+from torch_sdcp.peer.collectives import AgreementAbandoned
 from torch_sdcp.route import Why, route, route_without_rows
-from torch_sdcp.workspaces._collective_path import agree_collective_path
+from torch_sdcp.workspaces._collective_path import (
+    VIEW_CALLS,
+    PeerPathTaken,
+    agree_collective_path,
+    describe_peer_rows,
+    peer_path_probe,
+    peer_rows,
+    took_peer_path,
+)
 
 if TYPE_CHECKING:
     from torch_sdcp.peer import PeerArena, liveness
@@ -69,7 +79,8 @@ class CallHost(Protocol):
     @property
     def max_rows(self) -> int: ...
 
-    def void_placeholder(self, what: str, arguments: Mapping[str, Any]) -> Callable[[], object] | None: ...
+    def void_placeholder(self, what: str, arguments: Mapping[str, Any],
+                         rows: int | None = None) -> Callable[[], object] | None: ...
 
 
 def named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -121,6 +132,13 @@ class CallState:
       that: peers may be inside its collectives); a call on the peer path is
       not committed, since a peer op's argument errors publish nothing
       (csrc/README.md "The argument contract of the peer ops");
+    - ``sequence``, ``counted``: the calls of the current arena that paired
+      with the peers' (either path, or void), alike on every rank: it names
+      the agreement of a call over max_rows; whether the call in progress
+      is counted;
+    - ``void_rows``: the rows of the call's void placeholder when they are
+      not the call's own (a call over max_rows on this rank only: the rows
+      the peers called with), else None;
     - ``poisoned``: why, once a call failed after it was entered or a peer
       aborted;
     - ``abort_lock``: abort() against unregistration (an RLock: a signal
@@ -129,8 +147,6 @@ class CallState:
       the peers' liveness watch, while the workspace has peer memory;
     - ``stream``, ``captured``: the stream of the last call, and whether one
       was captured in a CUDA graph;
-    - ``collective_calls``: the collective-path calls of the current arena
-      (their agreements' names);
     - ``logged``: the policy messages already logged.
     """
 
@@ -148,7 +164,9 @@ class CallState:
         self.watch: liveness.Watch | None = None
         self.stream: torch.cuda.Stream | None = None
         self.captured = False
-        self.collective_calls = 0
+        self.sequence = 0
+        self.counted = False
+        self.void_rows: int | None = None
         self.turn: Any = None  # the group's collective-path turn the call in progress holds (peer.collectives)
         self.logged: set[str] = set()
 
@@ -160,10 +178,10 @@ class CallState:
 
     def attach(self, void_address: int | None, watch: liveness.Watch | None) -> None:
         """A new arena (or collective mode: None, None): its void word and its
-        peers' liveness watch; its collective-path calls count from 0."""
+        peers' liveness watch; its calls count from 0."""
         self.void_word = None if void_address is None else ctypes.c_uint64.from_address(void_address)
         self.watch = watch
-        self.collective_calls = 0
+        self.sequence = 0
 
     # -- refusals -------------------------------------------------------------------------------
 
@@ -238,7 +256,8 @@ class CallState:
             raise
         me = threading.current_thread()
         self.caller = (threading.get_ident(), me.name, what)
-        self.committed = False
+        self.committed = self.counted = False
+        self.void_rows = None
         return True
 
     def leave(self, held: bool) -> None:
@@ -307,6 +326,7 @@ class CallState:
         ``tag``: the call's checked call tag, compared in the agreement of a
         call over the bound as the peer path's header compares it."""
         decision = route(host, rows) if rows is not None else route_without_rows(host)
+        self.count_call()
         if decision.peer:
             self.require_ordered_stream(host)
             return True
@@ -317,6 +337,12 @@ class CallState:
         else:  # collective mode: its calls run collectives at once
             self.refuse_poisoned(host)
         return False
+
+    def count_call(self) -> None:
+        """The call in progress pairs with the peers' (once per call)."""
+        if not self.counted:
+            self.counted = True
+            self.sequence += 1
 
     def collective_over_rows(self, host: CallHost, rows: int, arg: str, tag: int | None = None) -> None:
         """A peer workspace's call of more rows than max_rows: an error with
@@ -333,16 +359,61 @@ class CallState:
         arena = host.arena
         if arena is None or host.world_size == 1 or torch.compiler.is_compiling():
             return  # no peer to agree with (under tracing, no call to agree on)
-        self.collective_calls += 1
         handle = host.handle
+        what = self.caller[2] if self.caller is not None else "call"
         peer_failure = functools.partial(_peer_failure, handle)
-        # One order of these sections per group in this process (two workspaces of one group on two
-        # threads), held from the agreement until the call ends (leave).
-        self.turn = arena.collective_turn(f"collective{self.collective_calls}", host.timeout_s, peer_failure)
-        agree_collective_path(arena, name=_name(host), rank=host.rank,
-                              max_rows=host.max_rows, timeout_s=host.timeout_s,
-                              what=self.caller[2] if self.caller is not None else "call", rows=rows,
-                              index=self.collective_calls, peer_failure=peer_failure, tag=tag)
+        give_up: Callable[[], str | None] = peer_failure
+        view = what in VIEW_CALLS
+        capturing = host.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if handle is not None and not capturing:
+            # A peer within the bound takes the peer path of this call: its header lands here,
+            # for this rank's next call, whose index is exact once no call of this rank runs.
+            if host.device.type == "cuda":
+                torch.cuda.current_stream(host.device).synchronize()
+            give_up = peer_path_probe(handle, host.rank, view, peer_failure)
+        try:
+            # One order of these sections per group in this process (two workspaces of one group
+            # on two threads), held from the agreement until the call ends (leave).
+            self.turn = arena.collective_turn(f"collective{self.sequence}", host.timeout_s, give_up)
+            agree_collective_path(arena, name=_name(host), rank=host.rank,
+                                  max_rows=host.max_rows, timeout_s=host.timeout_s, what=what, rows=rows,
+                                  index=self.sequence, peer_failure=give_up, tag=tag)
+        except AgreementAbandoned as e:  # the turn's
+            if not took_peer_path(e):
+                raise
+            self.rows_differ(host, rows, arg, view, peer_failure)
+        except PeerPathTaken:
+            self.rows_differ(host, rows, arg, view, peer_failure)
+
+    def rows_differ(self, host: CallHost, rows: int, arg: str, view: bool,
+                    peer_failure: Callable[[], str | None]) -> None:
+        """A call of ``rows`` rows, over max_rows on this rank, whose peers (some of them) took the
+        peer path of the same call with rows within the bound: no rank entered a collective, so
+        the call is voided (its placeholder takes the peers' rows, every peer's call raises
+        VoidedCallError naming this error) and the workspace stays usable. Raises the rows
+        mismatch as this call's argument error, once the peers' rows are known (their headers
+        landed here: bounded by timeout_s)."""
+        assert host.handle is not None
+        start = time.monotonic()
+        landed = peer_rows(host.handle, host.rank, view)
+        while not landed:
+            failure = peer_failure()
+            waited = time.monotonic() - start
+            if failure is not None or waited >= host.timeout_s:
+                raise RuntimeError(
+                    f"torch_sdcp: {_name(host)} on rank {host.rank}: {rows} rows > max_rows = {host.max_rows} "
+                    f"on this rank, and a peer took the peer path of the call, but no peer's call header came "
+                    f"within {waited:.3g} s" + (f": {failure}" if failure is not None else ""))
+            time.sleep(1e-3)
+            landed = peer_rows(host.handle, host.rank, view)
+        theirs = landed[min(landed)]
+        if theirs > host.max_rows:  # no peer sends a header over the bound: the header is not this call's
+            raise RuntimeError(f"torch_sdcp: {_name(host)} on rank {host.rank}: a peer's call header of "
+                               f"{theirs} rows > max_rows = {host.max_rows} ({describe_peer_rows(landed)})")
+        self.void_rows, self.committed = theirs, False
+        raise arg_error(arg, f"{theirs} rows ({describe_peer_rows(landed)}, the peer path)",
+                        f"{rows} rows (over max_rows = {host.max_rows} on this rank only): every rank must call "
+                        "with the same rows; the call is void on every rank, and the workspace stays usable")
 
     def log_once(self, host: CallHost, key: str, message: str) -> None:
         """Log a policy decision once per workspace and ``key``."""
@@ -463,11 +534,12 @@ class CallState:
         if host.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False  # a graph would replay the void mark
         try:
-            placeholder = host.void_placeholder(what, named_arguments(*kept[1:]))
+            placeholder = host.void_placeholder(what, named_arguments(*kept[1:]), rows=self.void_rows)
         except Exception:
             return False
         if placeholder is None:
             return False
+        self.count_call()
         self.leave_note(host, f"{type(error).__name__}: {error}")  # before the void header goes out
         torch.ops.sdcp.workspace_void_next(host.handle, True)
         try:

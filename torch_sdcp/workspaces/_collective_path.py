@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from torch_sdcp.peer.collectives import AgreementAbandoned
 
 if TYPE_CHECKING:
@@ -15,6 +17,62 @@ if TYPE_CHECKING:
 
 #: Calls whose collective paths run the same collectives: alike for the agreement on that path.
 _SAME_COLLECTIVES = {"combine_out": "combine", "gather_view": "gather"}
+#: Calls whose peer path is a view call (its own call index and header set).
+VIEW_CALLS = frozenset({"gather_view"})
+#: How a reason to give the agreement up starts when a peer took the peer path of the call.
+_PEER_PATH = "took the peer path of this call"
+#: The sentinel word: a header word that has not landed (csrc/dataflag.h kSentinel).
+_SENTINEL = 0xFFFFFFFF
+#: The void bit of a header's dtype word (csrc/dataflag.h kHeaderVoidBit).
+_VOID_BIT = 0x80000000
+
+
+class PeerPathTaken(Exception):
+    """A call over max_rows on this rank met a peer that took the peer path
+    of the same call (its rows are within the bound there): no rank entered a
+    collective; the call is to be voided with the peers' rows."""
+
+
+def peer_rows(handle: int, rank: int, view: bool) -> dict[int, int]:
+    """The rows of the peers whose call header of this rank's next call (view
+    call with ``view``) has landed here: the peers on the peer path of it
+    (csrc/workspace.cpp workspace_peer_headers; on CUDA the caller has
+    synchronised its stream). When only void headers landed (another rank
+    over the bound voided the call first, with a placeholder of the rows of
+    the peers it saw), theirs; else only the others."""
+    words = torch.ops.sdcp.workspace_peer_headers(handle, view)
+    header = words[1:]
+    landed: dict[int, int] = {}
+    void: dict[int, int] = {}
+    for r in range(len(header) // 4):
+        w = header[4 * r:4 * r + 4]
+        if r != rank and _SENTINEL not in w:
+            (void if w[1] & _VOID_BIT else landed)[r] = int(w[0])
+    return landed or void
+
+
+def describe_peer_rows(landed: dict[int, int]) -> str:
+    """``rank 0 with 100 rows, rank 2 with 100 rows``."""
+    return ", ".join(f"rank {r} with {rows} rows" for r, rows in sorted(landed.items()))
+
+
+def peer_path_probe(handle: int, rank: int, view: bool,
+                    peer_failure: Callable[[], str | None]) -> Callable[[], str | None]:
+    """A ``give_up`` for the agreement of a call over max_rows: why the peers
+    will not come (``peer_failure``), or that one of them took the peer path
+    of this call (its header landed here), or None."""
+    def give_up() -> str | None:
+        failure = peer_failure()
+        if failure is not None:
+            return failure
+        landed = peer_rows(handle, rank, view)
+        return f"{_PEER_PATH}: {describe_peer_rows(landed)}" if landed else None
+    return give_up
+
+
+def took_peer_path(e: AgreementAbandoned) -> bool:
+    """Whether an agreement was given up because a peer took the peer path."""
+    return e.reason is not None and e.reason.startswith(_PEER_PATH)
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -27,12 +85,13 @@ def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: i
                           timeout_s: float, what: str, rows: int, index: int,
                           peer_failure: Callable[[], str | None], tag: int | None = None) -> None:
     """Before the collectives of the call ``what`` of ``rows`` rows (the
-    ``index``-th collective-path call of this arena), every rank says on the
+    ``index``-th call of this workspace), every rank says on the
     group's store that it takes the collective path and waits, within
-    ``timeout_s``, for every peer to say the same: a rank that took the peer
-    path, or a different call, is named on every rank and no rank enters a
-    collective, so none is left waiting in one. ``peer_failure`` says why the
-    peers will not come (a peer aborted the workspace, or exited), or None.
+    ``timeout_s``, for every peer to say the same: a rank that made a
+    different call is named on every rank and no rank enters a collective, so
+    none is left waiting in one. ``peer_failure`` says why the peers will not
+    come (a peer aborted the workspace, or exited, or took the peer path of
+    this call: ``peer_path_probe``; then PeerPathTaken), or None.
     The caller skips it where there is no peer (one rank) and under tracing.
     The call's ``tag`` (None: untagged) is part of what the ranks compare, as
     the peer path's call header carries it."""
@@ -42,6 +101,8 @@ def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: i
     try:
         got = arena.agree_call(f"collective{index}", mine.encode(), timeout_s, peer_failure)
     except AgreementAbandoned as e:
+        if took_peer_path(e):
+            raise PeerPathTaken(e.reason) from None
         missing = _ranks(e.missing)
         if not e.mine:
             late = " before this rank came" if rank in e.missing else ""

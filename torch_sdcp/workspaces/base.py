@@ -260,12 +260,15 @@ class PeerWorkspace:
 
     # -- the family's hooks and the steps of a call ---------------------------------------------
 
-    def void_placeholder(self, what: str, arguments: Mapping[str, Any]) -> Callable[[], object] | None:
+    def void_placeholder(self, what: str, arguments: Mapping[str, Any],
+                         rows: int | None = None) -> Callable[[], object] | None:
         """Family hook, not for callers: the stand-in for the call ``what``
         whose ``arguments`` (by parameter name, defaults included) failed the
         checks: the same call (rows, dtype, options, as the peers make it) on
         placeholder inputs, or None when the arguments do not say what the
-        call would have been (docs/PROTOCOL.md "Void calls")."""
+        call would have been (docs/PROTOCOL.md "Void calls"). ``rows``: the
+        placeholder's rows when they are not the call's own (a call over
+        max_rows on this rank only takes the peers' rows)."""
         return None
 
     def _require_resizable(self) -> None:

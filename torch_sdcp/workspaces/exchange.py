@@ -24,8 +24,9 @@ class ExchangeWorkspace(PeerWorkspace):
     def __init__(self, group: dist.ProcessGroup | None, max_bytes: int, **kwargs):
         super().__init__(group, [validate_size_param(max_bytes, "max_bytes")], **kwargs)
 
-    def void_placeholder(self, what, arguments):
-        """A void all_gather: zeros of ``x``'s shape and dtype, the call's tag."""
+    def void_placeholder(self, what, arguments, rows=None):
+        """A void all_gather: zeros of ``x``'s shape and dtype, the call's tag
+        (the exchange has no rows bound: ``rows`` is never given)."""
         x = arguments.get("x")
         if not isinstance(x, Tensor) or x.nbytes > self.params[0]:
             return None

@@ -112,12 +112,13 @@ class OutputLSEWorkspace(PeerWorkspace):
     def local_heads(self) -> int:
         return self.total_heads // self.world_size
 
-    def void_placeholder(self, what, arguments):
+    def void_placeholder(self, what, arguments, rows=None):
         """A void combine: the rows of ``partial_out``, every shard empty
         (LSE -inf), the call's LSE base and tag; base e when the call's is not a base
         (a peer that called with base 2 then meets a base mismatch, and the
         call poisons)."""
-        rows = leading_rows((arguments.get("partial_out"), 3), (arguments.get("partial_lse"), 2))
+        if rows is None:
+            rows = leading_rows((arguments.get("partial_out"), 3), (arguments.get("partial_lse"), 2))
         base = arguments.get("lse_base", "e")
         if not isinstance(base, str) or base not in ops.LSE_BASES:
             base = "e"

@@ -116,11 +116,12 @@ class QueryWorkspace(PeerWorkspace):
                                "before producing the next query (the workspace is aborted on every rank: "
                                "this rank would be a call behind its peers)")
 
-    def void_placeholder(self, what, arguments):
+    def void_placeholder(self, what, arguments, rows=None):
         """A void gather, gather_view or all_gather_heads: the rows of the
         call's query, zeros, the call's tag (a void view is published and
         released at once: the caller never got it)."""
-        rows = leading_rows((arguments.get("q" if what == "all_gather_heads" else "ql_nope"), 3))
+        if rows is None:
+            rows = leading_rows((arguments.get("q" if what == "all_gather_heads" else "ql_nope"), 3))
         if rows is None or rows > self.max_rows:
             return None
         device, heads, tag = self.device, self.local_heads, placeholder_tag(arguments)
@@ -168,6 +169,10 @@ class QueryWorkspace(PeerWorkspace):
         if self._take_path(ql_nope.shape[0], "ql_nope", tag):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
+        return self._collective_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+
+    def _collective_gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
+        """The collective path of gather and gather_view, once the call took it."""
         return collective.query_all_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale,
                                            neox=self.rope_style == "neox", out_dtype=self.dtype, group=self.group)
 
@@ -208,8 +213,8 @@ class QueryWorkspace(PeerWorkspace):
                 self._inbox_view = inbox
                 view = inbox[:rows]
                 self._view_published = True
-            else:
-                view = self._gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag)
+            else:  # the path is taken: not _gather, which would take it (and agree on it) again
+                view = self._collective_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
             self._open_view = view
             return view
 

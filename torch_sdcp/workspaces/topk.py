@@ -44,9 +44,10 @@ class TopKWorkspace(PeerWorkspace):
                                                     "candidates_per_rank")
         super().__init__(group, [max_rows, self.candidates_per_rank, self.k], **kwargs)
 
-    def void_placeholder(self, what, arguments):
+    def void_placeholder(self, what, arguments, rows=None):
         """A void merge: the rows of ``scores``, no candidate (score -inf, id -1), the call's tag."""
-        rows = leading_rows((arguments.get("scores"), 2), (arguments.get("ids"), 2))
+        if rows is None:
+            rows = leading_rows((arguments.get("scores"), 2), (arguments.get("ids"), 2))
         if rows is None or rows > self.max_rows:
             return None
         scores = torch.full((rows, self.candidates_per_rank), -math.inf, device=self.device)
