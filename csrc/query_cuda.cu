@@ -380,7 +380,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The reader of the view is done: re-fill the peers' heads of the first `rows`
-// rows with the sentinel, then the last block to finish tells every producer
+// rows with the sentinel, then the last block to finish (a grid of one block
+// without the arrival counter) tells every producer
 // (one release store per peer, after a system fence that orders every block's
 // re-fill before it) and advances the view call. The fences wait for local
 // stores only, and the kernel runs after the reader, off the producers'
@@ -404,9 +405,13 @@ __global__ void __launch_bounds__(kThreads) query_release_kernel(const __grid_co
   if (threadIdx.x == 0) {
     __threadfence_system();  // this block's re-fill (ordered by the barrier) before its arrival
     QueryControl* c = control_of(ws, me);
-    if (atomicAdd(&c->release_arrived, 1u) == gridDim.x - 1) {
-      __threadfence_system();  // every block's re-fill before the releases
-      c->release_arrived = 0;
+    // One block (a few rows) is the last by itself: no arrival, and its fence above orders its re-fill.
+    const bool last = gridDim.x == 1 || atomicAdd(&c->release_arrived, 1u) == gridDim.x - 1;
+    if (last) {
+      if (gridDim.x > 1) {
+        __threadfence_system();  // every block's re-fill before the releases
+        c->release_arrived = 0;
+      }
       const uint64_t call = *reinterpret_cast<volatile uint64_t*>(&c->view_call);
       for (int d = 0; d < n; ++d)
         if (d != me) st_release_sys(&control_of(ws, d)->released[me], call + 1);
@@ -560,9 +565,11 @@ void release_cuda(const ReleaseCall& c, const at::Tensor& view) {
   check_item_bytes(c.geo, "inbox", false);
   const c10::cuda::CUDAGuard guard(view.device());
   const auto dq = device_query(ws, c.geo, c.rows);
-  // One thread per re-filled vector; at least one block (it acknowledges).
-  const int grid = dataflag_grid(c.rows * (ws.world_size - 1) * c.geo.local_heads * dq.nvec, kThreads,
-                                view.get_device());
+  // Up to 8 re-filled vectors per thread, so that a few rows (DCP8 at 1 row: 2,016 vectors) take one
+  // block, which acknowledges without an arrival counter; at least one block (it acknowledges).
+  constexpr int kReleaseVectorsPerThread = 8;
+  const int grid = dataflag_grid(c.rows * (ws.world_size - 1) * c.geo.local_heads * dq.nvec,
+                                 kThreads * kReleaseVectorsPerThread, view.get_device());
   launch_dataflag(query_release_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), view.get_device(),
                  device_workspace(ws), dq);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
