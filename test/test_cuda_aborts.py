@@ -48,6 +48,8 @@ def _second_stream_worker(rank, world):
         side.synchronize()
         assert ws.poisoned
         dist.barrier()
+        dist.barrier()  # the peer has read this rank's note
+        ws.close()
         return 0.0
     t0 = time.monotonic()
     ws.combine(out, lse)  # pairs with rank 0's call on its side stream, or meets its abort word first
@@ -58,6 +60,7 @@ def _second_stream_worker(rank, world):
         torch.cuda.synchronize()
         ws.check()
     assert ws.poisoned
+    dist.barrier()
     ws.close()
     return time.monotonic() - t0
 

@@ -14,7 +14,8 @@ without waiting out their timeout (docs/PROTOCOL.md "Failure behaviour"):
   (Ctrl-C) in a creation agreement refuses the group itself, so its retry
   fails at once;
 - messages: a close barrier given up because the peer exited says so, inbox
-  after close() and a meta ``partial_out`` name what is wrong.
+  after close() and a meta ``partial_out`` name what is wrong, and a
+  workspace dropped after its own failure leaves the note of that failure.
 
 ``SDCP_HYGIENE_CYCLES`` sets the number of cycles (default 60, to keep the
 test short on a loaded machine; 1,000 were run as well)."""
@@ -247,6 +248,22 @@ def _messages_worker(rank, world):
         ws.combine(po.to("meta"), pl)  # every rank alike: each raises its own, nothing is poisoned
     ws.combine(po, pl)
     ws.close()
+    # a workspace dropped after its own failure: the peers keep the note of that failure, not "left"
+    import gc
+
+    import torch.distributed as dist
+
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.bfloat16, timeout_s=60, **HOST)
+    if rank == 0:
+        ws.abort("the first failure")
+        del ws
+        gc.collect()
+    dist.barrier()
+    if rank == 1:
+        with pytest.raises(RuntimeError, match=r"peer 0 aborted.*\[rank 0: abort\(\): the first failure\]"):
+            ws.check()
+        ws.close()
+    dist.barrier()
     return True
 
 

@@ -35,7 +35,13 @@ def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena, watch:
     (no collective from a finalizer or at interpreter exit)."""
     watch.cancel()
     with contextlib.suppress(Exception):  # the peers fail at once naming this rank ("left")
-        arena.post_note(f"left: its {name} was dropped without close() (garbage-collected) in pid {os.getpid()}")
+        try:
+            torch.ops.sdcp.workspace_check(handle)
+        except RuntimeError:
+            pass  # failed before: the peers were told (this rank's note of that failure stays)
+        else:
+            arena.post_note(f"left: its {name} was dropped without close() (garbage-collected) in pid "
+                            f"{os.getpid()}")
         torch.ops.sdcp.workspace_abort(handle)
     with contextlib.suppress(Exception):  # interpreter exit: the library may be gone
         torch.ops.sdcp.workspace_unregister(handle)
