@@ -114,11 +114,11 @@ class VirtualRanks:
                    drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, self._cu_device):
             raise RuntimeError(f"torch_sdcp: {self.device} does not support CUDA virtual memory management")
         prop = self._allocation_prop()
-        granularity = int(_cu("cuMemGetAllocationGranularity", prop,
-                              drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
         n = self.world_size
-        self.stride = stride = _round_up(self.layout.region_bytes, granularity)
         with self._context():
+            granularity = int(_cu("cuMemGetAllocationGranularity", prop,
+                                  drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+            self.stride = stride = _round_up(self.layout.region_bytes, granularity)
             for _ in range(n):
                 self._allocations.append(_cu("cuMemCreate", stride, prop, 0))
             access = drv.CUmemAccessDesc()
