@@ -160,7 +160,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, type=row_list,
                    help="decode rows, comma separated (default 1,32,128,512,1024,4096 on CUDA: up to vLLM's "
                         "default bound and its MTP regime; 1,8,32 on the host backend)")
-    p.add_argument("--boundaries", default=",".join(BOUNDARIES))
+    p.add_argument("--boundaries", default=None,
+                   help=f"comma separated (default {','.join(BOUNDARIES)}; with --one-gpu "
+                        f"{','.join(one_gpu.BOUNDARIES)})")
     p.add_argument("--query-dtype", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--requests", type=positive_int, default=None,
                    help="decode demo: concurrent requests (default 32; 4 on host)")
@@ -202,7 +204,7 @@ def parse_args(argv=None):
         args.world_size = torch.cuda.device_count() if cuda else 2
     host = choose_backend(args.backend, args.world_size) == "host"
     args.rows = [int(x) for x in (args.rows or ("1,8,32" if host else "1,32,128,512,1024,4096")).split(",") if x]
-    args.boundaries = [b for b in args.boundaries.split(",") if b]
+    args.boundaries = [b for b in (args.boundaries or ",".join(BOUNDARIES)).split(",") if b]
     for b in args.boundaries:
         if b not in BOUNDARIES:
             p.error(f"argument --boundaries: expected names from {BOUNDARIES}, got {b!r}")
@@ -243,8 +245,7 @@ def one_gpu_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
         if getattr(args, flag):
             p.error(f"argument --{flag.replace('_', '-')}: expected only without --one-gpu (it times torch_sdcp's "
                     "peer calls alone), got it with --one-gpu")
-    names = [b for b in (args.boundaries if args.boundaries != ",".join(BOUNDARIES) else
-                         ",".join(one_gpu.BOUNDARIES)).split(",") if b]
+    names = [b for b in (args.boundaries or ",".join(one_gpu.BOUNDARIES)).split(",") if b]
     for b in names:
         if b not in one_gpu.BOUNDARIES:
             p.error(f"argument --boundaries: expected names from {one_gpu.BOUNDARIES} with --one-gpu, got {b!r}")
