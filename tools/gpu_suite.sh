@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the whole test
 # suite (GPU tests included), then the boundary benchmarks. Logs go to $OUT.
-#   tools/gpu_suite.sh [build|tests|gpu|check|bench|all]
+#   tools/gpu_suite.sh [build|tests|gpu|check|bench|onegpu|all]
 # gpu: only the tests that need a GPU (pytest -m gpu), JOBS (default 6) at a
 # time through pytest-xdist when it is installed: the whole suite no longer
 # fits one 10-minute call on one GPU (the DCP4/DCP8 tests spawn many ranks).
@@ -9,8 +9,13 @@
 # torch_sdcp.bench.kernel_check), then the same under compute-sanitizer
 # memcheck (host API results of cuda-python's symbol lookup not reported).
 # bench at SDCP_GPU_WORLD=1 is the kernel side alone (no peer): rows 1 to
-# 4096 by default. There is no one-GPU world-N bench yet (docs/NOTES.md,
-# version 5): ranks sharing one GPU are time-sliced, correct but not timed.
+# 4096 by default.
+# onegpu: python -m torch_sdcp.bench --one-gpu N for N in ONEGPU_WORLDS
+# (default 1 2 4 8) at rows ONEGPU_ROWS (default 1,32,128): N virtual ranks in
+# one process on GPU 0 against each other, world 1 beside them (the kernel side
+# with HBM in place of NVLink, not a multi-GPU figure); tables, bench.json and
+# the log per N under $OUT/onegpu-N; exits 1 when a run fails (a reference
+# check, an error); ONEGPU_ARGS adds options (e.g. --blocks-per-sm 3).
 # SDCP_GPU_WORLD=N (default 2) runs the boundary GPU tests and the benchmarks
 # at world size N (DCP4 / DCP8 on machines with 4 or 8 GPUs); the benchmarks
 # then also run the sparse decode step.
@@ -52,4 +57,15 @@ if [[ $what == bench || $what == all ]]; then
     2>&1 | tee "$OUT/bench.log" | tail -60
   timeout ${BENCH_TIMEOUT:-300} python3 -m torch_sdcp.bench --world-size "$world" --boundaries decode --sparse \
     --out "$OUT/bench-sparse" 2>&1 | tee "$OUT/bench-sparse.log" | tail -8
+fi
+if [[ $what == onegpu ]]; then
+  failed=0
+  for n in ${ONEGPU_WORLDS:-1 2 4 8}; do
+    timeout ${ONEGPU_TIMEOUT:-240} python3 -m torch_sdcp.bench --one-gpu "$n" --rows "${ONEGPU_ROWS:-1,32,128}" \
+      --out "$OUT/onegpu-$n" ${ONEGPU_ARGS:-} > "$OUT/onegpu-$n.log" 2>&1
+    rc=$?
+    if [[ -f $OUT/onegpu-$n/tables.txt ]]; then cat "$OUT/onegpu-$n/tables.txt"; else tail -20 "$OUT/onegpu-$n.log"; fi
+    [[ $rc == 0 ]] || { echo "onegpu N=$n: exit $rc (log: $OUT/onegpu-$n.log)"; failed=1; }
+  done
+  exit $failed
 fi

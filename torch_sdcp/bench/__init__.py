@@ -6,6 +6,7 @@ competitors and torch_sdcp, plus a synthetic MLA decode step.
     boundaries   one timing function per boundary
     decode       the synthetic decode step (DecodeStep)
     timing       Timer (CUDA graphs or the wall clock) and guarded paths
+    one_gpu      --one-gpu N: N virtual ranks on one GPU against each other, world 1 beside them
     report       the paths, their legend, the tables and the plot
 """
 

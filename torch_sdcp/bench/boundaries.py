@@ -14,6 +14,38 @@ from torch_sdcp.inputs import SCORE_DISTRIBUTIONS, rope_cache, score_distributio
 TAG = 7
 
 
+def signal_input(rank: int, device: torch.device) -> torch.Tensor:
+    """The 8 bytes rank ``rank`` exchanges."""
+    return torch.full((2,), float(rank), device=device)
+
+
+def output_lse_inputs(g: torch.Generator, rows: int, heads: int, head_dim: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's partials [T, H, D] bf16 and their LSEs [T, H] fp32, drawn from ``g``."""
+    po = torch.randn(rows, heads, head_dim, generator=g).to(torch.bfloat16).to(device)
+    pl = (torch.randn(rows, heads, generator=g) * 3).to(device)
+    return po, pl
+
+
+def topk_inputs(g: torch.Generator, rows: int, k: int, rank: int, world: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's k candidates per row: scores [T, k] fp32 and global ids [T, k]
+    int32 (id % world == rank, so the ranks' ids are disjoint), drawn from ``g``."""
+    scores = torch.randn(rows, k, generator=g).to(device)
+    ids = (torch.randperm(rows * k, generator=g).view(rows, k) * world + rank).to(torch.int32).to(device)
+    return scores, ids
+
+
+def query_inputs(g: torch.Generator, rows: int, local_heads: int, head_dim: int, rope_dim: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rank's query parts: nope [T, H_loc, head_dim] and rope [T, H_loc,
+    rope_dim] bf16, positions [T] in [0, 4096), drawn from ``g``."""
+    nope = torch.randn(rows, local_heads, head_dim, generator=g).to(torch.bfloat16).to(device)
+    pe = torch.randn(rows, local_heads, rope_dim, generator=g).to(torch.bfloat16).to(device)
+    pos = torch.randint(0, 4096, (rows,), generator=g).to(device)
+    return nope, pe, pos
+
+
 def time_ours(ctx, row: dict, call) -> None:
     """row["sdcp"]: ``call()`` untagged; with --tag, row["sdcp_tagged"]: ``call(tag=TAG)``, timed right after."""
     row["sdcp"] = guarded(ctx.timer, lambda: lambda: call())
@@ -27,7 +59,7 @@ def bench_signal(ctx, rows_list, out: list) -> None:
     import torch_sdcp
 
     ws = torch_sdcp.ExchangeWorkspace(None, 64, backend=ctx.backend, device=ctx.device)
-    x = torch.full((2,), float(ctx.rank), device=ctx.device)
+    x = signal_input(ctx.rank, ctx.device)
     gathered = [torch.empty_like(x) for _ in range(ctx.world)]
     row = {"rows": 1, "collective": guarded(ctx.timer, lambda: lambda: dist.all_gather(gathered, x))}
     time_ours(ctx, row, lambda **tag: ws.all_gather(x, **tag))
@@ -52,9 +84,7 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
 
     comps: dict = {}
     for t in rows_list:
-        g = torch.Generator().manual_seed(t)
-        po = torch.randn(t, h, d, generator=g).to(torch.bfloat16).to(dev)
-        pl = (torch.randn(t, h, generator=g) * 3).to(dev)
+        po, pl = output_lse_inputs(torch.Generator().manual_seed(t), t, h, d, dev)
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.lse_all_gather_correct_reduce_scatter(
             po, pl, return_lse=True))
@@ -96,8 +126,7 @@ def bench_topk(ctx, rows_list, out: list) -> None:
     ws = torch_sdcp.TopKWorkspace(None, max(rows_list), k, candidates_per_rank=k, backend=ctx.backend, device=dev)
     for t in rows_list:
         g = torch.Generator().manual_seed(t * 31 + r)
-        scores = torch.randn(t, k, generator=g).to(dev)
-        ids = (torch.randperm(t * k, generator=g).view(t, k) * n + r).to(torch.int32).to(dev)
+        scores, ids = topk_inputs(g, t, k, r, n, dev)
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.topk_all_gather_merge(scores, ids, k))
         time_ours(ctx, row, lambda **tag: ws.merge(scores, ids, **tag))
@@ -131,10 +160,7 @@ def bench_query(ctx, rows_list, out: list) -> None:
     cache = rope_cache(4096, ctx.rope_dim).to(dev)
     scale = torch.tensor([0.05], device=dev) if dtype == torch.float8_e4m3fn else None
     for t in rows_list:
-        g = torch.Generator().manual_seed(t)
-        nope = torch.randn(t, hl, ctx.head_dim, generator=g).to(torch.bfloat16).to(dev)
-        pe = torch.randn(t, hl, ctx.rope_dim, generator=g).to(torch.bfloat16).to(dev)
-        pos = torch.randint(0, 4096, (t,), generator=g).to(dev)
+        nope, pe, pos = query_inputs(torch.Generator().manual_seed(t), t, hl, ctx.head_dim, ctx.rope_dim, dev)
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.query_all_gather(
             nope, pe, pos, cache, scale, out_dtype=dtype))

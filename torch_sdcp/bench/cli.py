@@ -6,6 +6,7 @@ each path's kernels and communication (LEGEND below).
     python -m torch_sdcp.bench [--world-size N] [--preset glm-5] [--rows 1,8,32]
                                [--boundaries query,topk,output_lse,decode] [--out DIR]
                                [--topk-distributions]
+    python -m torch_sdcp.bench --one-gpu N [--rows 1,32,128] [--boundaries signal,query,topk,output_lse]
 
 Launches its own local ranks (or runs under torchrun), picks the CUDA backend
 when there is one GPU per rank and the CUDA kernels are built, the host
@@ -18,6 +19,11 @@ graph (k8: K = 8; k1: one call per graph), `--replays` replays per trial,
 time = max over ranks of a trial, median over trials. Ratios are against the
 strongest (fastest) baseline of each row. Host numbers check the protocol on
 shared memory: they are not performance, and no ratio is printed for them.
+
+--one-gpu N (1, 2, 4 or 8): N virtual ranks in this one process on one GPU,
+each rank's workspace its own allocation, the DCP-N kernels run against each
+other on N streams, world 1 beside them as the floor (bench/one_gpu.py). The
+kernel side with HBM in place of NVLink: not a multi-GPU figure.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from torch_sdcp.bench import one_gpu
 from torch_sdcp.bench.boundaries import bench_decode, bench_output_lse, bench_query, bench_signal, bench_topk
 from torch_sdcp.bench.report import plot, tables
 from torch_sdcp.bench.timing import Timer
@@ -144,7 +151,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_sdcp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-    p.add_argument("--world-size", type=positive_int, default=torch.cuda.device_count() if cuda else 2)
+    p.add_argument("--world-size", type=positive_int, default=None,
+                   help="local ranks, one GPU each (default: the visible GPUs when there are 2 or more, else 2)")
     p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
     p.add_argument("--preset", choices=sorted(PRESETS), default="glm-5", help="model geometry (default glm-5)")
     p.add_argument("--heads", type=positive_int, default=0, help="total heads (overrides the preset)")
@@ -152,7 +160,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", default=None, type=row_list,
                    help="decode rows, comma separated (default 1,32,128,512,1024,4096 on CUDA: up to vLLM's "
                         "default bound and its MTP regime; 1,8,32 on the host backend)")
-    p.add_argument("--boundaries", default=",".join(BOUNDARIES))
+    p.add_argument("--boundaries", default=None,
+                   help=f"comma separated (default {','.join(BOUNDARIES)}; with --one-gpu "
+                        f"{','.join(one_gpu.BOUNDARIES)})")
     p.add_argument("--query-dtype", choices=("fp8", "bf16"), default="fp8")
     p.add_argument("--requests", type=positive_int, default=None,
                    help="decode demo: concurrent requests (default 32; 4 on host)")
@@ -172,10 +182,29 @@ def parse_args(argv=None):
     p.add_argument("--replays", type=positive_int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
     p.add_argument("--trials", type=positive_int, default=None, help="default 7 on CUDA, 3 on host")
     p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")
+    one = p.add_argument_group("one GPU, N virtual ranks (--one-gpu)")
+    one.add_argument("--one-gpu", type=one_gpu.world_size, default=None, metavar="N",
+                     help="run N virtual ranks (1, 2, 4 or 8) in this process on one GPU against each other, world 1 "
+                          "beside them: the kernel side of DCP-N with HBM in place of NVLink, not a multi-GPU figure "
+                          f"(boundaries {','.join(one_gpu.BOUNDARIES)}; rows default {one_gpu.DEFAULT_ROWS})")
+    one.add_argument("--one-gpu-timeout", type=one_gpu.positive_seconds, default=None, metavar="SECONDS",
+                     help="how long a wait on a virtual peer may take before the call gives up and is reported "
+                          f"(default {one_gpu.DEFAULT_TIMEOUT_S:g}: a grid that cannot be resident fails fast)")
+    one.add_argument("--blocks-per-sm", type=positive_int, default=None,
+                     help="blocks of one kernel assumed to fit on an SM, for the co-residency of the N grids "
+                          "(default per kernel: " + ", ".join(f"{b} {v}" for b, v in
+                                                             one_gpu.ASSUMED_BLOCKS_PER_SM.items()) + ")")
     args = p.parse_args(argv)
+    if args.one_gpu is not None:
+        return one_gpu_args(p, args)
+    for name in ("one_gpu_timeout", "blocks_per_sm"):
+        if getattr(args, name) is not None:
+            p.error(f"argument --{name.replace('_', '-')}: expected only with --one-gpu, got it without")
+    if args.world_size is None:
+        args.world_size = torch.cuda.device_count() if cuda else 2
     host = choose_backend(args.backend, args.world_size) == "host"
     args.rows = [int(x) for x in (args.rows or ("1,8,32" if host else "1,32,128,512,1024,4096")).split(",") if x]
-    args.boundaries = [b for b in args.boundaries.split(",") if b]
+    args.boundaries = [b for b in (args.boundaries or ",".join(BOUNDARIES)).split(",") if b]
     for b in args.boundaries:
         if b not in BOUNDARIES:
             p.error(f"argument --boundaries: expected names from {BOUNDARIES}, got {b!r}")
@@ -200,10 +229,51 @@ def parse_args(argv=None):
     return args
 
 
+def one_gpu_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The options of --one-gpu N, checked and completed (its own defaults); a
+    bad combination is a usage error naming the option."""
+    n = args.one_gpu
+    if args.world_size not in (None, 1):
+        p.error(f"argument --world-size: expected 1 or none with --one-gpu (its {n} virtual ranks share one "
+                f"process), got {args.world_size}")
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched != "1":
+        p.error(f"argument --one-gpu: expected one process, got WORLD_SIZE={launched} (torchrun)")
+    if args.backend == "host":
+        p.error("argument --backend: expected 'cuda' or 'auto' with --one-gpu, got 'host'")
+    for flag in ("tag", "eager_collective", "topk_distributions", "sparse"):
+        if getattr(args, flag):
+            p.error(f"argument --{flag.replace('_', '-')}: expected only without --one-gpu (it times torch_sdcp's "
+                    "peer calls alone), got it with --one-gpu")
+    names = [b for b in (args.boundaries or ",".join(one_gpu.BOUNDARIES)).split(",") if b]
+    for b in names:
+        if b not in one_gpu.BOUNDARIES:
+            p.error(f"argument --boundaries: expected names from {one_gpu.BOUNDARIES} with --one-gpu, got {b!r}")
+    if not names:
+        p.error(f"argument --boundaries: expected names from {one_gpu.BOUNDARIES}, got none")
+    heads = args.heads or PRESETS[args.preset]["heads"]
+    if heads % n:
+        p.error(f"argument --heads: expected a multiple of --one-gpu {n}, got {heads}"
+                + ("" if args.heads else f" (preset {args.preset})"))
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"argument --out: expected a folder, got the file {args.out!r}")
+    missing = one_gpu.cuda_missing()  # last: every other mistake is reported on any machine
+    if missing:
+        p.error(f"argument --one-gpu: expected a CUDA GPU and the CUDA kernels, got {missing}")
+    args.world_size, args.backend, args.boundaries = 1, "cuda", names
+    args.rows = [int(x) for x in (args.rows or one_gpu.DEFAULT_ROWS).split(",")]
+    args.one_gpu_timeout = args.one_gpu_timeout or one_gpu.DEFAULT_TIMEOUT_S
+    args.replays, args.trials = args.replays or 100, args.trials or 7
+    args.out = args.out or time.strftime("sdcp-bench-onegpu-%Y%m%d-%H%M%S")
+    return args
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
+    if args.one_gpu is not None:
+        return one_gpu.run(args)
     backend = choose_backend(args.backend, args.world_size)
     print(f"torch_sdcp bench: world size {args.world_size}, {backend} backend, rows {args.rows}, "
           f"boundaries {args.boundaries}; writing {args.out}", flush=True)

@@ -11,7 +11,9 @@ Modules: ``arena`` (PeerArena, its views and close), ``plan`` (argument checks, 
 failures, :class:`GroupOutOfStepError`, the one order of the collective-path sections of a group:
 ``GroupOrder``),
 ``fd_exchange`` (SCM_RIGHTS over private AF_UNIX sockets, SO_PEERCRED checks), ``lifetime``
-(reference counting, interpreter exit) and ``dlpack`` (tensors with an explicit device).
+(reference counting, interpreter exit), ``dlpack`` (tensors with an explicit device) and
+``virtual_ranks`` (N virtual ranks of one workspace in one process on one GPU, for the bench's
+``--one-gpu``).
 
 The contract (descriptor exchange, credentials, view lifetime, teardown) is described in
 docs/DESIGN.md, section "Peer-addressable objects".

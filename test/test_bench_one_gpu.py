@@ -1,0 +1,379 @@
+"""`python -m torch_sdcp.bench --one-gpu N`: its argument errors, the
+co-residency rule, the reference checks, the table, and the virtual ranks'
+memory (creation, initialisation, teardown) over a stand-in CUDA driver; on
+a GPU, a short run at world 2."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from _helpers import requires_gpus
+
+import torch_sdcp  # noqa: F401  (registers the ops)
+from torch_sdcp import reference
+from torch_sdcp.bench import one_gpu, parse_args
+from torch_sdcp.families import WorkspaceKind
+from torch_sdcp.peer import virtual_ranks
+from torch_sdcp.peer.virtual_ranks import VirtualRanks
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--one-gpu", "3"], "argument --one-gpu: expected 1, 2, 4 or 8, got 3"),
+    (["--one-gpu", "two"], "argument --one-gpu: expected 1, 2, 4 or 8, got 'two'"),
+    (["--one-gpu", "2", "--world-size", "2"], "argument --world-size: expected 1 or none with --one-gpu"),
+    (["--one-gpu", "4", "--backend", "host"],
+     "argument --backend: expected 'cuda' or 'auto' with --one-gpu, got 'host'"),
+    (["--one-gpu", "2", "--boundaries", "query,decode"], "argument --boundaries: expected names from ('signal', "
+                                                         "'query', 'topk', 'output_lse') with --one-gpu, got 'decode'"),
+    (["--one-gpu", "4", "--heads", "6"], "argument --heads: expected a multiple of --one-gpu 4, got 6"),
+    (["--one-gpu", "2", "--tag"], "argument --tag: expected only without --one-gpu"),
+    (["--one-gpu", "2", "--one-gpu-timeout", "0"], "argument --one-gpu-timeout: expected a number of seconds > 0, "
+                                                   "got 0"),
+    (["--one-gpu", "2", "--blocks-per-sm", "0"], "argument --blocks-per-sm: expected an integer >= 1, got 0"),
+    (["--blocks-per-sm", "2"], "argument --blocks-per-sm: expected only with --one-gpu, got it without"),
+    (["--one-gpu-timeout", "2"], "argument --one-gpu-timeout: expected only with --one-gpu, got it without"),
+])
+def test_a_bad_one_gpu_option_is_a_usage_error_naming_it(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {says}" in err and err.startswith("usage: python -m torch_sdcp.bench"), err
+
+
+def test_one_gpu_without_cuda_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--one-gpu", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert ("error: argument --one-gpu: expected a CUDA GPU and the CUDA kernels, got torch.cuda.is_available() "
+            "False") in err, err
+
+
+def test_one_gpu_under_torchrun_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        parse_args(["--one-gpu", "2"])
+    assert "argument --one-gpu: expected one process, got WORLD_SIZE=2 (torchrun)" in capsys.readouterr().err
+
+
+def test_one_gpu_defaults(monkeypatch):
+    monkeypatch.setattr(one_gpu, "cuda_missing", lambda: None)
+    args = parse_args(["--one-gpu", "4"])
+    assert args.one_gpu == 4 and args.world_size == 1 and args.backend == "cuda"
+    assert args.rows == [1, 32, 128] and args.boundaries == list(one_gpu.BOUNDARIES)
+    assert args.one_gpu_timeout == one_gpu.DEFAULT_TIMEOUT_S and args.blocks_per_sm is None
+    assert (args.replays, args.trials) == (100, 7)
+    args = parse_args(["--one-gpu", "2", "--world-size", "1", "--rows", "8", "--boundaries", "topk",
+                       "--one-gpu-timeout", "1.5", "--blocks-per-sm", "3"])
+    assert args.rows == [8] and args.boundaries == ["topk"] and args.one_gpu_timeout == 1.5
+    assert args.blocks_per_sm == 3
+
+
+def test_the_bench_without_one_gpu_is_unchanged():
+    args = parse_args(["--backend", "host"])
+    assert args.one_gpu is None and args.world_size >= 1 and args.rows == [1, 8, 32]
+
+
+def test_a_bad_one_gpu_option_from_the_command_line_exits_2(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench", "--one-gpu", "3", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "argument --one-gpu: expected 1, 2, 4 or 8, got 3" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# co-residency, checks, table (no GPU needed)
+# ---------------------------------------------------------------------------------------------
+
+GLM5 = one_gpu.Geometry(heads=64, head_dim=512, rope_dim=64, k=2048, query_dtype=torch.float8_e4m3fn)
+H200_SMS = 132
+
+
+@pytest.mark.parametrize("name, rows, world, blocks, fits", [
+    ("signal", 1, 8, 1, True),
+    ("output_lse", 1, 2, 4, True),
+    ("output_lse", 32, 2, 128, True),
+    ("output_lse", 32, 8, 32, True),  # 8 x 32 = 256 <= 264
+    ("output_lse", 128, 2, 264, False),  # capped at 2 per SM: 528 > 264
+    ("output_lse", 128, 1, 264, True),  # no peer to wait for
+    ("query", 32, 4, 64, True),
+    ("query", 128, 8, 128, False),
+    ("topk", 32, 4, 32, True),  # 128 <= 132 at one block per SM
+    ("topk", 32, 8, 32, False),
+    ("topk", 128, 2, 128, False),
+])
+def test_residency_follows_the_grid_sizes_of_the_kernels(name, rows, world, blocks, fits):
+    boundary = one_gpu.BOUNDARY_CLASSES[name](GLM5, torch.device("cpu"))
+    got, why = one_gpu.residency(boundary, rows, world, H200_SMS, one_gpu.ASSUMED_BLOCKS_PER_SM[name])
+    assert got == blocks and (why is None) == fits, why
+    if why:
+        assert f"{world} grids of {blocks} blocks" in why and f"{H200_SMS} SMs" in why
+
+
+SMALL = one_gpu.Geometry(heads=8, head_dim=64, rope_dim=16, k=16, query_dtype=torch.float8_e4m3fn)
+
+
+def reference_results(boundary, inputs, rows, world):
+    """What every rank must return, made by the reference (a CPU stand-in for the kernels)."""
+    if boundary.name == "signal":
+        return [torch.stack([x for (x,) in inputs])] * world
+    if boundary.name == "output_lse":
+        out, lse = reference.lse_combine_ref64(torch.stack([po for po, _ in inputs]),
+                                               torch.stack([pl for _, pl in inputs]))
+        return [tuple(t for t in reference.output_lse_shard(out.to(torch.bfloat16), lse.float(), r, world))
+                for r in range(world)]
+    if boundary.name == "topk":
+        return [reference.topk_merge_ref(list(inputs), boundary.geo.k)] * world
+    return [reference.query_gathered_layout([
+        reference.query_rope_quant_ref(nope, pe, pos, boundary.cache, boundary.scale, neox=False,
+                                       out_dtype=boundary.geo.query_dtype) for nope, pe, pos in inputs])] * world
+
+
+def corrupt(result):
+    if isinstance(result, tuple):
+        return (result[0] + 1, result[1])
+    if result.dtype == torch.float8_e4m3fn:
+        bytes_ = result.view(torch.uint8).clone()
+        bytes_[0, 0, 0] ^= 1
+        return bytes_.view(result.dtype)
+    bad = result.clone()
+    bad.view(-1)[0] += 1
+    return bad
+
+
+@pytest.mark.parametrize("name", one_gpu.BOUNDARIES)
+def test_the_reference_check_passes_the_reference_and_fails_a_changed_result(name):
+    boundary = one_gpu.BOUNDARY_CLASSES[name](SMALL, torch.device("cpu"))
+    rows, world = 3, 2
+    inputs = [boundary.check_inputs(rows, r, world) for r in range(world)]
+    if name != "signal":  # the check's inputs differ between the ranks
+        assert not torch.equal(inputs[0][0], inputs[1][0])
+    assert boundary.params(rows, world)[0] == (64 if name == "signal" else rows)
+    results = reference_results(boundary, inputs, rows, world)
+    boundary.check(results, inputs, rows, world)
+    results[1] = corrupt(results[1])
+    with pytest.raises(one_gpu.CheckFailed, match=f"{name}, world 2.*rank 1"):
+        boundary.check(results, inputs, rows, world)
+
+
+def test_the_timed_inputs_are_the_benchs():
+    from torch_sdcp.bench.boundaries import output_lse_inputs, topk_inputs
+
+    cpu = torch.device("cpu")
+    po, pl = one_gpu.OutputLSE(SMALL, cpu).timed_inputs(5, 1, 2)
+    want = output_lse_inputs(torch.Generator().manual_seed(5), 5, 8, 64, cpu)
+    assert torch.equal(po, want[0]) and torch.equal(pl, want[1])
+    scores, ids = one_gpu.TopK(SMALL, cpu).timed_inputs(5, 1, 2)
+    assert torch.equal(ids, topk_inputs(torch.Generator().manual_seed(5 * 31 + 1), 5, 16, 1, 2, cpu)[1])
+
+
+def test_the_table_says_what_the_figure_is():
+    meta = {"date": "d", "one_gpu": 4, "worlds": [1, 4], "note": one_gpu.NOTE.format(n=4), "device": "gpu",
+            "torch": "t", "sms": 132, "blocks_per_sm": {"output_lse": 2, "topk": 1}, "blocks_per_sm_assumed": True,
+            "timeout_s": 3.0, "failures": 1}
+    results = {
+        "output_lse": [
+            {"rows": 1, "world1": {"grid_blocks": 8, "check": "ok", "k8": 2.0, "k1": 4.0},
+             "world4": {"grid_blocks": 2, "check": "ok", "k8": 3.5, "k1": 5.0}},
+            {"rows": 128, "world1": {"grid_blocks": 264, "check": "ok", "k8": 6.0, "k1": 8.0},
+             "world4": {"grid_blocks": 256, "skipped": "not co-resident: 4 grids of 256 blocks"}}],
+        "topk": [{"rows": 1, "world1": {"grid_blocks": 1, "check": "ok", "k8": 7.0, "k1": 9.0},
+                  "world4": {"grid_blocks": 1, "check": "MISMATCH", "error": "topk, world 4, rows 1: rank 2"}}]}
+    text = one_gpu.tables({"meta": meta, "results": results})
+    assert "one GPU, 4 virtual ranks: kernel side, HBM in place of NVLink; not a multi-GPU figure" in text
+    assert "world 1 2.0 / 4.0 | world 4 3.5 / 5.0 | world 4 - world 1 +1.5 us (k8)" in text
+    assert "world 4 skipped" in text and "not co-resident: 4 grids of 256 blocks" in text
+    assert "world 4 MISMATCH" in text and "reference check FAILED" in text and "1 cell(s) FAILED" in text
+    assert "world 1 is the floor" in text and "legend" in text and "sdcp::topk_merge" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# the virtual ranks' memory over a stand-in driver
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeDriver:
+    """The driver calls VirtualRanks makes, over host memory: allocations are
+    bytearrays, a mapping makes a virtual address an alias of one."""
+
+    GRANULARITY = 2 << 20
+
+    def __init__(self, fail: str | None = None, fail_at: int = 1, swap: bool = False):
+        self.fail, self.fail_at, self.swap = fail, fail_at, swap  # raise at the fail_at-th call of `fail`
+        self.calls: dict[str, int] = {}
+        self.allocations: dict[int, bytearray] = {}
+        self.mappings: dict[int, tuple[int, int]] = {}  # address -> (allocation, bytes)
+        self.ranges: dict[int, int] = {}
+        self.retained = self.pushed = 0
+        self.next_address = 1 << 40
+
+    def _resolve(self, address: int) -> tuple[bytearray, int]:
+        for start, (allocation, size) in self.mappings.items():
+            if start <= address < start + size:
+                return self.allocations[allocation], address - start
+        raise RuntimeError(f"unmapped address 0x{address:x}")
+
+    def __call__(self, name: str, *args):
+        self.calls[name] = self.calls.get(name, 0) + 1
+        if name == self.fail and self.calls[name] == self.fail_at:
+            raise RuntimeError(f"torch_sdcp: {name} failed: injected")
+        if name == "cuDevicePrimaryCtxRetain":
+            self.retained += 1
+        elif name == "cuDevicePrimaryCtxRelease":
+            self.retained -= 1
+        elif name == "cuCtxPushCurrent":
+            self.pushed += 1
+        elif name == "cuCtxPopCurrent":
+            self.pushed -= 1
+        elif name == "cuDeviceGetAttribute":
+            return 1
+        elif name == "cuMemGetAllocationGranularity":
+            return self.GRANULARITY
+        elif name == "cuMemCreate":
+            handle = len(self.allocations) + len(self.calls) * 1000
+            self.allocations[handle] = bytearray(args[0])
+            return handle
+        elif name == "cuMemRelease":
+            del self.allocations[args[0]]
+        elif name == "cuMemAddressReserve":
+            address, self.next_address = self.next_address, self.next_address + args[0] + self.GRANULARITY
+            self.ranges[address] = args[0]
+            return address
+        elif name == "cuMemAddressFree":
+            assert self.ranges.pop(args[0]) == args[1]
+        elif name == "cuMemMap":
+            address, size, _, allocation, _ = args
+            # A wrong mapping: the second range sees the allocations in reverse.
+            if self.swap and len(self.ranges) > 1 and address >= sorted(self.ranges)[1]:
+                handles = sorted(self.allocations)
+                allocation = handles[len(handles) - 1 - handles.index(allocation)]
+            self.mappings[address] = (allocation, size)
+        elif name == "cuMemUnmap":
+            assert self.mappings.pop(args[0])[1] == args[1]
+        elif name in ("cuMemsetD8", "cuMemsetD32"):
+            address, value, count = args
+            width = 1 if name == "cuMemsetD8" else 4
+            memory, offset = self._resolve(address)
+            memory[offset:offset + width * count] = value.to_bytes(width, "little") * count
+        elif name == "cuMemcpyDtoH":
+            host, address, count = args
+            memory, offset = self._resolve(address)
+            ctypes.memmove(host, bytes(memory[offset:offset + count]), count)
+        return None
+
+    def released(self) -> bool:
+        return not (self.allocations or self.mappings or self.ranges or self.retained or self.pushed)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    def install(**kw):
+        driver = FakeDriver(**kw)
+        monkeypatch.setattr(virtual_ranks, "_cu", driver)
+        return driver
+    return install
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+def test_virtual_ranks_map_every_allocation_into_every_range_and_release_everything(fake_driver):
+    driver = fake_driver()
+    params = [4, 8, 64, 2]  # Output/LSE: max_rows 4, 8 heads of 64 bf16
+    with VirtualRanks(WorkspaceKind.OUTPUT_LSE, params, 4, CUDA0, 2.0) as ranks:
+        assert len(ranks.handles) == 4 and set(ranks.handles) <= set(torch.ops.sdcp.workspace_handles())
+        assert len(driver.allocations) == 4 and len(driver.ranges) == 4 and len(driver.mappings) == 16
+        assert ranks.stride % FakeDriver.GRANULARITY == 0 and ranks.stride >= ranks.layout.region_bytes
+        layout = ranks.layout
+        for owner in range(4):  # one memory, seen alike from every range
+            views = {bytes(driver._resolve(ranks.region(viewer, owner))[0]) for viewer in range(4)}
+            assert len(views) == 1
+            memory, _ = driver._resolve(ranks.region(owner, owner))
+            data = memory[layout.data_offset:layout.data_offset + layout.slots * layout.slot_bytes]
+            assert set(memory[:layout.data_offset]) == {0}  # control zeroed, the probe's words gone
+            assert set(data) == {0xFF}  # Output/LSE starts sentinel-filled
+            assert set(memory[layout.data_offset + len(data):]) == {0}
+        handles = list(ranks.handles)
+    assert ranks.closed and driver.released()
+    assert not set(handles) & set(torch.ops.sdcp.workspace_handles())
+    ranks.close()  # idempotent
+    assert driver.calls["cuMemRelease"] == 4 and driver.calls["cuMemUnmap"] == 16
+
+
+def test_the_exchange_starts_zeroed(fake_driver):
+    driver = fake_driver()
+    with VirtualRanks(WorkspaceKind.EXCHANGE, [64], 2, CUDA0, 2.0) as ranks:
+        for owner in range(2):
+            assert set(driver._resolve(ranks.region(owner, owner))[0]) == {0}
+    assert driver.released()
+
+
+@pytest.mark.parametrize("fail, at", [("cuMemCreate", 2), ("cuMemMap", 3), ("cuMemSetAccess", 2),
+                                      ("cuMemsetD8", 1), ("cuCtxSynchronize", 1)])
+def test_a_failed_creation_releases_what_it_set_up(fake_driver, fail, at):
+    driver = fake_driver(fail=fail, fail_at=at)
+    before = set(torch.ops.sdcp.workspace_handles())
+    with pytest.raises(RuntimeError, match=f"{fail} failed: injected"):
+        VirtualRanks(WorkspaceKind.TOPK, [2, 16, 16], 2, CUDA0, 2.0)
+    assert driver.released() and set(torch.ops.sdcp.workspace_handles()) == before
+
+
+def test_a_wrong_mapping_fails_the_probe(fake_driver):
+    driver = fake_driver(swap=True)
+    with pytest.raises(RuntimeError, match="write-and-verify probe: .*rank 1's word in rank 0's region"):
+        VirtualRanks(WorkspaceKind.EXCHANGE, [64], 2, CUDA0, 2.0)
+    assert driver.released()
+
+
+def test_a_failed_teardown_step_does_not_stop_the_others(fake_driver):
+    driver = fake_driver(fail="cuMemUnmap", fail_at=2)
+    ranks = VirtualRanks(WorkspaceKind.QUERY, [2, 4, 32, 1], 2, CUDA0, 2.0)
+    with pytest.raises(RuntimeError, match=r"teardown: cuMemUnmap\(0x[0-9a-f]+\): .*injected"):
+        ranks.close()
+    assert ranks.closed and not ranks.handles and driver.retained == 0 and driver.pushed == 0
+    assert not driver.allocations and not driver.ranges and len(driver.mappings) == 1  # the one that failed
+    ranks.close()  # nothing left to do
+
+
+def test_an_error_inside_the_block_is_not_hidden_by_teardown(fake_driver):
+    fake_driver(fail="cuMemUnmap", fail_at=1)
+    with pytest.raises(KeyError, match="inside"), VirtualRanks(WorkspaceKind.EXCHANGE, [64], 2, CUDA0, 2.0):
+        raise KeyError("inside")
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@requires_gpus(1)
+def test_one_gpu_world_2_runs_checks_and_times_every_boundary(tmp_path):
+    out = tmp_path / "onegpu"
+    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench", "--one-gpu", "2", "--rows", "1", "--replays",
+                          "3", "--trials", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["one_gpu"] == 2 and data["meta"]["worlds"] == [1, 2] and data["meta"]["multi_gpu"] is False
+    assert data["meta"]["failures"] == 0
+    assert list(data["results"]) == list(one_gpu.BOUNDARIES)
+    for name, rows in data["results"].items():
+        assert [r["rows"] for r in rows] == [1], name
+        for world in (1, 2):
+            cell = rows[0][f"world{world}"]
+            assert cell["check"] == "ok", (name, cell)
+            assert all(isinstance(cell[k], float) and math.isfinite(cell[k]) and cell[k] > 0 for k in ("k8", "k1"))
+    text = (out / "tables.txt").read_text()
+    assert "one GPU, 2 virtual ranks: kernel side, HBM in place of NVLink; not a multi-GPU figure" in text
+    assert "reference check ok" in text and "FAILED" not in text and text in res.stdout

@@ -1,0 +1,242 @@
+"""N virtual ranks of one workspace in one process on one GPU (the bench's
+``--one-gpu N``): every rank's region is its own physical allocation, and
+every virtual rank sees all N of them rank-major in a virtual range of its
+own, as N processes would through PeerArena.
+
+CUDA VMM lets one physical allocation be mapped at several virtual addresses
+of one process, so rank r's range maps allocation p at ``base_r + p *
+stride`` for every p: rank r's stores into "peer p" land in the memory that
+rank p polls through its own range. Nothing is exported or exchanged (one
+process), so no process group is needed for the memory itself.
+
+The regions are initialised as PeerArena and PeerWorkspace initialise them:
+each region zeroed whole, the write-and-verify probe (every rank writes a
+word into every region through its own range, each owner reads its words
+through its range, then they are zeroed again), and the data slots filled
+with the sentinel for the families that start sentinel-filled. Each virtual
+rank's workspace is then registered with ``torch.ops.sdcp.workspace_register``
+under a handle of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from torch_sdcp import _registry
+from torch_sdcp.families import FAMILIES, WorkspaceKind
+from torch_sdcp.workspaces._layout import WorkspaceLayout, workspace_layout
+
+from .backend import _round_up
+from .cuda_vmm import _cu, _driver
+
+__all__ = ["VirtualRanks"]
+
+logger = logging.getLogger("torch_sdcp")
+
+
+def _probe_word(src: int, dst: int) -> int:
+    """The 32-bit word virtual rank src writes into rank dst's region (distinct per pair, non-zero)."""
+    return 0x5D00_0000 | ((src & 0xFF) << 8) | (dst & 0xFF)
+
+
+class VirtualRanks:
+    """``world_size`` registered workspaces of family ``kind`` with ``params``
+    on ``device``, one per virtual rank, over ``world_size`` physical
+    allocations mapped into ``world_size`` virtual ranges.
+
+    Attributes: ``handles[r]`` (rank r's workspace handle, for the peer ops),
+    ``bases[r]`` (the start of rank r's range, the base it was registered
+    with), ``stride``, ``layout``, ``closed``.
+
+    ``close()`` (also ``with VirtualRanks(...)``, and on a failed creation)
+    synchronises the device, unregisters every handle, unmaps every mapping,
+    frees every range and every allocation; it is idempotent, and a step that
+    fails does not stop the next ones (the first failure is raised at the end).
+    """
+
+    def __init__(self, kind: WorkspaceKind, params: Sequence[int], world_size: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self.kind, self.params, self.world_size = kind, [int(p) for p in params], int(world_size)
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self.handles: list[int] = []
+        self.bases: list[int] = []
+        self.stride = 0
+        self.layout: WorkspaceLayout = workspace_layout(kind, self.params, self.world_size)
+        self.closed = False
+        # What creation set up so far, in the order close() undoes it.
+        self._cu_device = None
+        self._context_handle = None
+        self._context_retained = False
+        self._allocations: list = []  # physical allocation handles, by rank
+        self._mappings: list[tuple[int, int]] = []  # (address, bytes)
+        self._ranges: list[tuple[int, int]] = []  # (address, bytes)
+        try:
+            self._create()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the creation's own error is the one to see
+                self.close()
+            raise
+
+    # -- creation -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        """The device's primary context (the one torch's runtime uses) is current inside."""
+        _cu("cuCtxPushCurrent", self._context_handle)
+        try:
+            yield
+        finally:
+            _cu("cuCtxPopCurrent")
+
+    def _allocation_prop(self):
+        drv = _driver()
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = int(self.device.index)
+        return prop  # no shareable handle type: nothing leaves this process
+
+    def _create(self) -> None:
+        drv = _driver()
+        if self.device.type != "cuda" or self.device.index is None:
+            raise ValueError(f"torch_sdcp: argument 'device': expected a cuda device with an index, got {self.device}")
+        _cu("cuInit", 0)
+        self._cu_device = _cu("cuDeviceGet", self.device.index)
+        self._context_handle = _cu("cuDevicePrimaryCtxRetain", self._cu_device)
+        self._context_retained = True
+        if not _cu("cuDeviceGetAttribute",
+                   drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, self._cu_device):
+            raise RuntimeError(f"torch_sdcp: {self.device} does not support CUDA virtual memory management")
+        prop = self._allocation_prop()
+        n = self.world_size
+        with self._context():
+            granularity = int(_cu("cuMemGetAllocationGranularity", prop,
+                                  drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+            self.stride = stride = _round_up(self.layout.region_bytes, granularity)
+            for _ in range(n):
+                self._allocations.append(_cu("cuMemCreate", stride, prop, 0))
+            access = drv.CUmemAccessDesc()
+            access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access.location.id = int(self.device.index)
+            access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            for _ in range(n):  # rank r's range: every allocation, rank-major
+                base = int(_cu("cuMemAddressReserve", n * stride, granularity, 0, 0))
+                self._ranges.append((base, n * stride))
+                self.bases.append(base)
+                for p, allocation in enumerate(self._allocations):
+                    _cu("cuMemMap", base + p * stride, stride, 0, allocation, 0)
+                    self._mappings.append((base + p * stride, stride))
+                _cu("cuMemSetAccess", base, n * stride, [access], 1)
+            for r in range(n):  # PeerArena: each rank zeroes its own region
+                _cu("cuMemsetD8", self.region(r, r), 0, stride)
+            _cu("cuCtxSynchronize")
+            self._probe()
+            if self._sentinel_filled():
+                for r in range(n):
+                    _cu("cuMemsetD8", self.region(r, r) + self.layout.data_offset, 0xFF,
+                        self.layout.slots * self.layout.slot_bytes)
+            _cu("cuCtxSynchronize")
+        for r in range(n):
+            handle = _registry.new_handle()
+            torch.ops.sdcp.workspace_register(handle, int(self.kind), self.params, self.bases[r], stride, r, n,
+                                              self.device, int(self.timeout_s * 1e9))
+            self.handles.append(handle)
+
+    def _sentinel_filled(self) -> bool:
+        """Whether the family's buffers start as the sentinel (its workspace
+        class says; PeerWorkspace._fill_sentinel fills them)."""
+        from torch_sdcp.workspaces.base import PeerWorkspace
+
+        cls: type[PeerWorkspace] = FAMILIES[int(self.kind)].load()
+        return cls.SENTINEL_FILLED
+
+    def region(self, viewer: int, owner: int) -> int:
+        """The address of rank ``owner``'s region in rank ``viewer``'s range."""
+        return self.bases[viewer] + owner * self.stride
+
+    def _probe(self) -> None:
+        """PeerArena's write-and-verify probe: a store through one virtual
+        rank's range must be what the owner reads through its own (the
+        mappings alias one allocation, not copies); the words are zeroed
+        again after."""
+        n = self.world_size
+        for src in range(n):
+            for dst in range(n):
+                _cu("cuMemsetD32", self.region(src, dst) + 4 * src, _probe_word(src, dst), 1)
+        _cu("cuCtxSynchronize")
+        bad = []
+        for dst in range(n):
+            words = (ctypes.c_uint32 * n)()
+            _cu("cuMemcpyDtoH", ctypes.addressof(words), self.region(dst, dst), 4 * n)
+            bad += [f"rank {src}'s word in rank {dst}'s region: got 0x{words[src]:08x}, expected "
+                    f"0x{_probe_word(src, dst):08x}" for src in range(n) if words[src] != _probe_word(src, dst)]
+            _cu("cuMemsetD8", self.region(dst, dst), 0, 4 * n)
+        if bad:
+            raise RuntimeError("torch_sdcp: virtual ranks: write-and-verify probe: stores through one rank's "
+                               "mapping did not reach the owner's (" + "; ".join(bad) + ")")
+
+    # -- teardown -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Synchronise, unregister, unmap, free (idempotent; every step is tried)."""
+        if self.closed:
+            return
+        self.closed = True
+        failures: list[str] = []
+
+        def attempt(what: str, step: Callable[..., object], *args: object) -> bool:
+            try:
+                step(*args)
+                return True
+            except Exception as e:
+                failures.append(f"{what}: {e}")
+                return False
+
+        pushed = False
+        if self._context_retained:
+            pushed = attempt("cuCtxPushCurrent", _cu, "cuCtxPushCurrent", self._context_handle)
+            # A kernel still in flight must not fault on memory about to go.
+            attempt("cuCtxSynchronize", _cu, "cuCtxSynchronize")
+        for handle in self.handles:
+            attempt(f"workspace_unregister({handle})", torch.ops.sdcp.workspace_unregister, handle)
+        self.handles = []
+        for address, size in self._mappings:
+            attempt(f"cuMemUnmap(0x{address:x})", _cu, "cuMemUnmap", address, size)
+        self._mappings = []
+        for address, size in self._ranges:
+            attempt(f"cuMemAddressFree(0x{address:x})", _cu, "cuMemAddressFree", address, size)
+        self._ranges, self.bases = [], []
+        for allocation in self._allocations:
+            attempt("cuMemRelease", _cu, "cuMemRelease", allocation)
+        self._allocations = []
+        if pushed:
+            attempt("cuCtxPopCurrent", _cu, "cuCtxPopCurrent")
+        if self._context_retained:
+            self._context_retained = False
+            attempt("cuDevicePrimaryCtxRelease", _cu, "cuDevicePrimaryCtxRelease", self._cu_device)
+        if failures:
+            raise RuntimeError(f"torch_sdcp: virtual ranks of {FAMILIES[int(self.kind)].name}: teardown: "
+                               + "; ".join(failures))
+
+    def __enter__(self) -> VirtualRanks:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the error in flight is the one to see; a teardown failure is logged beside it
+            self.close()
+        except Exception as e:
+            logger.warning("%s", e)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"handles={self.handles}"
+        return (f"VirtualRanks({FAMILIES[int(self.kind)].name}, world_size={self.world_size}, params={self.params}, "
+                f"device={self.device}, stride={self.stride}, {state})")
