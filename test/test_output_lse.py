@@ -446,16 +446,18 @@ def _rows_fallback_disagreement_worker(rank, world):
     ws = torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, timeout_s=1.5, **HOST)
     po, pl = rank_partials(2, seed=rank)
     ws.combine(po, pl)
-    if rank == 0:  # 3 rows > max_rows: the collective path, while rank 1 takes the peer path
+    t0 = time.monotonic()
+    if rank == 0:  # 3 rows > max_rows: the collective path, while rank 1 takes the peer path: a void call
         big, big_lse = rank_partials(3, seed=rank)
-        with pytest.raises(RuntimeError, match=r"combine\(\) has 3 rows > max_rows = 2 on this rank and takes the "
-                                               r"collective path.*rank 1.*no rank entered a collective"):
-            ws.combine(big, big_lse)  # agreed on the store first: it never enters gloo
-    else:  # its kernel times out on the header, or ends at once on rank 0's abort
-        with pytest.raises(RuntimeError, match="peer 0 aborted|peer 0's call header .*did not enter this call: "
-                                               r".*took the collective path \(rows > max_rows\)"):
+        with pytest.raises(ValueError, match=r"argument 'partial_out': expected 2 rows \(rank 1 with 2 rows, the peer "
+                                             r"path\), got 3 rows \(over max_rows = 2 on this rank only\)"):
+            ws.combine(big, big_lse)  # it never enters gloo
+    else:  # rank 0's placeholder (2 rows, void) pairs with this call
+        with pytest.raises(torch_sdcp.VoidedCallError, match=r"rank 0 voided call .*got 3 rows"):
             ws.combine(po, pl)
-    expect_poisoned(ws, lambda: ws.combine(po, pl))
+    assert time.monotonic() - t0 < 1.0  # not timeout_s = 1.5 s
+    assert not ws.poisoned
+    assert ws.combine(po, pl).shape == (2, 4, 64)  # the next call pairs
     ws.close()
     return True
 
