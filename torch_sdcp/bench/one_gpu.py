@@ -27,7 +27,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -307,50 +306,6 @@ def step(streams: Sequence[torch.cuda.Stream], calls: Sequence[Callable[[], Any]
     return results
 
 
-def time_ranks(streams: Sequence[torch.cuda.Stream], calls: Sequence[Callable[[], Any]], timer: Timer,
-               ks: Sequence[int] = (8, 1)) -> dict:
-    """Microseconds per step, k steps per replay: each rank's k calls are
-    captured in a graph of its own (on its own stream) and the N graphs are
-    launched on their own streams, concurrently, per replay. Not one graph
-    with N branches: a graph gives no forward-progress guarantee between its
-    branches, and kernels that spin for each other were serialised there
-    (the first replay's waits gave up at N = 4 and 8)."""
-    current = torch.cuda.current_stream()
-    out = {}
-    for k in ks:
-        graphs = []
-        for stream, call in zip(streams, calls, strict=True):
-            stream.wait_stream(current)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(k):
-                    call()
-            graphs.append(graph)
-        torch.cuda.synchronize()
-
-        def replay(graphs: list = graphs) -> None:
-            for stream, graph in zip(streams, graphs, strict=True):
-                stream.wait_stream(current)
-                with torch.cuda.stream(stream):
-                    graph.replay()
-            for stream in streams:
-                current.wait_stream(stream)
-
-        replay()
-        torch.cuda.synchronize()
-        trials = []
-        for _ in range(timer.trials):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(timer.replays):
-                replay()
-            end.record()
-            end.synchronize()
-            trials.append(start.elapsed_time(end) * 1e3 / (timer.replays * k))
-        out[f"k{k}"] = statistics.median(trials)
-    return out
-
-
 def residency(boundary: Boundary, rows: int, world: int, sms: int, blocks_per_sm: int) -> tuple[int, str | None]:
     """(blocks of one rank's grid, why the N grids cannot all be resident, or None)."""
     blocks = boundary.grid(rows, world, sms)
@@ -391,9 +346,7 @@ def run_cell(boundary: Boundary, rows: int, world: int, timer: Timer, timeout_s:
         timed = [boundary.timed_inputs(rows, r, world) for r in range(world)]
         calls = [functools.partial(boundary.call, h, x) for h, x in zip(ranks.handles, timed, strict=True)]
         torch.cuda.synchronize(device)
-        step(streams, calls)  # the calls' first launches, outside any capture
-        torch.cuda.synchronize(device)
-        cell: dict = {"check": "ok", **time_ranks(streams, calls, timer)}
+        cell: dict = {"check": "ok", **timer.measure(lambda: step(streams, calls))}
         torch.cuda.synchronize(device)
         health(ranks, timeout_s)  # a timeout inside the graph replays would otherwise read as a fast figure
     return cell
