@@ -60,11 +60,6 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == onegpu ]]; then
   failed=0
-  # One host thread launches the N ranks' kernels, each of which spins until its peers' land:
-  # a launch that waits for the context to go idle (lazy module loading's first launch) or two
-  # ranks' streams sharing one of the default 8 hardware queues would serialise them until the
-  # waits give up (seen at N = 8 without these).
-  export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER} CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
   for n in ${ONEGPU_WORLDS:-1 2 4 8}; do
     timeout ${ONEGPU_TIMEOUT:-240} python3 -m torch_sdcp.bench --one-gpu "$n" --rows "${ONEGPU_ROWS:-1,32,128}" \
       --out "$OUT/onegpu-$n" ${ONEGPU_ARGS:-} > "$OUT/onegpu-$n.log" 2>&1
