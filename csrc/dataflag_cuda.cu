@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
+#include <optional>
 
 namespace sdcp {
 namespace {
@@ -26,7 +27,15 @@ __global__ void store_abort_kernel(DeviceWorkspace ws, uint64_t word) {
 // capture too. Null when the device cannot map host memory (then a timeout
 // traps, as without this record).
 std::shared_ptr<void> alloc_error(const c10::Device& device, DataFlagError** host, DataFlagError** dev) {
-  const c10::cuda::CUDAGuard guard(device);
+  // A device that cannot be made current (no driver: a machine without a GPU running a build with
+  // the CUDA kernels) has no mapped record; the host record stands in, and no kernel runs there.
+  std::optional<c10::cuda::CUDAGuard> guard;
+  try {
+    guard.emplace(device);
+  } catch (const c10::Error&) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
   void* h = nullptr;
   if (cudaHostAlloc(&h, sizeof(DataFlagRecords), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
     (void)cudaGetLastError();
