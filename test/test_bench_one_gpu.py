@@ -190,12 +190,16 @@ def test_the_table_says_what_the_figure_is():
             {"rows": 128, "world1": {"grid_blocks": 264, "check": "ok", "k8": 6.0, "k1": 8.0},
              "world4": {"grid_blocks": 256, "skipped": "not co-resident: 4 grids of 256 blocks"}}],
         "topk": [{"rows": 1, "world1": {"grid_blocks": 1, "check": "ok", "k8": 7.0, "k1": 9.0},
-                  "world4": {"grid_blocks": 1, "check": "MISMATCH", "error": "topk, world 4, rows 1: rank 2"}}]}
+                  "world4": {"grid_blocks": 1, "check": "MISMATCH", "error": "topk, world 4, rows 1: rank 2"}},
+                 {"rows": 32, "world1": {"grid_blocks": 32, "check": "ok", "k8": 7.2, "k1": 9.1},
+                  "world4": {"grid_blocks": 32, "error": "RuntimeError: virtual rank 0 failed"}}]}
     text = one_gpu.tables({"meta": meta, "results": results})
     assert "one GPU, 4 virtual ranks: kernel side, HBM in place of NVLink; not a multi-GPU figure" in text
     assert "world 1 2.0 / 4.0 | world 4 3.5 / 5.0 | world 4 - world 1 +1.5 us (k8)" in text
     assert "world 4 skipped" in text and "not co-resident: 4 grids of 256 blocks" in text
     assert "world 4 MISMATCH" in text and "reference check FAILED" in text and "1 cell(s) FAILED" in text
+    # an error (a wait that gave up) is not a mismatch
+    assert "world 4 failed" in text and "reference check not completed (an error, below)" in text
     assert "world 1 is the floor" in text and "legend" in text and "sdcp::topk_merge" in text
 
 

@@ -469,10 +469,12 @@ def tables(data: dict) -> str:
             if len(worlds) > 1 and all(isinstance(c.get("k8"), (int, float)) for c in (floor, top)):
                 cells.append(f"world {worlds[-1]} - world 1 {top['k8'] - floor['k8']:+.1f} us (k8)")
             grids = ", ".join(f"world {w} {row.get(f'world{w}', {}).get('grid_blocks', '?')}" for w in worlds)
-            checked = all(row.get(f"world{w}", {}).get("check") == "ok" for w in worlds
-                          if "skipped" not in row.get(f"world{w}", {}))
+            ran = [c for c in (row.get(f"world{w}", {}) for w in worlds) if "skipped" not in c]
+            checked = ("FAILED" if any(c.get("check") == "MISMATCH" for c in ran)
+                       else "ok" if all(c.get("check") == "ok" for c in ran)
+                       else "not completed (an error, below)")
             lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells)
-                         + f"   (blocks per rank: {grids}; reference check {'ok' if checked else 'FAILED'})")
+                         + f"   (blocks per rank: {grids}; reference check {checked})")
             lines += [f"           {note}" for note in notes]
     lines.append("\nlegend (what each virtual rank runs; every rank's region is its own allocation on this GPU, "
                  "so a store into a peer's buffer goes to this GPU's HBM, and the ranks' grids share its SMs)")
