@@ -163,15 +163,12 @@ TORCH_LIBRARY_IMPL(sdcp, CUDA, m) {
 
 // A call header's flags word: the LSE base.
 namespace {
-std::string output_lse_flags_text(uint32_t v) { return cat("lse base ", v ? "2" : "e"); }
-}  // namespace
 
-namespace {
+std::string output_lse_flags_text(uint32_t v) { return cat("lse base ", v ? "2" : "e"); }
 
 const uint32_t* output_lse_header_entry(const Workspace& ws, int64_t src, uint64_t call, bool) {
-  const auto g = OutputLSEGeometry::of(ws);
-  return reinterpret_cast<const uint32_t*>(ws.slot_data(ws.rank, static_cast<int64_t>(call % kDataFlagBuffers)) +
-                                           g.header_offset) + peer_slot(src, ws.rank, ws.world_size) * kHeaderFields;
+  return buffer_header(ws, OutputLSEGeometry::of(ws).header_offset, ws.rank, src,
+                       static_cast<int64_t>(call % kDataFlagBuffers));
 }
 
 }  // namespace

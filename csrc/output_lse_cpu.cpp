@@ -73,9 +73,7 @@ void combine_out_cpu(const CombineCall& c, const at::Tensor& partial_out, const 
   auto inbox_lse = [&](int64_t d, int64_t s) {
     return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.lse_inbox_offset) + peer_slot(s, d, n) * max_rows * hl;
   };
-  auto header = [&](int64_t d, int64_t s) {
-    return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.header_offset) + peer_slot(s, d, n) * kHeaderFields;
-  };
+  auto header = [&](int64_t d, int64_t s) { return buffer_header(ws, g.header_offset, d, s, buf); };
   const auto* po = static_cast<const uint32_t*>(partial_out.data_ptr());
   const auto* pl = reinterpret_cast<const uint32_t*>(partial_lse.data_ptr<float>());
   // This producer's LSE words of row t, heads [h0, h0 + hl): -inf for an empty row (call.mask).

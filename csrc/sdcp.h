@@ -228,6 +228,14 @@ inline CallHeader call_header(const Workspace& ws, int64_t rows, int64_t dtype, 
 // buffer: one entry per peer, none for itself (0 .. N-2).
 inline int64_t peer_slot(int64_t src, int64_t dst, int64_t n) { return (src - dst - 1 + n) % n; }
 
+// Rank dst's call header entry for source src in buffer `buf`, for a family
+// whose buffers end in the headers [peer][kHeaderFields words] at
+// `header_offset` (Output/LSE, top-K).
+inline uint32_t* buffer_header(const Workspace& ws, int64_t header_offset, int64_t dst, int64_t src, int64_t buf) {
+  return reinterpret_cast<uint32_t*>(ws.slot_data(dst, buf) + header_offset) +
+         peer_slot(src, dst, ws.world_size) * kHeaderFields;
+}
+
 // ---- Failure handling of data-as-flag workspaces ------------------------
 // A failed or aborted workspace is poisoned on this rank: its error record
 // is set. Every op that resolves it raises (check_workspace_health), and so

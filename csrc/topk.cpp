@@ -67,9 +67,8 @@ TopKMergeCall prepare_topk_merge(const at::Tensor& scores, const at::Tensor& ids
 namespace {
 
 const uint32_t* topk_header_entry(const Workspace& ws, int64_t src, uint64_t call, bool) {
-  const auto g = TopKGeometry::of(ws);
-  return reinterpret_cast<const uint32_t*>(ws.slot_data(ws.rank, static_cast<int64_t>(call % kDataFlagBuffers)) +
-                                           g.header_offset) + peer_slot(src, ws.rank, ws.world_size) * kHeaderFields;
+  return buffer_header(ws, TopKGeometry::of(ws).header_offset, ws.rank, src,
+                       static_cast<int64_t>(call % kDataFlagBuffers));
 }
 
 }  // namespace

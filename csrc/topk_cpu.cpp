@@ -58,9 +58,7 @@ void merge_cpu(const TopKMergeCall& c, const at::Tensor& scores, const at::Tenso
   auto inbox = [&](int64_t d, int64_t s) {
     return reinterpret_cast<uint64_t*>(ws.slot_data(d, buf) + g.inbox_offset) + peer_slot(s, d, n) * g.max_rows * kk;
   };
-  auto header = [&](int64_t d, int64_t s) {
-    return reinterpret_cast<uint32_t*>(ws.slot_data(d, buf) + g.header_offset) + peer_slot(s, d, n) * kHeaderFields;
-  };
+  auto header = [&](int64_t d, int64_t s) { return buffer_header(ws, g.header_offset, d, s, buf); };
   for (int64_t d = 0; d < n; ++d)  // before the keys it describes
     if (d != me) host_store_call_header(header(d, me), c.header);
   // 1. Owner: the best kk keys of every row, in order, pushed to every peer.

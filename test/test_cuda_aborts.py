@@ -22,22 +22,24 @@ from _helpers import rank_workspace_args, requires_gpus
 pytestmark = [pytest.mark.gpu, requires_gpus(1)]
 
 
-def _inputs(rank, device):
+def _paired(rank):
+    """A workspace on GPU 0 and this rank's inputs, after one call that paired."""
+    import torch_sdcp
+
+    where = rank_workspace_args(rank, "cuda_shared")
+    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 128, timeout_s=60, **where)
     g = torch.Generator().manual_seed(rank)
-    return (torch.randn(4, 8, 128, generator=g).to(device, torch.bfloat16),
-            torch.randn(4, 8, generator=g).to(device))
+    out = torch.randn(4, 8, 128, generator=g).to(where["device"], torch.bfloat16)
+    lse = torch.randn(4, 8, generator=g).to(where["device"])
+    ws.combine(out, lse)
+    torch.cuda.synchronize()
+    return ws, out, lse
 
 
 def _second_stream_worker(rank, world):
     import torch.distributed as dist
 
-    import torch_sdcp
-
-    where = rank_workspace_args(rank, "cuda_shared")
-    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 128, timeout_s=60, **where)
-    out, lse = _inputs(rank, where["device"])
-    ws.combine(out, lse)
-    torch.cuda.synchronize()
+    ws, out, lse = _paired(rank)
     if rank == 0:
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
@@ -75,13 +77,7 @@ def _dropped_worker(rank, world):
 
     import torch.distributed as dist
 
-    import torch_sdcp
-
-    where = rank_workspace_args(rank, "cuda_shared")
-    ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 128, timeout_s=60, **where)
-    out, lse = _inputs(rank, where["device"])
-    ws.combine(out, lse)
-    torch.cuda.synchronize()
+    ws, out, lse = _paired(rank)
     dist.barrier()
     if rank == 0:
         time.sleep(0.5)  # the peer's kernel waits in its next call by now
