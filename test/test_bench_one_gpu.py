@@ -101,25 +101,50 @@ GLM5 = one_gpu.Geometry(heads=64, head_dim=512, rope_dim=64, k=2048, query_dtype
 H200_SMS = 132
 
 
-@pytest.mark.parametrize("name, rows, world, blocks, fits", [
-    ("signal", 1, 8, 1, True),
-    ("output_lse", 1, 2, 4, True),
-    ("output_lse", 32, 2, 128, True),
-    ("output_lse", 32, 8, 32, True),  # 8 x 32 = 256 <= 264
-    ("output_lse", 128, 2, 264, False),  # capped at 2 per SM: 528 > 264
-    ("output_lse", 128, 1, 264, True),  # no peer to wait for
-    ("query", 32, 4, 64, True),
-    ("query", 128, 8, 128, False),
-    ("topk", 32, 4, 32, True),  # 128 <= 132 at one block per SM
-    ("topk", 32, 8, 32, False),
-    ("topk", 128, 2, 128, False),
+@pytest.mark.parametrize("name, rows, world, blocks, pdl, fits", [
+    ("signal", 1, 8, 1, False, True),
+    ("output_lse", 1, 2, 4, False, True),
+    ("output_lse", 32, 2, 128, False, True),
+    ("output_lse", 32, 8, 32, False, True),  # 8 x 32 = 256 <= 264
+    ("output_lse", 128, 2, 264, False, False),  # capped at 2 per SM: 528 > 264
+    ("output_lse", 128, 1, 264, False, True),  # no peer to wait for
+    ("query", 32, 4, 64, False, True),
+    ("query", 128, 8, 128, False, False),
+    ("topk", 32, 4, 32, False, True),  # 128 <= 132 at one block per SM
+    ("topk", 32, 8, 32, False, False),
+    ("topk", 128, 2, 128, False, False),
+    # PDL on: every rank's next kernel counted beside its current one
+    ("signal", 1, 8, 1, True, True),
+    ("output_lse", 1, 8, 1, True, True),  # 2 x 8 x 1 = 16
+    ("query", 1, 4, 2, True, True),
+    ("output_lse", 32, 2, 128, True, False),  # 2 x 2 x 128 = 512 > 264
+    ("output_lse", 32, 8, 32, True, False),  # 2 x 8 x 32 = 512 > 264
+    ("query", 32, 4, 64, True, False),
+    ("topk", 1, 8, 1, True, True),
+    ("topk", 32, 2, 32, True, True),  # 2 x 2 x 32 = 128 <= 132
+    ("topk", 32, 4, 32, True, False),  # 256 > 132
+    ("output_lse", 128, 1, 264, True, True),  # world 1: no peer, whatever PDL holds
 ])
-def test_residency_follows_the_grid_sizes_of_the_kernels(name, rows, world, blocks, fits):
+def test_residency_follows_the_grid_sizes_of_the_kernels(name, rows, world, blocks, pdl, fits):
     boundary = one_gpu.BOUNDARY_CLASSES[name](GLM5, torch.device("cpu"))
-    got, why = one_gpu.residency(boundary, rows, world, H200_SMS, one_gpu.ASSUMED_BLOCKS_PER_SM[name])
+    got, why = one_gpu.residency(boundary, rows, world, H200_SMS, one_gpu.ASSUMED_BLOCKS_PER_SM[name], pdl)
     assert got == blocks and (why is None) == fits, why
     if why:
-        assert f"{world} grids of {blocks} blocks" in why and f"{H200_SMS} SMs" in why
+        need = world * blocks * (2 if pdl else 1)
+        assert f"{world} grids of {blocks} blocks" in why and f"= {need} blocks" in why and f"{H200_SMS} SMs" in why
+        assert ("twice over while PDL is on" in why and "SDCP_PDL=0" in why) == pdl, why
+
+
+@pytest.mark.parametrize("major, env, on", [(9, None, True), (10, None, True), (9, "0", False), (9, "1", True),
+                                            (8, None, False)])
+def test_pdl_is_on_as_the_kernels_decide(monkeypatch, major, env, on):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    if env is None:
+        monkeypatch.delenv("SDCP_PDL", raising=False)
+    else:
+        monkeypatch.setenv("SDCP_PDL", env)
+    assert one_gpu.pdl_on(CUDA0) is on
+    assert one_gpu.grids_per_rank(on) == (2 if on else 1)
 
 
 SMALL = one_gpu.Geometry(heads=8, head_dim=64, rope_dim=16, k=16, query_dtype=torch.float8_e4m3fn)
@@ -182,7 +207,7 @@ def test_the_timed_inputs_are_the_benchs():
 def test_the_table_says_what_the_figure_is():
     meta = {"date": "d", "one_gpu": 4, "worlds": [1, 4], "note": one_gpu.NOTE.format(n=4), "device": "gpu",
             "torch": "t", "sms": 132, "blocks_per_sm": {"output_lse": 2, "topk": 1}, "blocks_per_sm_assumed": True,
-            "timeout_s": 3.0, "failures": 1}
+            "timeout_s": 3.0, "failures": 1, "pdl": True}
     results = {
         "output_lse": [
             {"rows": 1, "world1": {"grid_blocks": 8, "check": "ok", "k8": 2.0, "k1": 4.0},
@@ -201,6 +226,9 @@ def test_the_table_says_what_the_figure_is():
     # an error (a wait that gave up) is not a mismatch
     assert "world 4 failed" in text and "reference check not completed (an error, below)" in text
     assert "world 1 is the floor" in text and "legend" in text and "sdcp::topk_merge" in text
+    assert "PDL on (SDCP_PDL unset)" in text and "every rank counts twice its grid" in text
+    meta["pdl"] = False
+    assert "PDL off (SDCP_PDL=0" in one_gpu.tables({"meta": meta, "results": results})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -306,12 +306,35 @@ def step(streams: Sequence[torch.cuda.Stream], calls: Sequence[Callable[[], Any]
     return results
 
 
-def residency(boundary: Boundary, rows: int, world: int, sms: int, blocks_per_sm: int) -> tuple[int, str | None]:
-    """(blocks of one rank's grid, why the N grids cannot all be resident, or None)."""
+def pdl_on(device: torch.device) -> bool:
+    """Whether the data-as-flag kernels launch programmatically on ``device``
+    (csrc/dataflag.cuh dataflag_pdl: compute capability 9.0 or later, unless
+    SDCP_PDL=0; the kernels read it once, at their first launch)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("SDCP_PDL") != "0"
+
+
+def grids_per_rank(pdl: bool) -> int:
+    """Grids of one rank that may hold SM slots at once. Under PDL a rank's
+    next kernel is launched as soon as every block of its current one has
+    started (pdl_wait_and_release), and its blocks sit in griddepcontrol.wait
+    until the current one completes: two grids. The one after cannot start
+    before that wait returns."""
+    return 2 if pdl else 1
+
+
+def residency(boundary: Boundary, rows: int, world: int, sms: int, blocks_per_sm: int,
+              pdl: bool) -> tuple[int, str | None]:
+    """(blocks of one rank's grid, why the N grids cannot all be resident, or None).
+    While PDL is on every rank counts twice its grid: a rank's early-launched
+    next kernel can take the slots a late peer's current kernel needs, and the
+    current one then waits for that peer until it gives up."""
     blocks = boundary.grid(rows, world, sms)
     fit = blocks_per_sm * sms
-    if world > 1 and world * blocks > fit:
-        return blocks, (f"not co-resident: {world} grids of {blocks} blocks = {world * blocks} blocks, "
+    need = world * blocks * grids_per_rank(pdl)
+    if world > 1 and need > fit:
+        pdl_note = (", twice over while PDL is on (each rank's next kernel may hold its blocks beside it; "
+                    "SDCP_PDL=0 turns PDL off)") if pdl else ""
+        return blocks, (f"not co-resident: {world} grids of {blocks} blocks{pdl_note} = {need} blocks, "
                         f"{fit} fit ({sms} SMs x {blocks_per_sm} per SM, assumed)")
     return blocks, None
 
@@ -373,6 +396,7 @@ def run(args) -> int:
                    query_dtype=torch.float8_e4m3fn if args.query_dtype == "fp8" else torch.bfloat16)
     worlds = sorted({1, n})
     blocks_per_sm = {b: args.blocks_per_sm or ASSUMED_BLOCKS_PER_SM[b] for b in args.boundaries}
+    pdl = pdl_on(device)
     print(f"torch_sdcp bench: {NOTE.format(n=n)}; worlds {worlds}, rows {args.rows}, boundaries {args.boundaries}; "
           f"writing {args.out}", flush=True)
     started = time.monotonic()
@@ -391,7 +415,7 @@ def run(args) -> int:
                 for rows in ([1] if name == "signal" else args.rows):
                     row: dict = {"rows": rows}
                     for world in worlds:
-                        blocks, skip = residency(boundary, rows, world, sms, blocks_per_sm[name])
+                        blocks, skip = residency(boundary, rows, world, sms, blocks_per_sm[name], pdl)
                         cell: dict = {"grid_blocks": blocks}
                         if skip:
                             cell["skipped"] = skip
@@ -416,7 +440,7 @@ def run(args) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "one_gpu": n, "worlds": worlds,
             "note": NOTE.format(n=n), "multi_gpu": False, "device": torch.cuda.get_device_name(device),
             "sms": sms, "blocks_per_sm": blocks_per_sm, "blocks_per_sm_assumed": args.blocks_per_sm is None,
-            "timeout_s": args.one_gpu_timeout, "pdl": os.environ.get("SDCP_PDL", "1") != "0",
+            "timeout_s": args.one_gpu_timeout, "pdl": pdl, "grids_per_rank": grids_per_rank(pdl),
             "torch": torch.__version__, "failures": failures, "args": dict(vars(args))}
     data = {"meta": meta, "results": results}
     with open(os.path.join(args.out, "bench.json"), "w") as f:
@@ -436,6 +460,14 @@ def _us(cell: dict, k: str) -> str:
     return f"{v:.1f}" if isinstance(v, (int, float)) else "n/a"
 
 
+def pdl_line(meta: dict) -> str:
+    """The table's line on programmatic dependent launch and what the co-residency rule counts for it."""
+    if meta.get("pdl"):
+        return ("PDL on (SDCP_PDL unset): a rank's next kernel may hold SM slots while its current one runs, so "
+                "every rank counts twice its grid (SDCP_PDL=0 turns PDL off and counts it once)")
+    return "PDL off (SDCP_PDL=0 or before compute capability 9.0): every rank counts its grid once"
+
+
 def tables(data: dict) -> str:
     """The one-GPU run's table: per boundary and row count, world 1 (the
     floor) beside world N, us per step, k8 / k1."""
@@ -450,7 +482,8 @@ def tables(data: dict) -> str:
              + ("assumed" if meta["blocks_per_sm_assumed"] else "given (--blocks-per-sm)") + ": "
              + ", ".join(f"{b} {v}" for b, v in meta["blocks_per_sm"].items())
              + f"; a row whose {n} grids cannot all be resident is skipped; waits give up after "
-               f"{meta['timeout_s']:g} s"]
+               f"{meta['timeout_s']:g} s",
+             pdl_line(meta)]
     for name, rows in data["results"].items():
         lines.append(f"\n{name}")
         for row in rows:
