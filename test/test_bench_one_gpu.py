@@ -246,7 +246,7 @@ def test_the_table_says_what_the_figure_is():
     # an error (a wait that gave up) is not a mismatch
     assert "world 4 failed" in text and "reference check not completed (an error, below)" in text
     assert "world 1 is the floor" in text and "legend" in text and "sdcp::topk_merge" in text
-    assert "PDL on (SDCP_PDL unset)" in text and "every rank counts twice its grid" in text
+    assert "PDL on (SDCP_PDL not 0)" in text and "every rank counts twice its grid" in text
     # a run without a method in its JSON (before --one-gpu-method) was one graph, k8 / k1
     assert "method one-graph: k8, 8 steps in ONE CUDA graph" in text and "branches run concurrently" in text
     meta["pdl"] = False

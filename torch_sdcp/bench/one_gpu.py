@@ -611,7 +611,7 @@ def _us(cell: dict, k: str) -> str:
 def pdl_line(meta: dict) -> str:
     """The table's line on programmatic dependent launch and what the co-residency rule counts for it."""
     if meta.get("pdl"):
-        return ("PDL on (SDCP_PDL unset): a rank's next kernel may hold SM slots while its current one runs, so "
+        return ("PDL on (SDCP_PDL not 0): a rank's next kernel may hold SM slots while its current one runs, so "
                 "every rank counts twice its grid (SDCP_PDL=0 turns PDL off and counts it once)")
     return "PDL off (SDCP_PDL=0 or before compute capability 9.0): every rank counts its grid once"
 
