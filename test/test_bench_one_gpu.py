@@ -99,6 +99,7 @@ def test_one_gpu_defaults(monkeypatch):
     # the plain bench's Timer: k8 / k1, 100 replays
     args = parse_args(["--one-gpu", "2", "--one-gpu-method", "one-graph"])
     assert args.one_gpu_method == "one-graph" and args.one_gpu_steps is None and args.replays == 100
+    assert (one_gpu.GraphPerRank.name, one_gpu.OneGraph.name) == one_gpu.METHODS  # the default first
 
 
 def test_the_bench_without_one_gpu_is_unchanged():
