@@ -1,10 +1,12 @@
 """`python -m torch_sdcp.bench --one-gpu N`: its argument errors, the
-co-residency rule, the reference checks, the table, and the virtual ranks'
-memory (creation, initialisation, teardown) over a stand-in CUDA driver; on
-a GPU, a short run at world 2."""
+co-residency rule (PDL counted), the reference checks, the table of either
+method, a replay's fork and join over stand-in streams, and the virtual
+ranks' memory (creation, initialisation, teardown) over a stand-in CUDA
+driver; on a GPU, short runs at world 2 by either method."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
@@ -42,6 +44,13 @@ from torch_sdcp.peer.virtual_ranks import VirtualRanks
     (["--one-gpu", "2", "--blocks-per-sm", "0"], "argument --blocks-per-sm: expected an integer >= 1, got 0"),
     (["--blocks-per-sm", "2"], "argument --blocks-per-sm: expected only with --one-gpu, got it without"),
     (["--one-gpu-timeout", "2"], "argument --one-gpu-timeout: expected only with --one-gpu, got it without"),
+    (["--one-gpu", "2", "--one-gpu-method", "graphs"],
+     "argument --one-gpu-method: expected 'graph-per-rank' or 'one-graph', got 'graphs'"),
+    (["--one-gpu", "2", "--one-gpu-steps", "0"], "argument --one-gpu-steps: expected an integer >= 1, got 0"),
+    (["--one-gpu", "4", "--one-gpu-method", "one-graph", "--one-gpu-steps", "64"],
+     "argument --one-gpu-steps: expected only with --one-gpu-method graph-per-rank, got it with one-graph"),
+    (["--one-gpu-method", "one-graph"], "argument --one-gpu-method: expected only with --one-gpu, got it without"),
+    (["--one-gpu-steps", "64"], "argument --one-gpu-steps: expected only with --one-gpu, got it without"),
 ])
 def test_a_bad_one_gpu_option_is_a_usage_error_naming_it(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -74,11 +83,23 @@ def test_one_gpu_defaults(monkeypatch):
     assert args.one_gpu == 4 and args.world_size == 1 and args.backend == "cuda"
     assert args.rows == [1, 32, 128] and args.boundaries == list(one_gpu.BOUNDARIES)
     assert args.one_gpu_timeout == one_gpu.DEFAULT_TIMEOUT_S and args.blocks_per_sm is None
-    assert (args.replays, args.trials) == (100, 7)
+    # each rank's 64 steps in a graph of its own; 16 replays: 1,024 steps per trial
+    assert args.one_gpu_method == "graph-per-rank" and args.one_gpu_steps == 64
+    assert (args.replays, args.trials) == (16, 7)
     args = parse_args(["--one-gpu", "2", "--world-size", "1", "--rows", "8", "--boundaries", "topk",
                        "--one-gpu-timeout", "1.5", "--blocks-per-sm", "3"])
     assert args.rows == [8] and args.boundaries == ["topk"] and args.one_gpu_timeout == 1.5
     assert args.blocks_per_sm == 3
+    args = parse_args(["--one-gpu", "8", "--one-gpu-steps", "256"])
+    assert args.one_gpu_steps == 256 and args.replays == 4
+    args = parse_args(["--one-gpu", "8", "--one-gpu-steps", "4096", "--trials", "3"])
+    assert args.replays == 1 and args.trials == 3
+    args = parse_args(["--one-gpu", "2", "--one-gpu-steps", "32", "--replays", "5"])
+    assert (args.one_gpu_steps, args.replays) == (32, 5)
+    # the plain bench's Timer: k8 / k1, 100 replays
+    args = parse_args(["--one-gpu", "2", "--one-gpu-method", "one-graph"])
+    assert args.one_gpu_method == "one-graph" and args.one_gpu_steps is None and args.replays == 100
+    assert (one_gpu.GraphPerRank.name, one_gpu.OneGraph.name) == one_gpu.METHODS  # the default first
 
 
 def test_the_bench_without_one_gpu_is_unchanged():
@@ -101,25 +122,50 @@ GLM5 = one_gpu.Geometry(heads=64, head_dim=512, rope_dim=64, k=2048, query_dtype
 H200_SMS = 132
 
 
-@pytest.mark.parametrize("name, rows, world, blocks, fits", [
-    ("signal", 1, 8, 1, True),
-    ("output_lse", 1, 2, 4, True),
-    ("output_lse", 32, 2, 128, True),
-    ("output_lse", 32, 8, 32, True),  # 8 x 32 = 256 <= 264
-    ("output_lse", 128, 2, 264, False),  # capped at 2 per SM: 528 > 264
-    ("output_lse", 128, 1, 264, True),  # no peer to wait for
-    ("query", 32, 4, 64, True),
-    ("query", 128, 8, 128, False),
-    ("topk", 32, 4, 32, True),  # 128 <= 132 at one block per SM
-    ("topk", 32, 8, 32, False),
-    ("topk", 128, 2, 128, False),
+@pytest.mark.parametrize("name, rows, world, blocks, pdl, fits", [
+    ("signal", 1, 8, 1, False, True),
+    ("output_lse", 1, 2, 4, False, True),
+    ("output_lse", 32, 2, 128, False, True),
+    ("output_lse", 32, 8, 32, False, True),  # 8 x 32 = 256 <= 264
+    ("output_lse", 128, 2, 264, False, False),  # capped at 2 per SM: 528 > 264
+    ("output_lse", 128, 1, 264, False, True),  # no peer to wait for
+    ("query", 32, 4, 64, False, True),
+    ("query", 128, 8, 128, False, False),
+    ("topk", 32, 4, 32, False, True),  # 128 <= 132 at one block per SM
+    ("topk", 32, 8, 32, False, False),
+    ("topk", 128, 2, 128, False, False),
+    # PDL on: every rank's next kernel counted beside its current one
+    ("signal", 1, 8, 1, True, True),
+    ("output_lse", 1, 8, 1, True, True),  # 2 x 8 x 1 = 16
+    ("query", 1, 4, 2, True, True),
+    ("output_lse", 32, 2, 128, True, False),  # 2 x 2 x 128 = 512 > 264
+    ("output_lse", 32, 8, 32, True, False),  # 2 x 8 x 32 = 512 > 264
+    ("query", 32, 4, 64, True, False),
+    ("topk", 1, 8, 1, True, True),
+    ("topk", 32, 2, 32, True, True),  # 2 x 2 x 32 = 128 <= 132
+    ("topk", 32, 4, 32, True, False),  # 256 > 132
+    ("output_lse", 128, 1, 264, True, True),  # world 1: no peer, whatever PDL holds
 ])
-def test_residency_follows_the_grid_sizes_of_the_kernels(name, rows, world, blocks, fits):
+def test_residency_follows_the_grid_sizes_of_the_kernels(name, rows, world, blocks, pdl, fits):
     boundary = one_gpu.BOUNDARY_CLASSES[name](GLM5, torch.device("cpu"))
-    got, why = one_gpu.residency(boundary, rows, world, H200_SMS, one_gpu.ASSUMED_BLOCKS_PER_SM[name])
+    got, why = one_gpu.residency(boundary, rows, world, H200_SMS, one_gpu.ASSUMED_BLOCKS_PER_SM[name], pdl)
     assert got == blocks and (why is None) == fits, why
     if why:
-        assert f"{world} grids of {blocks} blocks" in why and f"{H200_SMS} SMs" in why
+        need = world * blocks * (2 if pdl else 1)
+        assert f"{world} grids of {blocks} blocks" in why and f"= {need} blocks" in why and f"{H200_SMS} SMs" in why
+        assert ("twice over while PDL is on" in why and "SDCP_PDL=0" in why) == pdl, why
+
+
+@pytest.mark.parametrize("major, env, on", [(9, None, True), (10, None, True), (9, "0", False), (9, "1", True),
+                                            (8, None, False)])
+def test_pdl_is_on_as_the_kernels_decide(monkeypatch, major, env, on):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    if env is None:
+        monkeypatch.delenv("SDCP_PDL", raising=False)
+    else:
+        monkeypatch.setenv("SDCP_PDL", env)
+    assert one_gpu.pdl_on(CUDA0) is on
+    assert one_gpu.grids_per_rank(on) == (2 if on else 1)
 
 
 SMALL = one_gpu.Geometry(heads=8, head_dim=64, rope_dim=16, k=16, query_dtype=torch.float8_e4m3fn)
@@ -182,7 +228,7 @@ def test_the_timed_inputs_are_the_benchs():
 def test_the_table_says_what_the_figure_is():
     meta = {"date": "d", "one_gpu": 4, "worlds": [1, 4], "note": one_gpu.NOTE.format(n=4), "device": "gpu",
             "torch": "t", "sms": 132, "blocks_per_sm": {"output_lse": 2, "topk": 1}, "blocks_per_sm_assumed": True,
-            "timeout_s": 3.0, "failures": 1}
+            "timeout_s": 3.0, "failures": 1, "pdl": True}
     results = {
         "output_lse": [
             {"rows": 1, "world1": {"grid_blocks": 8, "check": "ok", "k8": 2.0, "k1": 4.0},
@@ -201,6 +247,181 @@ def test_the_table_says_what_the_figure_is():
     # an error (a wait that gave up) is not a mismatch
     assert "world 4 failed" in text and "reference check not completed (an error, below)" in text
     assert "world 1 is the floor" in text and "legend" in text and "sdcp::topk_merge" in text
+    assert "PDL on (SDCP_PDL not 0)" in text and "every rank counts twice its grid" in text
+    # a run without a method in its JSON (before --one-gpu-method) was one graph, k8 / k1
+    assert "method one-graph: k8, 8 steps in ONE CUDA graph" in text and "branches run concurrently" in text
+    meta["pdl"] = False
+    assert "PDL off (SDCP_PDL=0" in one_gpu.tables({"meta": meta, "results": results})
+
+
+def test_the_table_names_the_graph_per_rank_method_and_its_figure():
+    meta = {"date": "d", "one_gpu": 8, "worlds": [1, 8], "note": one_gpu.NOTE.format(n=8), "device": "gpu",
+            "torch": "t", "sms": 132, "blocks_per_sm": {"query": 2}, "blocks_per_sm_assumed": True,
+            "timeout_s": 3.0, "failures": 0, "pdl": False, "method": "graph-per-rank", "figure_keys": ["k64"],
+            "steps_per_graph": 64, "replays": 16, "trials": 7}
+    results = {"query": [
+        {"rows": 1, "world1": {"grid_blocks": 8, "check": "ok", "k64": 3.25, "host_us_per_step": 0.4,
+                               "host_late_trials": 0},
+         "world8": {"grid_blocks": 1, "check": "ok", "k64": 10.5, "host_us_per_step": 2.5, "host_late_trials": 2}},
+        {"rows": 32, "world1": {"grid_blocks": 256, "check": "ok", "k64": 4.0},
+         "world8": {"grid_blocks": 32, "error": "RuntimeError: virtual rank 3 failed at the first replay of the "
+                                                "rank graphs"}}]}
+    text = one_gpu.tables({"meta": meta, "results": results})
+    assert "not a multi-GPU figure" in text
+    assert ("k64; method graph-per-rank: each rank's 64 steps in a CUDA graph of its own, the 8 graphs launched on "
+            "8 streams") in text
+    assert "16 replays" in text and "median of 7 trials" in text
+    assert "waited for by its peers at its first step only" in text and "count 1/64 each" in text
+    assert "world 1 3.2 | world 8 10.5 | world 8 - world 1 +7.2 us (k64)" in text, text
+    assert "in 2 of 7 trials (host 2.50 us per step): the figure may include host time" in text
+    assert "world 8 failed" in text and "at the first replay of the rank graphs" in text
+    assert "k8" not in text and "ONE CUDA graph" not in text
+
+
+class FakeEvent:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def record(self, stream):
+        self.log.append(f"{stream.name}: record {self.name}")
+
+
+class FakeStream:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait_event(self, event):
+        self.log.append(f"{self.name}: wait {event.name}")
+
+
+class FakeGraph:
+    def __init__(self, log, rank, current):
+        self.log, self.rank, self.current = log, rank, current
+
+    def replay(self):
+        self.log.append(f"{self.current[0].name}: graph {self.rank}")
+
+
+def test_a_replay_forks_every_rank_graph_from_rank_0s_stream_and_joins_it_back(monkeypatch):
+    log: list[str] = []
+    current: list = [None]
+    events = iter(["fork", "join1", "join2", "join3", "fork"])
+    monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(log, next(events)))
+
+    class StreamContext:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current[0] = self.stream
+
+        def __exit__(self, *exc):
+            current[0] = None
+
+    monkeypatch.setattr(torch.cuda, "stream", StreamContext)
+    streams = [FakeStream(log, f"s{r}") for r in range(4)]
+    replay = one_gpu.RankGraphReplay(streams, [FakeGraph(log, r, current) for r in range(4)])
+    replay()
+    assert log == ["s0: record fork", "s0: graph 0",
+                   "s1: wait fork", "s1: graph 1", "s1: record join1",
+                   "s2: wait fork", "s2: graph 2", "s2: record join2",
+                   "s3: wait fork", "s3: graph 3", "s3: record join3",
+                   "s0: wait join1", "s0: wait join2", "s0: wait join3"]
+    log.clear()
+    one_gpu.RankGraphReplay(streams[:1], [FakeGraph(log, 0, current)])()  # world 1: no fork, no join
+    assert log == ["s0: graph 0"]
+
+
+class FakeCuda:
+    """The torch.cuda calls of GraphPerRank over a clock of microseconds: a
+    rank graph's replay takes 1 us per captured step, a spin its cycles at
+    SPIN_CYCLES_PER_US; events read the clock."""
+
+    def __init__(self):
+        self.clock = 0.0
+        self.capturing = None
+        self.synchronized = 0
+
+    class Stream:
+        device = torch.device("cuda", 0)
+
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    def install(self, monkeypatch):
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self, stream=None):
+                self.t = fake.clock
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) / 1e3
+
+            def synchronize(self):
+                pass
+
+        class Graph:
+            def __init__(self):
+                self.steps = 0
+
+            def replay(self):
+                fake.clock += self.steps
+
+        @contextlib.contextmanager
+        def capture(graph, stream=None):
+            fake.capturing = graph
+            yield
+            fake.capturing = None
+
+        def sleep(cycles):
+            fake.clock += cycles / one_gpu.SPIN_CYCLES_PER_US
+
+        def synchronize(device=None):
+            fake.synchronized += 1
+
+        current = self.Stream()
+        for name, value in {"Event": Event, "CUDAGraph": Graph, "graph": capture, "_sleep": sleep,
+                            "synchronize": synchronize, "current_stream": lambda: current,
+                            "stream": lambda s: contextlib.nullcontext()}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def call(self, rank, counts):
+        def one_call():
+            if self.capturing is not None:
+                self.capturing.steps += 1
+            counts[rank] += 1
+        return one_call
+
+
+def test_graph_per_rank_warms_up_captures_checks_the_first_replay_and_times_per_step(monkeypatch):
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    counts = [0, 0]
+    checked = []
+    method = one_gpu.GraphPerRank(steps=16, replays=4, trials=3)
+    got = method.measure([FakeCuda.Stream(), FakeCuda.Stream()], [fake.call(r, counts) for r in range(2)],
+                         lambda: checked.append(fake.clock))
+    assert counts == [2 + 16, 2 + 16]  # two eager warm-up steps, then 16 captured
+    assert checked == [2 * 16]  # after the first replay, before any timing
+    assert got["k16"] == pytest.approx(2.0) and got["trials_us"] == pytest.approx([2.0] * 3)  # 2 ranks x 1 us
+    assert got["head_start_us"] >= 50 and got["host_us_per_step"] > 0 and 0 <= got["host_late_trials"] <= 3
+    assert method.keys == ("k16",)
+
+
+def test_graph_per_rank_counts_the_trials_whose_launches_outlasted_the_head_start(monkeypatch):
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    monkeypatch.setattr(one_gpu, "MAX_HEAD_START_US", 1e-6)  # a spin of no cycles: every launch is late
+    got = one_gpu.GraphPerRank(steps=8, replays=2, trials=5).measure(
+        [FakeCuda.Stream()], [fake.call(0, [0])], lambda: None)
+    assert got["host_late_trials"] == 5 and got["k8"] == pytest.approx(1.0)  # world 1: 1 us per step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,22 +583,41 @@ def test_an_error_inside_the_block_is_not_hidden_by_teardown(fake_driver):
 # ---------------------------------------------------------------------------------------------
 
 
-@requires_gpus(1)
-def test_one_gpu_world_2_runs_checks_and_times_every_boundary(tmp_path):
-    out = tmp_path / "onegpu"
-    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench", "--one-gpu", "2", "--rows", "1", "--replays",
-                          "3", "--trials", "2", "--out", str(out)], capture_output=True, text=True, timeout=300)
+def run_one_gpu(out, *options: str) -> dict:
+    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench", "--one-gpu", "2", "--rows", "1", "--trials", "2",
+                          *options, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["one_gpu"] == 2 and data["meta"]["worlds"] == [1, 2] and data["meta"]["multi_gpu"] is False
     assert data["meta"]["failures"] == 0
-    assert list(data["results"]) == list(one_gpu.BOUNDARIES)
+    text = (out / "tables.txt").read_text()
+    assert "one GPU, 2 virtual ranks: kernel side, HBM in place of NVLink; not a multi-GPU figure" in text
+    assert "reference check ok" in text and "FAILED" not in text and text in res.stdout
+    return data
+
+
+def figures_are_times(data: dict, keys) -> None:
     for name, rows in data["results"].items():
         assert [r["rows"] for r in rows] == [1], name
         for world in (1, 2):
             cell = rows[0][f"world{world}"]
             assert cell["check"] == "ok", (name, cell)
-            assert all(isinstance(cell[k], float) and math.isfinite(cell[k]) and cell[k] > 0 for k in ("k8", "k1"))
-    text = (out / "tables.txt").read_text()
-    assert "one GPU, 2 virtual ranks: kernel side, HBM in place of NVLink; not a multi-GPU figure" in text
-    assert "reference check ok" in text and "FAILED" not in text and text in res.stdout
+            assert all(isinstance(cell[k], float) and math.isfinite(cell[k]) and cell[k] > 0 for k in keys), cell
+
+
+@requires_gpus(1)
+def test_one_gpu_world_2_runs_checks_and_times_every_boundary(tmp_path):
+    data = run_one_gpu(tmp_path / "onegpu", "--one-gpu-steps", "16", "--replays", "3")
+    assert data["meta"]["method"] == "graph-per-rank" and data["meta"]["figure_keys"] == ["k16"]
+    assert list(data["results"]) == list(one_gpu.BOUNDARIES)
+    figures_are_times(data, ["k16"])
+    cell = data["results"]["query"][0]["world2"]
+    assert len(cell["trials_us"]) == 2 and cell["head_start_us"] > 0 and cell["host_us_per_step"] > 0
+
+
+@requires_gpus(1)
+def test_one_gpu_world_2_one_graph(tmp_path):
+    data = run_one_gpu(tmp_path / "onegpu", "--one-gpu-method", "one-graph", "--replays", "3", "--boundaries",
+                       "signal,output_lse")
+    assert data["meta"]["method"] == "one-graph" and data["meta"]["figure_keys"] == ["k8", "k1"]
+    figures_are_times(data, ["k8", "k1"])

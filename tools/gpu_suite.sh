@@ -13,9 +13,15 @@
 # onegpu: python -m torch_sdcp.bench --one-gpu N for N in ONEGPU_WORLDS
 # (default 1 2 4 8) at rows ONEGPU_ROWS (default 1,32,128): N virtual ranks in
 # one process on GPU 0 against each other, world 1 beside them (the kernel side
-# with HBM in place of NVLink, not a multi-GPU figure); tables, bench.json and
-# the log per N under $OUT/onegpu-N; exits 1 when a run fails (a reference
-# check, an error); ONEGPU_ARGS adds options (e.g. --blocks-per-sm 3).
+# with HBM in place of NVLink, not a multi-GPU figure; each rank's 64 steps in
+# a CUDA graph of its own); once per word of ONEGPU_PDL (default "on off"):
+# SDCP_PDL=1 (PDL on, as the kernels run by default), then SDCP_PDL=0, whose
+# co-residency rule counts each rank's grid once instead of twice (the 32-row
+# cells of Output/LSE and the query run only there); tables,
+# bench.json and the log per run under $OUT/onegpu-N (PDL on) and
+# $OUT/onegpu-N-nopdl; exits 1 when a run fails (a reference check, an
+# error); ONEGPU_ARGS adds options (e.g. --blocks-per-sm 3, --one-gpu-method
+# one-graph).
 # SDCP_GPU_WORLD=N (default 2) runs the boundary GPU tests and the benchmarks
 # at world size N (DCP4 / DCP8 on machines with 4 or 8 GPUs); the benchmarks
 # then also run the sparse decode step.
@@ -60,12 +66,20 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == onegpu ]]; then
   failed=0
-  for n in ${ONEGPU_WORLDS:-1 2 4 8}; do
-    timeout ${ONEGPU_TIMEOUT:-240} python3 -m torch_sdcp.bench --one-gpu "$n" --rows "${ONEGPU_ROWS:-1,32,128}" \
-      --out "$OUT/onegpu-$n" ${ONEGPU_ARGS:-} > "$OUT/onegpu-$n.log" 2>&1
-    rc=$?
-    if [[ -f $OUT/onegpu-$n/tables.txt ]]; then cat "$OUT/onegpu-$n/tables.txt"; else tail -20 "$OUT/onegpu-$n.log"; fi
-    [[ $rc == 0 ]] || { echo "onegpu N=$n: exit $rc (log: $OUT/onegpu-$n.log)"; failed=1; }
+  for pdl in ${ONEGPU_PDL:-on off}; do
+    case $pdl in
+      on) sdcp_pdl=1 suffix= ;;
+      off) sdcp_pdl=0 suffix=-nopdl ;;
+      *) echo "ONEGPU_PDL: expected words 'on' or 'off', got '$pdl'"; exit 2 ;;
+    esac
+    for n in ${ONEGPU_WORLDS:-1 2 4 8}; do
+      run=onegpu-$n$suffix
+      SDCP_PDL=$sdcp_pdl timeout ${ONEGPU_TIMEOUT:-240} python3 -m torch_sdcp.bench --one-gpu "$n" \
+        --rows "${ONEGPU_ROWS:-1,32,128}" --out "$OUT/$run" ${ONEGPU_ARGS:-} > "$OUT/$run.log" 2>&1
+      rc=$?
+      if [[ -f $OUT/$run/tables.txt ]]; then cat "$OUT/$run/tables.txt"; else tail -20 "$OUT/$run.log"; fi
+      [[ $rc == 0 ]] || { echo "onegpu N=$n PDL $pdl: exit $rc (log: $OUT/$run.log)"; failed=1; }
+    done
   done
   exit $failed
 fi

@@ -7,6 +7,7 @@ each path's kernels and communication (LEGEND below).
                                [--boundaries query,topk,output_lse,decode] [--out DIR]
                                [--topk-distributions]
     python -m torch_sdcp.bench --one-gpu N [--rows 1,32,128] [--boundaries signal,query,topk,output_lse]
+                               [--one-gpu-method graph-per-rank|one-graph] [--one-gpu-steps 64]
 
 Launches its own local ranks (or runs under torchrun), picks the CUDA backend
 when there is one GPU per rank and the CUDA kernels are built, the host
@@ -23,7 +24,10 @@ shared memory: they are not performance, and no ratio is printed for them.
 --one-gpu N (1, 2, 4 or 8): N virtual ranks in this one process on one GPU,
 each rank's workspace its own allocation, the DCP-N kernels run against each
 other on N streams, world 1 beside them as the floor (bench/one_gpu.py). The
-kernel side with HBM in place of NVLink: not a multi-GPU figure.
+kernel side with HBM in place of NVLink: not a multi-GPU figure. Method
+graph-per-rank (the default): each rank's --one-gpu-steps steps (64) in a CUDA
+graph of its own, the N graphs launched on N streams per replay, us per step;
+one-graph: k8 / k1 as above, every rank's call a branch of one graph.
 """
 
 from __future__ import annotations
@@ -179,7 +183,9 @@ def parse_args(argv=None):
                         "entries of the kernel-alone line)")
     p.add_argument("--tag", action="store_true",
                    help="also time each torch_sdcp call with a call tag (tag=7), beside the untagged one")
-    p.add_argument("--replays", type=positive_int, default=None, help="per trial (default 100 on CUDA, 3 on host)")
+    p.add_argument("--replays", type=positive_int, default=None,
+                   help=f"per trial (default 100 on CUDA, 3 on host; --one-gpu graph-per-rank: "
+                        f"{one_gpu.STEPS_PER_TRIAL} / --one-gpu-steps)")
     p.add_argument("--trials", type=positive_int, default=None, help="default 7 on CUDA, 3 on host")
     p.add_argument("--out", default=None, help="output folder (default sdcp-bench-<date>-<time>)")
     one = p.add_argument_group("one GPU, N virtual ranks (--one-gpu)")
@@ -194,10 +200,17 @@ def parse_args(argv=None):
                      help="blocks of one kernel assumed to fit on an SM, for the co-residency of the N grids "
                           "(default per kernel: " + ", ".join(f"{b} {v}" for b, v in
                                                              one_gpu.ASSUMED_BLOCKS_PER_SM.items()) + ")")
+    one.add_argument("--one-gpu-method", type=one_gpu.method_name, default=None, metavar="METHOD",
+                     help="how a step is timed: graph-per-rank (default: each rank's steps in a CUDA graph of its "
+                          "own, the N graphs launched on N streams) or one-graph (k8 / k1, every rank's call a "
+                          "branch of one graph; at N = 4 and 8 some cells time out)")
+    one.add_argument("--one-gpu-steps", type=positive_int, default=None, metavar="S",
+                     help="graph-per-rank: steps per rank graph, so that a replay's launches and a late rank's "
+                          f"start count 1/S per step (default {one_gpu.DEFAULT_STEPS_PER_GRAPH})")
     args = p.parse_args(argv)
     if args.one_gpu is not None:
         return one_gpu_args(p, args)
-    for name in ("one_gpu_timeout", "blocks_per_sm"):
+    for name in ("one_gpu_timeout", "blocks_per_sm", "one_gpu_method", "one_gpu_steps"):
         if getattr(args, name) is not None:
             p.error(f"argument --{name.replace('_', '-')}: expected only with --one-gpu, got it without")
     if args.world_size is None:
@@ -257,12 +270,21 @@ def one_gpu_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
                 + ("" if args.heads else f" (preset {args.preset})"))
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"argument --out: expected a folder, got the file {args.out!r}")
+    method = args.one_gpu_method or one_gpu.METHODS[0]
+    if method != one_gpu.GraphPerRank.name and args.one_gpu_steps is not None:
+        p.error(f"argument --one-gpu-steps: expected only with --one-gpu-method {one_gpu.GraphPerRank.name}, got "
+                f"it with {method}")
     missing = one_gpu.cuda_missing()  # last: every other mistake is reported on any machine
     if missing:
         p.error(f"argument --one-gpu: expected a CUDA GPU and the CUDA kernels, got {missing}")
     args.world_size, args.backend, args.boundaries = 1, "cuda", names
     args.rows = [int(x) for x in (args.rows or one_gpu.DEFAULT_ROWS).split(",")]
     args.one_gpu_timeout = args.one_gpu_timeout or one_gpu.DEFAULT_TIMEOUT_S
+    args.one_gpu_method = method
+    if method == one_gpu.GraphPerRank.name:
+        args.one_gpu_steps = args.one_gpu_steps or one_gpu.DEFAULT_STEPS_PER_GRAPH
+        # about as many steps per trial as the plain bench's 100 replays of k8
+        args.replays = args.replays or max(1, one_gpu.STEPS_PER_TRIAL // args.one_gpu_steps)
     args.replays, args.trials = args.replays or 100, args.trials or 7
     args.out = args.out or time.strftime("sdcp-bench-onegpu-%Y%m%d-%H%M%S")
     return args
