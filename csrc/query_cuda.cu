@@ -26,6 +26,7 @@ constexpr int kWarps = kThreads / 32;
 // prints and traps (the CUDA context fails).
 template <typename out_t>
 __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
+  __shared__ uint4 rope_stages[kWarps][kMaxRopeBytes / 16];
   const int items = a.rows * a.heads, width = a.nope_dim + a.rope_dim, step = gridDim.x * kWarps;
   int i = blockIdx.x * kWarps + threadIdx.x / 32;
   auto load = [&](int x) {
@@ -34,15 +35,24 @@ __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
   };
   ItemInputs next;
   if (i < items) next = load(i);
+  const ScaleDivider div = scale_divider(a.scale ? *a.scale : 1.0f);
   for (; i < items; i += step) {
     const ItemInputs in = next;
     const int t = static_cast<int>(a.by_heads.div(static_cast<unsigned>(i)));
     if (i + step < items) next = load(i + step);  // in flight meanwhile
-    produce_item<out_t>(a, t, i - t * a.heads, in, out + static_cast<int64_t>(i) * width, [] {}, [&](int64_t pos) {
+    auto bad_position = [&](int64_t pos) {
       if ((threadIdx.x & 31) == 0)
         printf("torch_sdcp: positions[%d] = %lld is outside [0, %lld)\n", t, (long long)pos, (long long)a.max_pos);
       __trap();
-    });
+    };
+    out_t* item = out + static_cast<int64_t>(i) * width;
+    if (a.direct) {
+      produce_item_direct<out_t>(
+          a, div, t, i - t * a.heads, in, rope_stages[threadIdx.x / 32],
+          [item](int v, const uint4& x) { reinterpret_cast<uint4*>(item)[v] = x; }, [] {}, bad_position);
+    } else {
+      produce_item<out_t>(a, t, i - t * a.heads, in, item, [] {}, bad_position);
+    }
   }
 }
 
@@ -175,7 +185,7 @@ constexpr int kUnroll = 4;
 template <typename Items, bool kView, int kN>
 __global__ void __launch_bounds__(kThreads)
     query_kernel(const __grid_constant__ DeviceWorkspace ws, const DeviceQuery q, const Items items, uint4* out,
-                 const CallHeader hdr) {
+                 const __grid_constant__ CallHeader hdr) {
   extern __shared__ __align__(16) uint4 stage_all[];
   constexpr int kMaxN = kN > 0 ? kN : kMaxDeviceWorld;
   pdl_wait_and_release();
@@ -186,6 +196,8 @@ __global__ void __launch_bounds__(kThreads)
   const int begin = min(total, static_cast<int>(blockIdx.x) * per_block), end = min(total, begin + per_block);
   const int first = begin + warp;
   uint4* const stage = stage_all + (Items::kStaged ? warp * nvec : 0);
+  // The direct producer's rope stage, after every warp's item stage (Produced only).
+  uint4* const rope_stage = stage_all + (Items::kStaged ? kWarps * nvec + warp * (kMaxRopeBytes / 16) : 0);
   const bool header_warp = blockIdx.x == 0 && warp == kWarps - 1;
   const bool header_lane = header_warp && lane < n && lane != me;
   // The view call: every thread loads it (one load per warp); it changes only
@@ -229,6 +241,39 @@ __global__ void __launch_bounds__(kThreads)
       in = load_item(items.a, t, i - t * hl);
     }
     return in;
+  };
+  // Produces item i straight into every destination (Produced with a.direct):
+  // as store() below, vector by vector as the lanes convert them; with
+  // `to_stage`, into the warp's stage instead, for store() to store later.
+  auto produce_direct = [&](int i, const ItemInputs& in, const ScaleDivider& div, bool to_stage) {
+    if constexpr (Items::kStaged) {
+      const int t = row_of(i);
+      const int mine = gathered(i, me) * nvec;
+      produce_item_direct<typename Items::Out>(
+          items.a, div, t, i - t * hl, in, rope_stage,
+          [&](int v, const uint4& val) {
+            if (to_stage) {
+              stage[v] = val;
+              return;
+            }
+            if constexpr (kView) {
+#pragma unroll
+              for (int d = 0; d < kMaxN; ++d)
+                if (d < n) view_of(d)[mine + v] = val;
+            } else {
+              out[mine + v] = val;
+#pragma unroll
+              for (int d = 0; d < kMaxN; ++d)
+                if (d < n && d != me) entry(d, me)[static_cast<int64_t>(i) * nvec + v] = val;
+            }
+          },
+          [&] {
+            if (!have_call) begin_call();
+          },
+          [&](int64_t pos) {
+            if (lane == 0) record_bad_position(ws, call, t, pos, items.a.max_pos, kView ? kWaitViewData : kWaitData);
+          });
+    }
   };
   // Produces item i, its first inputs loaded, into the warp's stage (Produced only).
   auto produce = [&](int i, const ItemInputs& in) {
@@ -282,7 +327,12 @@ __global__ void __launch_bounds__(kThreads)
     // (one lane per peer); a wait that gave up stores nothing, since a peer's
     // reader may still read its view.
     ItemInputs next{};
-    if (first < end) produce(first, load(first));
+    const ScaleDivider div = scale_divider(items.a.scale ? *items.a.scale : 1.0f);
+    if (first < end) {
+      if (items.a.direct) produce_direct(first, load(first), div, true);
+      else produce(first, load(first));
+      __syncwarp();  // the stage is read by other lanes in store()
+    }
     bool gave_up = false;
     if (threadIdx.x == 0) {  // a peer's abort that no poll may meet
       const uint64_t a = ld_volatile_u64(own_abort_word(ws));
@@ -304,23 +354,33 @@ __global__ void __launch_bounds__(kThreads)
     if (__syncthreads_or(gave_up)) return;
     if (header_lane) store_call_header(header(lane, me), hdr);
     if (first + kWarps < end) next = load(first + kWarps);
-    for (int i = first; i < end; i += kWarps) {
-      if (i != first) {
-        const ItemInputs in = next;
-        if (i + kWarps < end) next = load(i + kWarps);  // in flight while item i is converted
+    if (first < end) store(first, stage);
+    // The later items go straight into the views where the shape allows it.
+    for (int i = first + kWarps; i < end; i += kWarps) {
+      const ItemInputs in = next;
+      if (i + kWarps < end) next = load(i + kWarps);  // in flight while item i is converted
+      if (items.a.direct) {
+        produce_direct(i, in, div, false);
+      } else {
         produce(i, in);
+        store(i, stage);
       }
-      store(i, stage);
     }
   } else {
     ItemInputs next{};
     if (first < end) next = load(first);
+    ScaleDivider div{};
+    if constexpr (Items::kStaged) div = scale_divider(items.a.scale ? *items.a.scale : 1.0f);
     for (int i = first; i < end; i += kWarps) {
       if constexpr (Items::kStaged) {
         const ItemInputs in = next;
         if (i + kWarps < end) next = load(i + kWarps);  // in flight while item i is converted
-        produce(i, in);
-        store(i, stage);
+        if (items.a.direct) {
+          produce_direct(i, in, div, false);
+        } else {
+          produce(i, in);
+          store(i, stage);
+        }
       } else {
         store(i, items.q + static_cast<int64_t>(i) * nvec);
       }
@@ -451,7 +511,7 @@ void check_item_bytes(const QueryGeometry& g, const char* arg, bool staged) {
 
 ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, const at::Tensor& positions,
                            const at::Tensor& cache, const std::optional<at::Tensor>& q_scale, bool neox,
-                           const QueryShape& s) {
+                           const QueryShape& s, at::ScalarType out_dtype) {
   ProducerArgs a;
   a.nope = ql_nope.data_ptr<c10::BFloat16>();
   a.pe = q_pe.data_ptr<c10::BFloat16>();
@@ -478,6 +538,9 @@ ProducerArgs producer_args(const at::Tensor& ql_nope, const at::Tensor& q_pe, co
   a.neox = neox;
   a.vec_nope = s.nope % 8 == 0 && a.nope_s0 % 8 == 0 && a.nope_s1 % 8 == 0 &&
                reinterpret_cast<uintptr_t>(a.nope) % 16 == 0;
+  const bool fp8 = out_dtype == at::kFloat8_e4m3fn;
+  a.direct = direct_layout(a, fp8 ? 1 : 2);
+  a.nope_pairs = a.direct && fp8;
   return a;
 }
 
@@ -487,7 +550,7 @@ void rope_quant_cuda(const QueryShape& s, const at::Tensor& ql_nope, const at::T
   const int64_t items = s.rows * s.heads;
   const c10::cuda::CUDAGuard guard(ql_nope.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, s);
+  const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, s, out_dtype);
   const int grid = static_cast<int>(std::min<int64_t>((items + kWarps - 1) / kWarps, 1024));
   if (out_dtype == at::kFloat8_e4m3fn) {
     query_rope_quant_kernel<c10::Float8_e4m3fn>
@@ -524,11 +587,13 @@ void gather_cuda(const QueryCall& c, const at::Tensor& ql_nope, const at::Tensor
   check_device_world(ws);  // the header lanes are one warp
   check_item_bytes(c.geo, "ql_nope, q_pe", true);
   const c10::cuda::CUDAGuard guard(ql_nope.device());
-  const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, c.shape);
+  const auto a = producer_args(ql_nope, q_pe, positions, cos_sin_cache, q_scale, neox, c.shape, out_dtype);
   const auto dq = device_query(ws, c.geo, c.shape.rows);
-  // One warp per item; at least one block. Each warp stages one item.
+  // One warp per item; at least one block. Each warp stages one item (the
+  // view's first, or every item of a shape without the direct producer) and a
+  // direct item's rope pairs.
   const int grid = dataflag_grid(c.shape.rows * c.shape.heads, kWarps, ql_nope.get_device());
-  const size_t stage = static_cast<size_t>(kWarps) * c.geo.item_bytes();
+  const size_t stage = static_cast<size_t>(kWarps) * (c.geo.item_bytes() + kMaxRopeBytes);
   auto* out = c.out ? static_cast<uint4*>(c.out->data_ptr()) : nullptr;
   auto launch = [&](auto items) {
     using Items = decltype(items);

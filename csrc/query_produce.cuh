@@ -30,7 +30,81 @@ struct ProducerArgs {
   at::cuda::detail::IntDivider<unsigned> by_heads;  // item i = t * heads + h: a multiply, not a division
   bool pos64, cache_f32, neox;
   bool vec_nope;  // nope rows are 16-byte aligned and a multiple of 8 elements
+  // The item's output vectors are produced in registers (produce_item_direct):
+  // every 16-byte output vector is all nope or all rope, at most one rope pair
+  // per lane (direct_layout). Float8 then loads a lane's two nope vectors side
+  // by side (the 16 elements of its output vector), bf16 32 vectors apart.
+  bool direct, nope_pairs;
 };
+
+// x / scale for every element of a call, rounded as div_rn (IEEE division)
+// rounds it. The reciprocal and its Newton step, which div.rn computes for
+// every division, are computed once; each element then takes the multiply and
+// the one-FMA correction of that same sequence, which is correctly rounded
+// where nothing under- or overflows. Outside: a divisor far from 1 (`fast`
+// false, warp-uniform) takes div_rn; a quotient whose first approximation is
+// zero, infinite or NaN keeps it (the correction would lose a zero's sign or
+// make NaN of an infinity), and one that is not (a value under 2**-11 or over
+// 2**10 after scaling) only feeds a float8 conversion that rounds it to a
+// signed zero or saturates it, as the correctly rounded quotient would be.
+struct ScaleDivider {
+  float b, y;
+  bool fast;
+};
+
+__device__ __forceinline__ ScaleDivider scale_divider(float scale) {
+  ScaleDivider d;
+  d.b = scale;
+  d.y = 0.0f;
+  // |scale| in [2**-60, 2**60]: for a quotient in [2**-11, 2**10], the
+  // dividend, the reciprocal and the residual are normal floats.
+  const uint32_t e = (__float_as_uint(scale) >> 23) & 0xFFu;
+  d.fast = e >= 127u - 60u && e <= 127u + 60u;
+  if (d.fast) {
+    float y0;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y0) : "f"(scale));
+    d.y = __fmaf_rn(y0, __fmaf_rn(-scale, y0, 1.0f), y0);
+  }
+  return d;
+}
+
+template <bool kFast>
+__device__ __forceinline__ float divide(const ScaleDivider& d, float x) {
+  if constexpr (!kFast) return __fdiv_rn(x, d.b);
+  const float q = __fmul_rn(x, d.y);
+  const float corrected = __fmaf_rn(__fmaf_rn(-d.b, q, x), d.y, q);
+  return (fabsf(q) < INFINITY && q != 0.0f) ? corrected : q;
+}
+
+// Two float8 bytes: (x0, x1) / scale, x0 in the low byte, NaNs canonical.
+template <bool kFast>
+__device__ __forceinline__ uint32_t e4m3x2(const ScaleDivider& d, float x0, float x1) {
+#if defined(SDCP_E4M3_CVT)
+  uint16_t w;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(divide<kFast>(d, x1)), "f"(divide<kFast>(d, x0)));
+  return e4m3_nan_canonical(w);
+#else
+  return static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x0))) |
+         (static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x1))) << 8);
+#endif
+}
+
+// Four float8 bytes: (x0 .. x3) / scale, x0 in the low byte, NaNs canonical
+// (quantize_e4m3's bytes).
+template <bool kFast>
+__device__ __forceinline__ uint32_t e4m3x4(const ScaleDivider& d, float x0, float x1, float x2, float x3) {
+#if defined(SDCP_E4M3_CVT)
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(divide<kFast>(d, x1)), "f"(divide<kFast>(d, x0)));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(divide<kFast>(d, x3)), "f"(divide<kFast>(d, x2)));
+  return e4m3_nan_canonical(static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16));
+#else
+  return static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x0))) |
+         (static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x1))) << 8) |
+         (static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x2))) << 16) |
+         (static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x3))) << 24);
+#endif
+}
 
 template <typename out_t>
 __device__ __forceinline__ out_t convert_out(float v, float scale) {
@@ -60,7 +134,8 @@ __device__ __forceinline__ void convert8(out_t* dst, const uint4& raw, float sca
 }
 
 // Nope vectors per lane loaded together before any is converted: 2 cover
-// MLA's 512 (32 lanes x 8 elements x 2); a wider nope loads the rest in the loop.
+// MLA's 512 (32 lanes x 8 elements x 2); a wider nope loads the rest in the
+// loop. Lane l loads elements 8l and 256 + 8l, or 16l and 16l + 8 (nope_pairs).
 constexpr int kNopePrefetch = 2;
 
 // What a lane loads of item (t, h) before the item's position is known: the
@@ -94,7 +169,7 @@ __device__ __forceinline__ ItemInputs load_item(const ProducerArgs& a, int t, in
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
 #pragma unroll
   for (int u = 0; u < kNopePrefetch; ++u) {
-    const int d = lane * 8 + u * 32 * 8;
+    const int d = a.nope_pairs ? lane * 16 + u * 8 : lane * 8 + u * 32 * 8;
     in.nope[u] = make_uint4(0, 0, 0, 0);
     if (a.vec_nope && d < a.nope_dim) in.nope[u] = *reinterpret_cast<const uint4*>(n + d);
   }
@@ -174,6 +249,104 @@ __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h
     dst[a.nope_dim + i0] = convert_out<out_t>(rope_first(x0, x1, co, si), scale);
     dst[a.nope_dim + i1] = convert_out<out_t>(rope_second(x0, x1, co, si), scale);
   }
+}
+
+
+// Whether the direct producer can make an item of this shape: every 16-byte
+// output vector all nope or all rope, the nope rows loadable as 16-byte
+// vectors, and at most one rope pair per lane (the rope stage of a warp holds
+// kMaxRopeBytes).
+constexpr int kMaxRopeBytes = 128;
+inline bool direct_layout(const ProducerArgs& a, int out_bytes) {
+  return a.vec_nope && (a.nope_dim * out_bytes) % 16 == 0 && (a.rope_dim * out_bytes) % 16 == 0 &&
+         a.rope_dim % 2 == 0 && a.rope_dim <= 64 && a.rope_dim * out_bytes <= kMaxRopeBytes;
+}
+
+// Produces item (t, h) as produce_item does, without staging it: each lane
+// converts the nope elements of output vectors lane, lane + 32, ... in
+// registers and hands each to `emit(v, vector)` at once; the rope pairs (pair
+// j on lane j) meet in the warp's `rope_stage` (kMaxRopeBytes, 16-byte
+// aligned), from which the first lanes emit the rope vectors. Called by a
+// whole warp (convergent), with a.direct; `loaded` and `bad_position` as in
+// produce_item. Every emitted word is canonical: float8 NaNs are 0x7F and a
+// bf16 NaN converted from float is 0x7FC0, so no word is the sentinel.
+template <typename out_t, bool kFast, typename Emit, typename Loaded, typename BadPosition>
+__device__ __forceinline__ void produce_item_direct_as(const ProducerArgs& a, const ScaleDivider& div, int t, int h,
+                                                    const ItemInputs& in, uint4* rope_stage, Emit&& emit,
+                                                    Loaded&& loaded, BadPosition&& bad_position) {
+  constexpr bool kFp8 = std::is_same<out_t, c10::Float8_e4m3fn>::value;
+  constexpr int kPerVec = 16 / sizeof(out_t);  // output elements of one 16-byte vector
+  const int lane = threadIdx.x & 31;
+  const int64_t pos = a.pos64 ? in.pos64 : in.pos32;
+  const int half = a.rope_dim / 2;
+  loaded();
+  const bool good = pos >= 0 && pos < a.max_pos;
+  float co = 1.0f, si = 0.0f;
+  if (good && lane < half) {  // in flight while the nope part is converted
+    if (a.cache_f32) {
+      const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
+      co = c[lane];
+      si = c[half + lane];
+    } else {
+      const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
+      co = static_cast<float>(c[lane]);
+      si = static_cast<float>(c[half + lane]);
+    }
+  }
+  const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
+  const int nope_vecs = a.nope_dim / kPerVec;
+  auto f = [](uint32_t w, int hi) { return hi ? __uint_as_float(w & 0xFFFF0000u) : __uint_as_float(w << 16); };
+  for (int u = 0, v = lane; v < nope_vecs; ++u, v += 32) {
+    if constexpr (kFp8) {  // 16 elements: two input vectors side by side
+      uint4 r0 = in.nope[0], r1 = in.nope[1];
+      if (u > 0) {
+        r0 = *reinterpret_cast<const uint4*>(n + v * 16);
+        r1 = *reinterpret_cast<const uint4*>(n + v * 16 + 8);
+      }
+      emit(v, make_uint4(e4m3x4<kFast>(div, f(r0.x, 0), f(r0.x, 1), f(r0.y, 0), f(r0.y, 1)),
+                         e4m3x4<kFast>(div, f(r0.z, 0), f(r0.z, 1), f(r0.w, 0), f(r0.w, 1)),
+                         e4m3x4<kFast>(div, f(r1.x, 0), f(r1.x, 1), f(r1.y, 0), f(r1.y, 1)),
+                         e4m3x4<kFast>(div, f(r1.z, 0), f(r1.z, 1), f(r1.w, 0), f(r1.w, 1))));
+    } else {  // 8 elements, one input vector; a bf16 value round-trips, a NaN becomes 0x7FC0
+      uint4 r = u == 0 ? in.nope[0] : in.nope[1];
+      if (u >= kNopePrefetch) r = *reinterpret_cast<const uint4*>(n + v * 8);
+      auto pair = [&](uint32_t w) {
+        const c10::BFloat16 lo = static_cast<c10::BFloat16>(f(w, 0)), hi = static_cast<c10::BFloat16>(f(w, 1));
+        return static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(hi.x) << 16);
+      };
+      emit(v, make_uint4(pair(r.x), pair(r.y), pair(r.z), pair(r.w)));
+    }
+  }
+  if (!good) bad_position(pos);
+  if (lane < half) {
+    const float x0 = bf16_bits_to_float(in.x0), x1 = bf16_bits_to_float(in.x1);
+    const float first = rope_first(x0, x1, co, si), second = rope_second(x0, x1, co, si);
+    int i0, i1;
+    rope_pair_index(a, lane, i0, i1);
+    out_t* st = reinterpret_cast<out_t*>(rope_stage);
+    if constexpr (kFp8) {
+      const uint32_t b = e4m3x2<kFast>(div, first, second);
+      st[i0] = c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits());
+      st[i1] = c10::Float8_e4m3fn(static_cast<uint8_t>(b >> 8), c10::Float8_e4m3fn::from_bits());
+    } else {
+      st[i0] = static_cast<c10::BFloat16>(first);
+      st[i1] = static_cast<c10::BFloat16>(second);
+    }
+  }
+  __syncwarp();
+  const int rope_vecs = a.rope_dim / kPerVec;
+  if (lane < rope_vecs) emit(nope_vecs + lane, rope_stage[lane]);
+  __syncwarp();  // the stage is rewritten by the next item
+}
+
+// Produces item (t, h) directly, with the fast division when `div` allows
+// it: one warp-uniform branch per item, not per element.
+template <typename out_t, typename Emit, typename Loaded, typename BadPosition>
+__device__ __forceinline__ void produce_item_direct(const ProducerArgs& a, const ScaleDivider& div, int t, int h,
+                                                    const ItemInputs& in, uint4* rope_stage, Emit&& emit,
+                                                    Loaded&& loaded, BadPosition&& bad_position) {
+  if (div.fast) produce_item_direct_as<out_t, true>(a, div, t, h, in, rope_stage, emit, loaded, bad_position);
+  else produce_item_direct_as<out_t, false>(a, div, t, h, in, rope_stage, emit, loaded, bad_position);
 }
 
 }  // namespace

@@ -127,15 +127,19 @@ __device__ __forceinline__ uint16_t e4m3x2_bits(float v0, float v1) {
 }
 #endif
 
-SDCP_HD c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
-  float v = div_rn(x, scale);
+// The float8 byte of a quotient v = x / scale, already divided.
+SDCP_HD uint8_t e4m3_of_quotient(float v) {
 #if defined(SDCP_E4M3_CVT)
-  return c10::Float8_e4m3fn(static_cast<uint8_t>(e4m3x2_bits(v, 0.0f)), c10::Float8_e4m3fn::from_bits());
+  return static_cast<uint8_t>(e4m3x2_bits(v, 0.0f));
 #else
-  if (v != v) return c10::Float8_e4m3fn(kE4M3NaN, c10::Float8_e4m3fn::from_bits());
+  if (v != v) return kE4M3NaN;
   v = v > kE4M3Max ? kE4M3Max : (v < -kE4M3Max ? -kE4M3Max : v);
-  return c10::Float8_e4m3fn(v);
+  return c10::Float8_e4m3fn(v).x;
 #endif
+}
+
+SDCP_HD c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
+  return c10::Float8_e4m3fn(e4m3_of_quotient(div_rn(x, scale)), c10::Float8_e4m3fn::from_bits());
 }
 
 // Two values quantised as quantize_e4m3 does, x0 in the low byte.

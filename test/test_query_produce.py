@@ -31,7 +31,27 @@ def test_local_producer_bit_exact(device, rope_style, out_dtype, scale, t, h):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("scale", [None, 1.0 / 64, 0.01, 3.0])
+@pytest.mark.parametrize("rope_style", ["interleaved", "neox"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("nope,rope", [(1024, 64), (48, 32), (520, 8), (32, 80)])
+def test_local_producer_shapes(device, rope_style, out_dtype, nope, rope):
+    # Heads wider than 512 (a lane converts more than one nope vector), a rope
+    # part of one or two output vectors, and shapes that the CUDA kernels
+    # produce through the shared-memory stage (nope not a whole number of
+    # output vectors, more rope pairs than lanes).
+    ql_nope, q_pe, pos, cache = make_query(5, 3, nope=nope, rope=rope, max_pos=64, seed=nope + rope, device=device)
+    q_scale = None if out_dtype == torch.bfloat16 else torch.tensor([0.05], device=device)
+    got = ops.query_rope_quant(ql_nope, q_pe, pos, cache, q_scale, rope_style=rope_style, out_dtype=out_dtype)
+    want = reference.query_rope_quant_ref(ql_nope.cpu(), q_pe.cpu(), pos.cpu(), cache.cpu(),
+                                          None if q_scale is None else q_scale.cpu(),
+                                          neox=rope_style == "neox", out_dtype=out_dtype)
+    assert torch.equal(as_bytes(got.cpu()), as_bytes(want))
+
+
+@pytest.mark.parametrize("device", devices())
+# Scales inside [2**-60, 2**60] take the CUDA kernels' one-reciprocal division
+# (near its ends, quotients over- and underflow), the others IEEE division.
+@pytest.mark.parametrize("scale", [None, 1.0 / 64, 0.01, 3.0, 1e-18, 1e18, 1e-25, 2e19])
 def test_local_producer_every_bf16_value(device, scale):
     # Every bf16 bit pattern once in ql_nope (NaNs of both signs, infinities,
     # subnormals, signed zeros, values past 448 and the e4m3 rounding ties),
