@@ -40,10 +40,16 @@ __device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t
 // paths, which take its address).
 __global__ void peer_all_gather_kernel(const __grid_constant__ DeviceWorkspace ws, const uint8_t* x, uint8_t* out,
                                        int64_t nbytes, int64_t source_bytes, bool aligned, int64_t header_offset,
-                                       CallHeader hdr) {
+                                       const __grid_constant__ CallHeader hdr) {
+  // This thread's first word is loaded before the call index, so that the two
+  // loads are in flight together (x is the previous kernel's output: after
+  // the programmatic wait).
+  pdl_wait_and_release();
+  const int64_t words = (nbytes + 3) / 4;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const uint32_t first_word = first < words ? load_word(x, nbytes, first, aligned) : 0;
   const uint64_t call = block_call_index(ws);
   const uint64_t tag = static_cast<uint64_t>(call_tag(call)) << 32;
-  const int64_t words = (nbytes + 3) / 4;
   const int n = ws.world, me = ws.rank;
   auto entry = [&](int dst, int src) {
     return reinterpret_cast<uint64_t*>(ws.buffer(dst, call) + ws.peer_slot(src, dst) * source_bytes);
@@ -54,10 +60,9 @@ __global__ void peer_all_gather_kernel(const __grid_constant__ DeviceWorkspace w
   const int peer = threadIdx.x & 31;
   const bool header_lane = blockIdx.x == 0 && threadIdx.x / 32 == blockDim.x / 32 - 1 && peer < n && peer != me;
   if (header_lane) store_call_header_tagged(header(peer, me), tag, hdr);
-  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t w = first; w < words; w += step) {
-    const uint32_t v = load_word(x, nbytes, w, aligned);
+    const uint32_t v = w == first ? first_word : load_word(x, nbytes, w, aligned);
     for (int d = 0; d < n; ++d)
       if (d != me) st_volatile_u64(entry(d, me) + w, tag | v);
     store_word(out + me * nbytes, nbytes, w, v, aligned);
