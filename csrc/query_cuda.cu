@@ -1,9 +1,11 @@
 // Query boundary, CUDA: the fused RoPE / concatenation / quantisation producer
 // and the data-as-flag fan-out of a rank's heads (docs/PROTOCOL.md, version
-// 4). A warp handles one (row, local head) item: it produces it once into
-// shared memory (or reads it, for a query produced elsewhere) and stores it as
-// canonicalised 16-byte vectors into every destination; then it polls the
-// peers' copies of its items in the local buffer. The copying ops rotate two
+// 4). A warp handles one (row, local head) item: it produces it once, each
+// lane's 16-byte output vectors in registers (produce_item_direct; shapes it
+// cannot cut so, and the view's first item, through the warp's shared-memory
+// stage), or reads it, for a query produced elsewhere, and stores it as
+// canonical 16-byte vectors into every destination; then it polls the peers'
+// copies of its items in the local buffer. The copying ops rotate two
 // buffers by the call index and re-fill what they read; the zero-copy view is
 // one fixed buffer that query_release re-fills and acknowledges.
 
@@ -60,7 +62,7 @@ __global__ void query_rope_quant_kernel(ProducerArgs a, out_t* out) {
 constexpr int kMaxItemBytes = 2048;
 
 // The items of one call, (row, local head) i = t * H_loc + h, as 16-byte vectors.
-// Produced: the fused RoPE / quantisation, once per item into the warp's stage.
+// Produced: the fused RoPE / quantisation, once per item (query_produce.cuh).
 template <typename out_t>
 struct Produced {
   using Out = out_t;
@@ -242,6 +244,30 @@ __global__ void __launch_bounds__(kThreads)
     }
     return in;
   };
+  // Vector v of item i, whose first vector is at `mine` of the gathered
+  // layout, into every destination: each rank's view, or this rank's output
+  // and every peer's entry of this call.
+  auto store_vector = [&](int i, int mine, int v, const uint4& val) {
+    if constexpr (kView) {
+#pragma unroll
+      for (int d = 0; d < kMaxN; ++d)
+        if (d < n) view_of(d)[mine + v] = val;
+    } else {
+      out[mine + v] = val;
+#pragma unroll
+      for (int d = 0; d < kMaxN; ++d)
+        if (d < n && d != me) entry(d, me)[static_cast<int64_t>(i) * nvec + v] = val;
+    }
+  };
+  // The producers' hooks: the call index once the first inputs are in flight,
+  // and a position outside the cache recorded.
+  auto loaded = [&] {
+    if (!have_call) begin_call();
+  };
+  auto bad_position = [&](int t, int64_t pos) {
+    if constexpr (Items::kStaged)
+      if (lane == 0) record_bad_position(ws, call, t, pos, items.a.max_pos, kView ? kWaitViewData : kWaitData);
+  };
   // Produces item i straight into every destination (Produced with a.direct):
   // as store() below, vector by vector as the lanes convert them; with
   // `to_stage`, into the warp's stage instead, for store() to store later.
@@ -252,27 +278,10 @@ __global__ void __launch_bounds__(kThreads)
       produce_item_direct<typename Items::Out>(
           items.a, div, t, i - t * hl, in, rope_stage,
           [&](int v, const uint4& val) {
-            if (to_stage) {
-              stage[v] = val;
-              return;
-            }
-            if constexpr (kView) {
-#pragma unroll
-              for (int d = 0; d < kMaxN; ++d)
-                if (d < n) view_of(d)[mine + v] = val;
-            } else {
-              out[mine + v] = val;
-#pragma unroll
-              for (int d = 0; d < kMaxN; ++d)
-                if (d < n && d != me) entry(d, me)[static_cast<int64_t>(i) * nvec + v] = val;
-            }
+            if (to_stage) stage[v] = val;
+            else store_vector(i, mine, v, val);
           },
-          [&] {
-            if (!have_call) begin_call();
-          },
-          [&](int64_t pos) {
-            if (lane == 0) record_bad_position(ws, call, t, pos, items.a.max_pos, kView ? kWaitViewData : kWaitData);
-          });
+          loaded, [&](int64_t pos) { bad_position(t, pos); });
     }
   };
   // Produces item i, its first inputs loaded, into the warp's stage (Produced only).
@@ -280,13 +289,8 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (Items::kStaged) {
       const int t = row_of(i);
       produce_item(
-          items.a, t, i - t * hl, in, reinterpret_cast<typename Items::Out*>(stage),
-          [&] {
-            if (!have_call) begin_call();
-          },
-          [&](int64_t pos) {
-            if (lane == 0) record_bad_position(ws, call, t, pos, items.a.max_pos, kView ? kWaitViewData : kWaitData);
-          });
+          items.a, t, i - t * hl, in, reinterpret_cast<typename Items::Out*>(stage), loaded,
+          [&](int64_t pos) { bad_position(t, pos); });
       __syncwarp();
     }
   };
@@ -305,17 +309,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int v = base + u * 32 + lane;
         if (v >= nvec) continue;
-        const uint4 val = canonical_vector(buf[u], q.canonical);
-        if constexpr (kView) {
-#pragma unroll
-          for (int d = 0; d < kMaxN; ++d)
-            if (d < n) view_of(d)[mine + v] = val;
-        } else {
-          out[mine + v] = val;
-#pragma unroll
-          for (int d = 0; d < kMaxN; ++d)
-            if (d < n && d != me) entry(d, me)[static_cast<int64_t>(i) * nvec + v] = val;
-        }
+        store_vector(i, mine, v, canonical_vector(buf[u], q.canonical));
       }
     }
     __syncwarp();  // the stage is rewritten by the next item

@@ -159,6 +159,21 @@ __device__ __forceinline__ void rope_pair_index(const ProducerArgs& a, int j, in
   i1 = a.neox ? j + a.rope_dim / 2 : 2 * j + 1;
 }
 
+// cos and sin of rope pair j at position `pos` (inside the cache) from the
+// cos/sin cache [max_pos, rope_dim] (fp32 or bf16).
+__device__ __forceinline__ void cache_cos_sin(const ProducerArgs& a, int64_t pos, int j, float& co, float& si) {
+  const int half = a.rope_dim / 2;
+  if (a.cache_f32) {
+    const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
+    co = c[j];
+    si = c[half + j];
+  } else {
+    const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
+    co = static_cast<float>(c[j]);
+    si = static_cast<float>(c[half + j]);
+  }
+}
+
 __device__ __forceinline__ ItemInputs load_item(const ProducerArgs& a, int t, int h) {
   const int lane = threadIdx.x & 31;
   ItemInputs in;
@@ -206,16 +221,7 @@ __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h
   auto cos_sin = [&](int j, float& co, float& si) {
     co = 1.0f;
     si = 0.0f;
-    if (!good) return;
-    if (a.cache_f32) {
-      const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
-      co = c[j];
-      si = c[half + j];
-    } else {
-      const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
-      co = static_cast<float>(c[j]);
-      si = static_cast<float>(c[half + j]);
-    }
+    if (good) cache_cos_sin(a, pos, j, co, si);
   };
   float co0 = 1.0f, si0 = 0.0f;
   if (lane < half) cos_sin(lane, co0, si0);  // in flight while the nope part is converted
@@ -282,17 +288,7 @@ __device__ __forceinline__ void produce_item_direct_as(const ProducerArgs& a, co
   loaded();
   const bool good = pos >= 0 && pos < a.max_pos;
   float co = 1.0f, si = 0.0f;
-  if (good && lane < half) {  // in flight while the nope part is converted
-    if (a.cache_f32) {
-      const float* c = static_cast<const float*>(a.cache) + pos * a.rope_dim;
-      co = c[lane];
-      si = c[half + lane];
-    } else {
-      const c10::BFloat16* c = static_cast<const c10::BFloat16*>(a.cache) + pos * a.rope_dim;
-      co = static_cast<float>(c[lane]);
-      si = static_cast<float>(c[half + lane]);
-    }
-  }
+  if (good && lane < half) cache_cos_sin(a, pos, lane, co, si);  // in flight while the nope part is converted
   const c10::BFloat16* n = a.nope + t * a.nope_s0 + h * a.nope_s1;
   const int nope_vecs = a.nope_dim / kPerVec;
   auto f = [](uint32_t w, int hi) { return hi ? __uint_as_float(w & 0xFFFF0000u) : __uint_as_float(w << 16); };
