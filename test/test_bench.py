@@ -118,3 +118,19 @@ def test_bench_times_the_topk_ordering_step_per_distribution(tmp_path):
             assert r["kernels"][f"sort_{kind}"]["k8"] > 0, r
     assert "sort_tied80" in res.stdout and "kernel alone (k8)" in res.stdout
     assert "--topk-distributions" in run_bench("--help").stdout
+
+
+def test_kernel_check_runs_every_family_on_the_host_backend():
+    # The script run under compute-sanitizer on a GPU machine, here on the host
+    # backend: every family's cases agree with the references, and a name it
+    # does not know is refused.
+    env = dict(os.environ, SDCP_CHECK_BACKEND="host")
+    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench.kernel_check"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for line in ("exchange 13 bytes off a word: ok", "output_lse rows 2100", "query float8_e4m3fn neox rows 300: ok",
+                 "topk rows 40: ok", "kernel_check: all ok"):
+        assert line in res.stdout, res.stdout
+    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench.kernel_check", "signal"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert res.returncode == 2 and "argument 'checks'" in res.stderr and "'signal'" in res.stderr, res.stderr

@@ -1,10 +1,11 @@
 """One-rank check of the peer kernels on CUDA against the references, short
 enough to run under compute-sanitizer (memcheck):
 
-    compute-sanitizer --tool memcheck python -m torch_sdcp.bench.kernel_check
+    compute-sanitizer --tool memcheck python -m torch_sdcp.bench.kernel_check [exchange output_lse query topk]
 
 A one-rank group (no peer) runs every call's own stores, headers and call
-index, so it covers what a kernel does with its own data: the Output/LSE
+index, so it covers what a kernel does with its own data: the exchange
+(whole words, a byte tail, an input off a word boundary), the Output/LSE
 combine with and without vLLM's mask (more than 32 and more than 1024
 requests, so the row lookup takes its later rounds), the query gather
 (interleaved and NeoX, fp8 and bf16) and its zero-copy view, and the top-K
@@ -110,8 +111,36 @@ def check_topk(dev: torch.device) -> None:
         ws.close()
 
 
+def check_exchange(dev: torch.device) -> None:
+    import torch_sdcp
+
+    ws = torch_sdcp.ExchangeWorkspace(None, 4096, backend=BACKEND, device=dev)
+    try:
+        g = torch.Generator().manual_seed(3)
+        raw = torch.randint(0, 256, (4097,), generator=g, dtype=torch.uint8)
+        # Whole words, a tail of 1 to 3 bytes, the largest call, and an input
+        # that starts off a word (byte-wise loads and stores).
+        for name, x in (("8 bytes", raw[:8]), ("7 bytes", raw[:7]), ("4096 bytes", raw[:4096]),
+                        ("13 bytes off a word", raw[1:14])):
+            got = ws.all_gather(x.to(dev)).cpu()
+            assert torch.equal(got, x[None]), f"exchange {name}"
+            print(f"exchange {name}: ok", flush=True)
+    finally:
+        ws.close()
+
+
+CHECKS = {"exchange": check_exchange, "output_lse": check_output_lse, "query": check_query, "topk": check_topk}
+
+
 def main() -> int:
     import torch_sdcp  # noqa: F401
+
+    which = sys.argv[1:] or list(CHECKS)
+    unknown = [name for name in which if name not in CHECKS]
+    if unknown:
+        print(f"kernel_check: argument 'checks': expected names among {', '.join(CHECKS)}, got {unknown}",
+              file=sys.stderr)
+        return 2
 
     for key, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                        ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -122,9 +151,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sdcp-check-") as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         try:
-            which = sys.argv[1:] or ["output_lse", "query", "topk"]
             for name in which:
-                {"output_lse": check_output_lse, "query": check_query, "topk": check_topk}[name](dev)
+                CHECKS[name](dev)
             if BACKEND == "cuda":
                 torch.cuda.synchronize()
         finally:
