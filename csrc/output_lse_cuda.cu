@@ -138,8 +138,8 @@ __device__ __forceinline__ bool warp_row_empty(const RowMask& m, int64_t t) {
 template <typename scalar_t, int kN>
 __global__ void __launch_bounds__(kThreads)
     output_lse_kernel(const __grid_constant__ DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po,
-                      const float* pl, int rows, bool base2, scalar_t* out, float* out_lse, const __grid_constant__ CallHeader hdr,
-                      const __grid_constant__ RowMask mask) {
+                      const float* pl, int rows, bool base2, scalar_t* out, float* out_lse,
+                      const __grid_constant__ CallHeader hdr, const __grid_constant__ RowMask mask) {
   using V = Vec<scalar_t>;
   constexpr int kShards = kN > 0 ? kN : kMaxDeviceWorld;
   pdl_wait_and_release();

@@ -76,21 +76,15 @@ __device__ __forceinline__ float divide(const ScaleDivider& d, float x) {
   return (fabsf(q) < INFINITY && q != 0.0f) ? corrected : q;
 }
 
-// Two float8 bytes: (x0, x1) / scale, x0 in the low byte, NaNs canonical.
+// Two float8 bytes: (x0, x1) / scale, x0 in the low byte (quantize_e4m3x2's).
 template <bool kFast>
 __device__ __forceinline__ uint32_t e4m3x2(const ScaleDivider& d, float x0, float x1) {
-#if defined(SDCP_E4M3_CVT)
-  uint16_t w;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w) : "f"(divide<kFast>(d, x1)), "f"(divide<kFast>(d, x0)));
-  return e4m3_nan_canonical(w);
-#else
-  return static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x0))) |
-         (static_cast<uint32_t>(e4m3_of_quotient(divide<kFast>(d, x1))) << 8);
-#endif
+  return e4m3x2_of_quotients(divide<kFast>(d, x0), divide<kFast>(d, x1));
 }
 
 // Four float8 bytes: (x0 .. x3) / scale, x0 in the low byte, NaNs canonical
-// (quantize_e4m3's bytes).
+// (quantize_e4m3's bytes). Not two e4m3x2: the NaN rewrite runs once on the
+// word, not once per half.
 template <bool kFast>
 __device__ __forceinline__ uint32_t e4m3x4(const ScaleDivider& d, float x0, float x1, float x2, float x3) {
 #if defined(SDCP_E4M3_CVT)
@@ -257,7 +251,6 @@ __device__ __forceinline__ void produce_item(const ProducerArgs& a, int t, int h
   }
 }
 
-
 // Whether the direct producer can make an item of this shape: every 16-byte
 // output vector all nope or all rope, the nope rows loadable as 16-byte
 // vectors, and at most one rope pair per lane (the rope stage of a warp holds
@@ -278,8 +271,8 @@ inline bool direct_layout(const ProducerArgs& a, int out_bytes) {
 // bf16 NaN converted from float is 0x7FC0, so no word is the sentinel.
 template <typename out_t, bool kFast, typename Emit, typename Loaded, typename BadPosition>
 __device__ __forceinline__ void produce_item_direct_as(const ProducerArgs& a, const ScaleDivider& div, int t, int h,
-                                                    const ItemInputs& in, uint4* rope_stage, Emit&& emit,
-                                                    Loaded&& loaded, BadPosition&& bad_position) {
+                                                       const ItemInputs& in, uint4* rope_stage, Emit&& emit,
+                                                       Loaded&& loaded, BadPosition&& bad_position) {
   constexpr bool kFp8 = std::is_same<out_t, c10::Float8_e4m3fn>::value;
   constexpr int kPerVec = 16 / sizeof(out_t);  // output elements of one 16-byte vector
   const int lane = threadIdx.x & 31;

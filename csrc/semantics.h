@@ -142,13 +142,18 @@ SDCP_HD c10::Float8_e4m3fn quantize_e4m3(float x, float scale) {
   return c10::Float8_e4m3fn(e4m3_of_quotient(div_rn(x, scale)), c10::Float8_e4m3fn::from_bits());
 }
 
+// The float8 bytes of two quotients, v0 in the low byte.
+SDCP_HD uint16_t e4m3x2_of_quotients(float v0, float v1) {
+#if defined(SDCP_E4M3_CVT)
+  return e4m3x2_bits(v0, v1);
+#else
+  return static_cast<uint16_t>(e4m3_of_quotient(v0) | (e4m3_of_quotient(v1) << 8));
+#endif
+}
+
 // Two values quantised as quantize_e4m3 does, x0 in the low byte.
 SDCP_HD uint16_t quantize_e4m3x2(float x0, float x1, float scale) {
-#if defined(SDCP_E4M3_CVT)
-  return e4m3x2_bits(div_rn(x0, scale), div_rn(x1, scale));
-#else
-  return static_cast<uint16_t>(quantize_e4m3(x0, scale).x | (quantize_e4m3(x1, scale).x << 8));
-#endif
+  return e4m3x2_of_quotients(div_rn(x0, scale), div_rn(x1, scale));
 }
 
 }  // namespace sdcp
