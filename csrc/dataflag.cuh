@@ -30,6 +30,29 @@ __device__ __forceinline__ void pdl_wait_and_release() {
 
 static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
                                                     uint32_t wait);
+static __device__ __noinline__ void dataflag_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
+                                                     uint32_t mine, uint32_t theirs, uint32_t wait);
+static __device__ __noinline__ void dataflag_void(const DeviceWorkspace& ws, int src, uint64_t call);
+
+// What a wait does when it gives up (a timeout or an abort word), meets a
+// mismatching call header or a void one. ReportNow, every kernel's but
+// top-K's, records at once through the out-of-line functions below. A call
+// site costs a 1,024-thread kernel (64 registers) spills throughout its body,
+// so the top-K merge passes its own policy instead (topk_cuda.cu): it keeps
+// the first failure in shared memory, makes the block's later waits return at
+// once (`failed`), and reports it through these same functions after its loop.
+struct ReportNow {
+  const DeviceWorkspace& ws;
+  __device__ __forceinline__ bool failed() const { return false; }
+  __device__ __forceinline__ void give_up(int src, uint64_t call, uint64_t abort, uint32_t wait) const {
+    dataflag_give_up(ws, src, call, abort, wait);
+  }
+  __device__ __forceinline__ void mismatch(int src, uint64_t call, uint32_t field, uint32_t mine,
+                                           uint32_t theirs) const {
+    dataflag_mismatch(ws, src, call, field, mine, theirs, kWaitHeader);
+  }
+  __device__ __forceinline__ void voided(int src, uint64_t call) const { dataflag_void(ws, src, call); }
+};
 
 // The call this kernel runs, read by every warp from its block's counter
 // (dataflag.h). Also advances the counters of the blocks this grid does not
@@ -37,7 +60,8 @@ static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, 
 // the abort word beside the counter (both in flight, no added step) and
 // records a peer's abort that no poll may meet (every word already landed),
 // so that the host raises at its next call.
-__device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) {
+template <typename Fail>
+__device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws, const Fail& fail) {
   pdl_wait_and_release();
   DataFlagControl* c = ws.dataflag_control();
   uint64_t* counters = c->call_index;
@@ -47,10 +71,14 @@ __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) 
     if (threadIdx.x == 0) abort = *reinterpret_cast<volatile uint64_t*>(&c->abort);
   }
   call = __shfl_sync(0xffffffffu, call, 0);
-  if (abort != 0) dataflag_give_up(ws, -1, call, abort, kWaitData);
+  if (abort != 0) fail.give_up(-1, call, abort, kWaitData);
   for (uint32_t j = blockIdx.x + gridDim.x * (threadIdx.x + 1); j < kDataFlagBlocks; j += gridDim.x * blockDim.x)
     counters[j] = call + 1;
   return call;
+}
+
+__device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws) {
+  return block_call_index(ws, ReportNow{ws});
 }
 
 // Advances this block's own counter once every warp has read it. A plain
@@ -191,34 +219,36 @@ static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, 
   }
 }
 
-// The slow path of a poll: true while it should go on waiting. The abort word
-// is loaded by the caller together with the polled data (both in flight at
-// once), so the check adds no step to an iteration.
-__device__ __forceinline__ bool dataflag_keep_waiting(const DeviceWorkspace& ws, uint64_t abort, uint64_t start,
-                                                     int src, uint64_t call, uint32_t wait) {
-  if (abort == 0 && globaltimer_ns() - start <= ws.timeout_ns) return true;
-  dataflag_give_up(ws, src, call, abort, wait);
-  return false;
-}
-
 __device__ __forceinline__ const uint64_t* own_abort_word(const DeviceWorkspace& ws) {
   return &ws.dataflag_control()->abort;
 }
 
 // The bounded poll every wait uses: `load()` until `landed(v)`, with this
-// rank's abort word loaded beside each retry (the slow path only); gives up,
-// recorded, on a timeout or an abort and returns the last value loaded.
-template <typename Load, typename Landed>
+// rank's abort word loaded beside each retry (the slow path only: both in
+// flight at once, so the check adds no step); gives up through `fail` on a
+// timeout, an abort or the policy's own earlier failure, and returns the last
+// value loaded.
+template <typename Load, typename Landed, typename Fail>
 __device__ __forceinline__ auto poll_until(const DeviceWorkspace& ws, Load load, Landed landed, int src,
-                                           uint64_t call, uint32_t wait) {
+                                           uint64_t call, uint32_t wait, const Fail& fail) {
   auto v = load();
   if (landed(v)) return v;
   const uint64_t start = globaltimer_ns();
   for (;;) {
     const uint64_t a = ld_volatile_u64(own_abort_word(ws));
     v = load();
-    if (landed(v) || !dataflag_keep_waiting(ws, a, start, src, call, wait)) return v;
+    if (landed(v)) return v;
+    if (a != 0 || globaltimer_ns() - start > ws.timeout_ns || fail.failed()) {
+      fail.give_up(src, call, a, wait);
+      return v;
+    }
   }
+}
+
+template <typename Load, typename Landed>
+__device__ __forceinline__ auto poll_until(const DeviceWorkspace& ws, Load load, Landed landed, int src,
+                                           uint64_t call, uint32_t wait) {
+  return poll_until(ws, load, landed, src, call, wait, ReportNow{ws});
 }
 
 // Polls a 16-byte vector of a local buffer until no word is the sentinel (or
@@ -255,7 +285,7 @@ __device__ __forceinline__ uint4 header_vector(const CallHeader& h) { return mak
 // A peer's header that differs from this rank's: a call mismatch (`wait`:
 // the call's header, or the query view's).
 static __device__ __noinline__ void dataflag_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
-                                                     uint32_t mine, uint32_t theirs, uint32_t wait = kWaitHeader) {
+                                                     uint32_t mine, uint32_t theirs, uint32_t wait) {
   DataFlagError e{};
   e.state = kReasonMismatch;
   e.block = blockIdx.x;
@@ -281,28 +311,42 @@ static __device__ __noinline__ void dataflag_void(const DeviceWorkspace& ws, int
 
 // True when the peer's header `v` (landed) matches `mine`; else records the
 // mismatch and aborts the workspace on every rank.
-__device__ __forceinline__ bool header_matches(const DeviceWorkspace& ws, uint4 v, const CallHeader& mine, int src,
-                                               uint64_t call) {
+template <typename Fail>
+__device__ __forceinline__ bool header_matches(uint4 v, const CallHeader& mine, int src, uint64_t call,
+                                               const Fail& fail) {
   const CallHeader theirs{{v.x, v.y, v.z, v.w}};
   const uint32_t f = call_header_mismatch(mine, theirs);
   if (f == kHeaderFields) {
-    if (header_is_void(theirs)) dataflag_void(ws, src, call);
+    if (header_is_void(theirs)) fail.voided(src, call);
     return true;
   }
-  dataflag_mismatch(ws, src, call, f, mine.w[f], theirs.w[f]);
+  fail.mismatch(src, call, f, mine.w[f], theirs.w[f]);
   return false;
+}
+
+__device__ __forceinline__ bool header_matches(const DeviceWorkspace& ws, uint4 v, const CallHeader& mine, int src,
+                                               uint64_t call) {
+  return header_matches(v, mine, src, call, ReportNow{ws});
 }
 
 // Sentinel buffers. Producer: one plain 16-byte store (no word is the sentinel).
 __device__ __forceinline__ void store_call_header(uint4* dst, const CallHeader& h) { *dst = header_vector(h); }
 
 // Consumer: polls peer `src`'s header, writes the sentinel back, compares.
+template <typename Fail>
 __device__ __forceinline__ bool check_call_header(const DeviceWorkspace& ws, uint4* p, const CallHeader& mine, int src,
-                                                  uint64_t call) {
-  uint4 v = poll_vector(ws, p, src, call, kWaitHeader);
+                                                  uint64_t call, const Fail& fail) {
+  uint4 v = poll_until(
+      ws, [p] { return ld_volatile_v4(p); }, [](const uint4& x) { return !has_sentinel(x); }, src, call, kWaitHeader,
+      fail);
   if (has_sentinel(v)) v = ld_volatile_v4(p);  // gave up on an abort: the header may have landed since
   *p = sentinel_vector();
-  return !has_sentinel(v) && header_matches(ws, v, mine, src, call);
+  return !has_sentinel(v) && header_matches(v, mine, src, call, fail);
+}
+
+__device__ __forceinline__ bool check_call_header(const DeviceWorkspace& ws, uint4* p, const CallHeader& mine, int src,
+                                                  uint64_t call) {
+  return check_call_header(ws, p, mine, src, call, ReportNow{ws});
 }
 
 // Consumer, fused with a first data word: the header and the word are loaded

@@ -115,18 +115,66 @@ __device__ __forceinline__ ulonglong2 ld_volatile_keys(const ulonglong2* p) {
   return v;
 }
 
+// The merge kernel's failure policy (dataflag.cuh, ReportNow): a call site
+// anywhere in this 1,024-thread kernel (64 registers) costs it spills
+// throughout (measured: 1.1-1.8 us per call at one rank, NOTES.md), so its
+// waits keep the block's first failure here, in shared memory, and thread 0
+// reports it through the out-of-line functions after the row loop. The
+// block's later waits return at once (failed()), so the report comes after at
+// most its remaining rows' sorts. As when reported at once, the first failure
+// wins, except that a header mismatch replaces a seen abort word (a mismatch
+// names both sides); a void header is kept beside it.
+struct PendingFailure {
+  uint32_t kind;  // kNoFailure, kTimedOut, kAborted, kMismatched
+  int src;
+  uint32_t wait, field, mine, theirs;
+  uint64_t abort;
+  int void_src;  // the first peer whose header was void, or -1
+};
+constexpr uint32_t kNoFailure = 0, kTimedOut = 1, kAborted = 2, kMismatched = 3;
+
+struct ReportLater {
+  PendingFailure* f;  // the block's, in shared memory
+  __device__ __forceinline__ bool failed() const { return *reinterpret_cast<volatile uint32_t*>(&f->kind) != 0; }
+  __device__ __forceinline__ void give_up(int src, uint64_t, uint64_t abort, uint32_t wait) const {
+    if (atomicCAS(&f->kind, kNoFailure, abort != 0 ? kAborted : kTimedOut) != kNoFailure) return;
+    f->src = src;
+    f->abort = abort;
+    f->wait = wait;
+  }
+  __device__ __forceinline__ void mismatch(int src, uint64_t, uint32_t field, uint32_t mine, uint32_t theirs) const {
+    if (atomicCAS(&f->kind, kNoFailure, kMismatched) != kNoFailure &&
+        atomicCAS(&f->kind, kAborted, kMismatched) != kAborted)
+      return;
+    f->src = src;
+    f->field = field;
+    f->mine = mine;
+    f->theirs = theirs;
+  }
+  __device__ __forceinline__ void voided(int src, uint64_t) const { atomicCAS(&f->void_src, -1, src); }
+};
+
+// Thread 0, after the row loop and a barrier: what the block kept, reported.
+static __device__ __noinline__ void report_pending(const DeviceWorkspace& ws, const PendingFailure& f, uint64_t call) {
+  if (f.void_src >= 0) dataflag_void(ws, f.void_src, call);
+  if (f.kind == kMismatched) dataflag_mismatch(ws, f.src, call, f.field, f.mine, f.theirs, kWaitHeader);
+  else if (f.kind != kNoFailure) dataflag_give_up(ws, f.src, call, f.abort, f.wait);
+}
+
 // Polls two keys of a local buffer until neither is the sentinel. Each 64-bit
 // element of the vector is single-copy atomic, so a landed key is whole.
 __device__ __forceinline__ ulonglong2 poll_keys(const DeviceWorkspace& ws, const ulonglong2* p, int src,
-                                                uint64_t call) {
+                                                uint64_t call, const ReportLater& fail) {
   return poll_until(
       ws, [p] { return ld_volatile_keys(p); },
-      [](const ulonglong2& v) { return v.x != kTopKSentinel && v.y != kTopKSentinel; }, src, call, kWaitData);
+      [](const ulonglong2& v) { return v.x != kTopKSentinel && v.y != kTopKSentinel; }, src, call, kWaitData, fail);
 }
 
-__device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const uint64_t* p, int src, uint64_t call) {
+__device__ __forceinline__ uint64_t poll_key(const DeviceWorkspace& ws, const uint64_t* p, int src, uint64_t call,
+                                             const ReportLater& fail) {
   return poll_until(
-      ws, [p] { return ld_volatile_u64(p); }, [](uint64_t v) { return v != kTopKSentinel; }, src, call, kWaitData);
+      ws, [p] { return ld_volatile_u64(p); }, [](uint64_t v) { return v != kTopKSentinel; }, src, call, kWaitData,
+      fail);
 }
 
 // Where rank `d` keeps peer `src`'s call header in the buffer of `call`.
@@ -135,9 +183,8 @@ __device__ __forceinline__ uint4* topk_header(const DeviceWorkspace& ws, int64_t
   return reinterpret_cast<uint4*>(ws.buffer(d, call) + header_offset) + ws.peer_slot(src, d);
 }
 
-// This rank's call header into every peer's buffer (before the keys). Out of
-// line: one thread runs it, and inlined it costs the owner sort registers.
-static __device__ __noinline__ void store_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
+// This rank's call header into every peer's buffer (before the keys).
+__device__ __forceinline__ void store_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
                                                   CallHeader mine) {
   for (int step = 1; step < ws.world; ++step) {
     const int d = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
@@ -146,13 +193,14 @@ static __device__ __noinline__ void store_headers(const DeviceWorkspace& ws, int
 }
 
 // Every peer's call header of this call: polled, re-filled, compared (a
-// mismatch or a wait that gives up is recorded and aborts the workspace on
-// every rank). Out of line, for the same reason.
-static __device__ __noinline__ void check_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
-                                                  CallHeader mine) {
+// mismatch or a wait that gives up goes to `fail`, which records it and
+// aborts the workspace on every rank).
+template <typename Fail>
+__device__ __forceinline__ void check_headers(const DeviceWorkspace& ws, int64_t header_offset, uint64_t call,
+                                              const CallHeader& mine, const Fail& fail) {
   for (int step = 1; step < ws.world; ++step) {
     const int src = ws.rank + step < ws.world ? ws.rank + step : ws.rank + step - ws.world;
-    check_call_header(ws, topk_header(ws, header_offset, call, ws.rank, src), mine, src, call);
+    check_call_header(ws, topk_header(ws, header_offset, call, ws.rank, src), mine, src, call, fail);
   }
 }
 
@@ -181,6 +229,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                       const int32_t* ids, int64_t s0, int64_t i0, int rows, int c, int k, int32_t* out,
                       const __grid_constant__ CallHeader hdr) {
   extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ PendingFailure pending;  // set before the first sort's barriers, read after the row loop's
+  if (threadIdx.x == 0) {
+    pending.kind = kNoFailure;
+    pending.void_src = -1;
+  }
+  const ReportLater fail{&pending};
   // The inputs are the previous kernel's outputs: wait for it (programmatic
   // launch) before loading them, and read the call index only once the first
   // row is sorted, so the counter load overlaps the sort's input loads.
@@ -200,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // 1. Owner: the best kk keys of the row, in order.
     uint64_t* acc = block_select(smem, p, scores + t * s0, ids + t * i0, c, kk);
     if (!have_call) {
-      call = block_call_index(ws);
+      call = block_call_index(ws, fail);
       have_call = true;
       if (header_thread) store_headers(ws, g.header_offset, call, hdr);  // before the keys
     }
@@ -227,12 +281,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (kk % 2 == 0) {
         for (int v = threadIdx.x; v < kk / 2; v += kThreads) {
           ulonglong2* q = reinterpret_cast<ulonglong2*>(in) + v;
-          reinterpret_cast<ulonglong2*>(stage)[v] = poll_keys(ws, q, src, call);
+          reinterpret_cast<ulonglong2*>(stage)[v] = poll_keys(ws, q, src, call, fail);
           *q = make_ulonglong2(kTopKSentinel, kTopKSentinel);
         }
       } else {
         for (int i = threadIdx.x; i < kk; i += kThreads) {
-          stage[i] = poll_key(ws, in + i, src, call);
+          stage[i] = poll_key(ws, in + i, src, call, fail);
           in[i] = kTopKSentinel;
         }
       }
@@ -251,13 +305,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         len = nout;
       }
     }
-    if (checks_header) check_headers(ws, g.header_offset, call, hdr);
+    if (checks_header) check_headers(ws, g.header_offset, call, hdr, fail);
     if (n == 1) {
       for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
     }
     __syncthreads();  // the next row reuses the shared memory
   }
-  if (!have_call) call = block_call_index(ws);
+  if (!have_call) call = block_call_index(ws, fail);
+  __syncthreads();  // every wait of the block is done
+  if (threadIdx.x == 0) report_pending(ws, pending, call);
   block_finish_call(ws, call);
 }
 
@@ -269,7 +325,7 @@ __global__ void __launch_bounds__(32)
   const uint64_t call = block_call_index(ws);
   if (threadIdx.x == 0) {
     store_headers(ws, header_offset, call, hdr);
-    check_headers(ws, header_offset, call, hdr);
+    check_headers(ws, header_offset, call, hdr, ReportNow{ws});
   }
   block_finish_call(ws, call);
 }
