@@ -80,35 +80,56 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 
 // RowMask::row_empty with the whole warp: a 32-way search over the request
 // ends (one round of loads for up to 32 requests, two up to 1024), the last
-// round also loading the candidate requests' seq_lens, so a row's lookup is
-// one or two dependent loads instead of a binary search's log2(R) + 2.
-// A = the number of ends query_start_loc[1..R] <= t (ascending ends); the row
-// is padding when A == R, else it belongs to request A.
-__device__ __forceinline__ bool warp_row_empty(const RowMask& m, int64_t t) {
+// round also loading the candidate requests' seq_lens. A = the number of ends
+// query_start_loc[1..R] <= t (ascending ends); the row is padding when
+// A == R, else it belongs to request A.
+//
+// One round's loads: lane j's end (the largest value for a lane past the
+// range) and, in the last round, candidate request lo + j's length.
+struct LookupRound {
+  int64_t end;
+  int64_t len;
+};
+
+__device__ __forceinline__ LookupRound lookup_round(const RowMask& m, int64_t lo, int64_t hi) {
   const int lane = threadIdx.x & 31;
+  const bool last = hi - lo <= 32;  // then step 1: A = lo + (the count below)
+  const int64_t step = last ? 1 : (hi - lo + 31) / 32;
+  const int64_t e = lo + (lane + 1) * step;
+  LookupRound r{INT64_MAX, 1};
+  if (e <= hi) r.end = m.boundary(e);
+  if (last && lo + lane < m.requests) r.len = m.seq_len(lo + lane);
+  return r;
+}
+
+// The first round is the same for every row (lo = 0, hi = R): a warp loads it
+// once, beside its first inputs, and keeps it in shared memory (in registers
+// it costs spills), so a row of up to 32 requests is looked up without a
+// global load of its own.
+__device__ __forceinline__ LookupRound first_lookup_round(const RowMask& m) {
+  return m.enabled && m.requests > 0 ? lookup_round(m, 0, m.requests) : LookupRound{INT64_MAX, 1};
+}
+
+// Row t's lookup, from its first round `r` (first_lookup_round's).
+__device__ __forceinline__ bool warp_row_empty(const RowMask& m, int64_t t, LookupRound r) {
   const int64_t requests = m.requests;
   if (requests == 0) return true;
   int64_t lo = 0, hi = requests;  // A in [lo, hi]
   while (true) {
-    const bool last = hi - lo <= 32;  // then step 1: A = lo + (the count below)
+    const bool last = hi - lo <= 32;
     const int64_t step = last ? 1 : (hi - lo + 31) / 32;
-    const int64_t e = lo + (lane + 1) * step;
-    // The last round: lane j also loads request lo + j's length (a candidate for A).
-    const int64_t cand = lo + lane;
-    int64_t len = 1;
-    if (last && cand < requests) len = m.seq_len(cand);
-    const bool below = e <= hi && m.boundary(e) <= t;
-    const int c = __popc(__ballot_sync(0xffffffffu, below));
+    const int c = __popc(__ballot_sync(0xffffffffu, r.end <= t));
     if (last) {
       const int64_t a = lo + c;
       if (a >= requests) return true;  // padding
       // a - lo = c <= 31 here unless every lane's end was <= t (then a == lo + 32).
-      const int64_t got = __shfl_sync(0xffffffffu, len, c & 31);
+      const int64_t got = __shfl_sync(0xffffffffu, r.len, c & 31);
       return (c < 32 ? got : m.seq_len(a)) == 0;
     }
     const int64_t next_lo = lo + c * step;
     hi = min(hi, lo + (c + 1) * step - 1);
     lo = next_lo;
+    r = lookup_round(m, lo, hi);
   }
 }
 
@@ -133,8 +154,10 @@ __device__ __forceinline__ bool warp_row_empty(const RowMask& m, int64_t t) {
 //
 // With a row mask (vLLM's seq_lens / query_start_loc, output_lse.h) each
 // producer sends -inf for its own empty rows, so the owner's combine gives
-// them no weight; a warp looks a row up once (a binary search over the
-// request ends), and without a mask the lookup is one uniform branch per item.
+// them no weight; a warp looks a row up once (warp_row_empty, whose first
+// round it loads at entry), and without a mask the lookup is one uniform
+// branch per item. At one rank this warp's own first inputs, the lookup's
+// first round and the call index are all in flight together.
 template <typename scalar_t, int kN>
 __global__ void __launch_bounds__(kThreads)
     output_lse_kernel(const __grid_constant__ DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po,
@@ -155,11 +178,15 @@ __global__ void __launch_bounds__(kThreads)
   // Called by the whole warp (the lookup is a warp-wide search).
   int mask_row = -1;
   bool mask_row_empty = false;
+  // The lookup's first round: loaded at entry, kept in shared memory once
+  // the call index is known (by then it has landed).
+  __shared__ LookupRound first_rounds[kThreads];  // lane j of warp w: [w * 32 + j]
+  const LookupRound first_round = first_lookup_round(mask);
   auto row_empty = [&](int t) {
     if (!mask.enabled) return false;
     if (t != mask_row) {
       mask_row = t;
-      mask_row_empty = warp_row_empty(mask, t);
+      mask_row_empty = warp_row_empty(mask, t, first_rounds[threadIdx.x]);
     }
     return mask_row_empty;
   };
@@ -181,6 +208,8 @@ __global__ void __launch_bounds__(kThreads)
   auto begin_call = [&] {
     call = block_call_index(ws);
     have_call = true;
+    first_rounds[threadIdx.x] = first_round;  // read by this warp's lanes only
+    __syncwarp();
     if (header_warp && lane < n && lane != me) store_call_header(header(lane, me), hdr);
   };
   // Shard d of item (t, h): partial_out[t, d*hl + h] (dim elements).
@@ -217,7 +246,6 @@ __global__ void __launch_bounds__(kThreads)
         if (base + u * 32 + lane < pairs) inbox_out(dst[u], me)[static_cast<int64_t>(i) * nvec + vec[u]] = canonical_payload(buf[u]);
     }
   }
-  if (!have_call) begin_call();
   // 2. Owner: for each own item, every shard's LSE (lane s polls peer s) and
   //    the first peer's first vectors in one round of loads, then the
   //    payload vectors in shard order, each polled, re-filled and weighed.
@@ -236,7 +264,13 @@ __global__ void __launch_bounds__(kThreads)
     if (two0) next1 = own[lane + 32];
     if (lane == me) next_lse = pl[static_cast<int64_t>(t) * heads + me * hl + h];
   };
-  if (begin + warp < end) load_own(begin + warp);
+  // The first item's: at one rank the warp has sent nothing, so before the
+  // call index (both in flight together); in larger worlds after it (held
+  // across the call index's failure path, the vectors cost spills).
+  constexpr bool kOwnBeforeCall = kN == 1;
+  if (kOwnBeforeCall && begin + warp < end) load_own(begin + warp);
+  if (!have_call) begin_call();
+  if (!kOwnBeforeCall && begin + warp < end) load_own(begin + warp);
   for (int i = begin + warp; i < end; i += kWarps) {
     const int t = i / hl, h = i - t * hl;
     const uint4* own = shard(t, h, me);
