@@ -142,6 +142,8 @@ struct ReportLater {
     f->abort = abort;
     f->wait = wait;
   }
+  // Thread 0 compares the headers between barriers (after the first row's
+  // polls, before the next row's), so no give_up writes `src` meanwhile.
   __device__ __forceinline__ void mismatch(int src, uint64_t, uint32_t field, uint32_t mine, uint32_t theirs) const {
     if (atomicCAS(&f->kind, kNoFailure, kMismatched) != kNoFailure &&
         atomicCAS(&f->kind, kAborted, kMismatched) != kAborted)
