@@ -253,10 +253,16 @@ __device__ __forceinline__ auto poll_until(const DeviceWorkspace& ws, Load load,
 
 // Polls a 16-byte vector of a local buffer until no word is the sentinel (or
 // the wait gives up: then the vector may hold sentinel words).
+template <typename Fail>
+__device__ __forceinline__ uint4 poll_vector(const DeviceWorkspace& ws, const uint4* p, int src, uint64_t call,
+                                             uint32_t wait, const Fail& fail) {
+  return poll_until(
+      ws, [&] { return ld_volatile_v4(p); }, [](const uint4& v) { return !has_sentinel(v); }, src, call, wait, fail);
+}
+
 __device__ __forceinline__ uint4 poll_vector(const DeviceWorkspace& ws, const uint4* p, int src, uint64_t call,
                                              uint32_t wait = kWaitData) {
-  return poll_until(
-      ws, [&] { return ld_volatile_v4(p); }, [](const uint4& v) { return !has_sentinel(v); }, src, call, wait);
+  return poll_vector(ws, p, src, call, wait, ReportNow{ws});
 }
 
 __device__ __forceinline__ uint32_t poll_word(const DeviceWorkspace& ws, const uint32_t* p, int src, uint64_t call,
@@ -336,9 +342,7 @@ __device__ __forceinline__ void store_call_header(uint4* dst, const CallHeader& 
 template <typename Fail>
 __device__ __forceinline__ bool check_call_header(const DeviceWorkspace& ws, uint4* p, const CallHeader& mine, int src,
                                                   uint64_t call, const Fail& fail) {
-  uint4 v = poll_until(
-      ws, [p] { return ld_volatile_v4(p); }, [](const uint4& x) { return !has_sentinel(x); }, src, call, kWaitHeader,
-      fail);
+  uint4 v = poll_vector(ws, p, src, call, kWaitHeader, fail);
   if (has_sentinel(v)) v = ld_volatile_v4(p);  // gave up on an abort: the header may have landed since
   *p = sentinel_vector();
   return !has_sentinel(v) && header_matches(v, mine, src, call, fail);
