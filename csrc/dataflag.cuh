@@ -59,10 +59,10 @@ struct ReportNow {
 // have (b + g, b + 2g, ...): no block of this grid reads them. Thread 0 loads
 // the abort word beside the counter (both in flight, no added step) and
 // records a peer's abort that no poll may meet (every word already landed),
-// so that the host raises at its next call.
+// so that the host raises at its next call. The kernel has waited for the
+// previous one (pdl_wait_and_release, its first step) before it gets here.
 template <typename Fail>
 __device__ __forceinline__ uint64_t block_call_index(const DeviceWorkspace& ws, const Fail& fail) {
-  pdl_wait_and_release();
   DataFlagControl* c = ws.dataflag_control();
   uint64_t* counters = c->call_index;
   uint64_t call = 0, abort = 0;
@@ -437,9 +437,8 @@ inline bool dataflag_pdl(int device) {
 }
 
 // Launches a data-as-flag kernel with `shared_bytes` of dynamic shared memory
-// (the kernel's first step is pdl_wait_and_release, directly or in
-// block_call_index: it waits for the previous kernel where the launch is
-// programmatic).
+// (the kernel's first step is pdl_wait_and_release: it waits for the previous
+// kernel where the launch is programmatic).
 template <typename... KernelArgs, typename... Args>
 void launch_dataflag(void (*kernel)(KernelArgs...), int grid, int threads, size_t shared_bytes, cudaStream_t stream,
                     int device, Args&&... args) {

@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // index and a peer with rows sees the difference.
 __global__ void __launch_bounds__(32)
     topk_headers_kernel(const __grid_constant__ DeviceWorkspace ws, int64_t header_offset, CallHeader hdr) {
+  pdl_wait_and_release();
   const uint64_t call = block_call_index(ws);
   if (threadIdx.x == 0) {
     store_headers(ws, header_offset, call, hdr);
