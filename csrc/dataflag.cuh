@@ -40,7 +40,7 @@ static __device__ __noinline__ void dataflag_void(const DeviceWorkspace& ws, int
 // site costs a 1,024-thread kernel (64 registers) spills throughout its body,
 // so the top-K merge passes its own policy instead (topk_cuda.cu): it keeps
 // the first failure in shared memory, makes the block's later waits return at
-// once (`failed`), and reports it through these same functions after its loop.
+// once (`failed`), and records it inline, without printing, after its loop.
 struct ReportNow {
   const DeviceWorkspace& ws;
   __device__ __forceinline__ bool failed() const { return false; }
@@ -139,68 +139,86 @@ __device__ __forceinline__ uint4 sentinel_vector() { return make_uint4(kSentinel
 // once, so the kernel ends quickly with undefined output, and the host raises
 // at its next call or check(). Without a record (no host-mapped memory) it
 // prints and traps, as before.
-static __device__ __noinline__ void dataflag_record(const DeviceWorkspace& ws, DataFlagError e, bool broadcast) {
+//
+// kPrint: also print the reason. printf is a call; the functions below that
+// print are out of line (one call site per failure path). The top-K merge,
+// which can afford no call site at all, records inline without printing (its
+// host error carries the same fields).
+template <bool kPrint>
+__device__ __forceinline__ void record_failure(const DeviceWorkspace& ws, const DataFlagError& e, bool broadcast) {
   if (ws.error == nullptr) {
-    printf("torch_sdcp: rank %d block %d gave up on peer %d (workspace %lld, buffer %d, call %llu, reason %u) "
-           "with no error record; trapping\n", ws.rank, blockIdx.x, e.peer, (long long)ws.handle,
-           (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call, e.state);
+    if constexpr (kPrint)
+      printf("torch_sdcp: rank %d block %d gave up on peer %d (workspace %lld, buffer %d, call %llu, reason %u) "
+             "with no error record; trapping\n", ws.rank, blockIdx.x, e.peer, (long long)ws.handle,
+             (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call, e.state);
     __trap();
   }
-  // Claim 1: a peer's abort was seen; claim 2: this rank's own failure, which
-  // may replace a peer-abort record (a mismatch names both sides; the abort
-  // it raced with does not).
+  // Two records, each claimed once (atomicCAS) and written by its claimant
+  // alone: this rank's own failure, and a peer's abort seen here. The host
+  // reads the own one first (a mismatch names both sides; the abort it raced
+  // with does not), so an own failure met after a peer's abort still wins,
+  // and no record mixes two writers' fields.
   DataFlagControl* c = ws.dataflag_control();
-  const uint32_t want = e.state == kReasonPeerAbort ? 1u : 2u;
-  const uint32_t prev = atomicCAS(&c->error_claim, 0u, want);
-  if (prev != 0u && !(want == 2u && prev == 1u && atomicCAS(&c->error_claim, 1u, 2u) == 1u)) return;
-  if (e.state == kReasonTimeout)
-    printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d%s (workspace %lld, %s %d, "
-           "call %llu); the peer stopped participating, skipped the call, took the collective path, or calls "
-           "differ between ranks\n", ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, e.peer,
-           e.wait == kWaitViewRelease ? " to release the previous view call"
-                                      : dataflag_wait_is_header(e.wait) ? "'s call header" : "'s data",
-           (long long)ws.handle, dataflag_wait_is_view(e.wait) ? "view buffer, view call" : "buffer",
-           dataflag_wait_is_view(e.wait) ? (int)e.call : (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call);
-  else if (e.state == kReasonBadInput)
-    printf("torch_sdcp: bad input: rank %d block %d: positions[%u] = %d is outside [0, %u) (workspace %lld, call "
-           "%llu)\n", ws.rank, blockIdx.x, e.field, (int)e.mine, e.theirs, (long long)ws.handle,
-           (unsigned long long)e.call);
-  else if (e.state == kReasonMismatch)
-    printf("torch_sdcp: call mismatch: rank %d block %d, peer %d, header field %u: this rank 0x%08x, the peer "
-           "0x%08x (workspace %lld, buffer %d, call %llu)\n", ws.rank, blockIdx.x, e.peer, e.field, e.mine,
-           e.theirs, (long long)ws.handle, (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call);
-  if (ws.error != nullptr) {
-    volatile DataFlagError* r = ws.error;
-    {
-      r->block = e.block;
-      r->peer = e.peer;
-      r->wait = e.wait;
-      r->call = e.call;
-      r->field = e.field;
-      r->mine = e.mine;
-      r->theirs = e.theirs;
-      r->aborter = e.aborter;
-      r->abort_reason = e.abort_reason;
-      __threadfence_system();
-      r->state = e.state;
-    }
+  const bool own = e.state != kReasonPeerAbort;
+  if (atomicCAS(own ? &c->error_claim : &c->peer_abort_claim, 0u, 1u) != 0u) return;
+  volatile DataFlagError* r = own ? ws.error : &reinterpret_cast<DataFlagRecords*>(ws.error)->peer_abort;
+  if constexpr (kPrint) {
+    if (e.state == kReasonTimeout)
+      printf("torch_sdcp: timeout: rank %d block %d waited %.3f s for peer %d%s (workspace %lld, %s %d, "
+             "call %llu); the peer stopped participating, skipped the call, took the collective path, or calls "
+             "differ between ranks\n", ws.rank, blockIdx.x, ws.timeout_ns * 1e-9, e.peer,
+             e.wait == kWaitViewRelease ? " to release the previous view call"
+                                        : dataflag_wait_is_header(e.wait) ? "'s call header" : "'s data",
+             (long long)ws.handle, dataflag_wait_is_view(e.wait) ? "view buffer, view call" : "buffer",
+             dataflag_wait_is_view(e.wait) ? (int)e.call : (int)(e.call % kDataFlagBuffers),
+             (unsigned long long)e.call);
+    else if (e.state == kReasonBadInput)
+      printf("torch_sdcp: bad input: rank %d block %d: positions[%u] = %d is outside [0, %u) (workspace %lld, call "
+             "%llu)\n", ws.rank, blockIdx.x, e.field, (int)e.mine, e.theirs, (long long)ws.handle,
+             (unsigned long long)e.call);
+    else if (e.state == kReasonMismatch)
+      printf("torch_sdcp: call mismatch: rank %d block %d, peer %d, header field %u: this rank 0x%08x, the peer "
+             "0x%08x (workspace %lld, buffer %d, call %llu)\n", ws.rank, blockIdx.x, e.peer, e.field, e.mine,
+             e.theirs, (long long)ws.handle, (int)(e.call % kDataFlagBuffers), (unsigned long long)e.call);
   }
+  r->block = e.block;
+  r->peer = e.peer;
+  r->wait = e.wait;
+  r->call = e.call;
+  r->field = e.field;
+  r->mine = e.mine;
+  r->theirs = e.theirs;
+  r->aborter = e.aborter;
+  r->abort_reason = e.abort_reason;
+  __threadfence_system();
+  r->state = e.state;
   if (broadcast) {
     // This thread's stores (the header lane's own call header) land before its abort word.
     __threadfence_system();
     const uint64_t word = dataflag_abort_word(ws.rank, e.state);
-    for (int r = 0; r < ws.world; ++r) {
-      uint64_t* a = &reinterpret_cast<DataFlagControl*>(ws.region(r))->abort;
+    for (int rank = 0; rank < ws.world; ++rank) {
+      uint64_t* a = &reinterpret_cast<DataFlagControl*>(ws.region(rank))->abort;
       if (ld_volatile_u64(a) == 0) st_volatile_u64(a, word);
     }
   }
   __threadfence_system();
 }
 
+static __device__ __noinline__ void dataflag_record(const DeviceWorkspace& ws, DataFlagError e, bool broadcast) {
+  record_failure<true>(ws, e, broadcast);
+}
+
+template <bool kPrint>
+__device__ __forceinline__ void record(const DeviceWorkspace& ws, const DataFlagError& e, bool broadcast) {
+  if constexpr (kPrint) dataflag_record(ws, e, broadcast);
+  else record_failure<false>(ws, e, broadcast);
+}
+
 // A poll's slow path ends here: `abort` is this rank's abort word as the
 // poll last read it (0: none, so the wait timed out).
-static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
-                                                    uint32_t wait) {
+template <bool kPrint>
+__device__ __forceinline__ void record_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
+                                               uint32_t wait) {
   DataFlagError e{};
   e.block = blockIdx.x;
   e.peer = src;
@@ -212,11 +230,16 @@ static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, 
     e.state = kReasonPeerAbort;
     e.aborter = abort_word_rank(abort);
     e.abort_reason = abort_word_reason(abort);
-    dataflag_record(ws, e, false);  // the aborter told every rank
+    record<kPrint>(ws, e, false);  // the aborter told every rank
   } else {
     e.state = kReasonTimeout;
-    dataflag_record(ws, e, true);
+    record<kPrint>(ws, e, true);
   }
+}
+
+static __device__ __noinline__ void dataflag_give_up(const DeviceWorkspace& ws, int src, uint64_t call, uint64_t abort,
+                                                    uint32_t wait) {
+  record_give_up<true>(ws, src, call, abort, wait);
 }
 
 __device__ __forceinline__ const uint64_t* own_abort_word(const DeviceWorkspace& ws) {
@@ -290,8 +313,9 @@ __device__ __forceinline__ uint4 header_vector(const CallHeader& h) { return mak
 
 // A peer's header that differs from this rank's: a call mismatch (`wait`:
 // the call's header, or the query view's).
-static __device__ __noinline__ void dataflag_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
-                                                     uint32_t mine, uint32_t theirs, uint32_t wait) {
+template <bool kPrint>
+__device__ __forceinline__ void record_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
+                                                uint32_t mine, uint32_t theirs, uint32_t wait) {
   DataFlagError e{};
   e.state = kReasonMismatch;
   e.block = blockIdx.x;
@@ -302,17 +326,26 @@ static __device__ __noinline__ void dataflag_mismatch(const DeviceWorkspace& ws,
   e.mine = mine;
   e.theirs = theirs;
   e.aborter = -1;
-  dataflag_record(ws, e, true);
+  record<kPrint>(ws, e, true);
+}
+
+static __device__ __noinline__ void dataflag_mismatch(const DeviceWorkspace& ws, int src, uint64_t call, uint32_t field,
+                                                     uint32_t mine, uint32_t theirs, uint32_t wait) {
+  record_mismatch<true>(ws, src, call, field, mine, theirs, wait);
 }
 
 // A peer's header of a void call: the first one met stays in the void word
 // until the host takes it (the kernel goes on: the placeholder's data lands
 // like any other). A plain 64-bit store: two voids in flight at once leave
 // one of them, whole.
-static __device__ __noinline__ void dataflag_void(const DeviceWorkspace& ws, int src, uint64_t call) {
+__device__ __forceinline__ void record_void(const DeviceWorkspace& ws, int src, uint64_t call) {
   if (ws.voided == nullptr || ld_volatile_u64(ws.voided) != 0) return;
   st_volatile_u64(ws.voided, void_word(src, call));
   __threadfence_system();
+}
+
+static __device__ __noinline__ void dataflag_void(const DeviceWorkspace& ws, int src, uint64_t call) {
+  record_void(ws, src, call);
 }
 
 // True when the peer's header `v` (landed) matches `mine`; else records the

@@ -83,9 +83,11 @@ struct DataFlagControl {
   // included; every poll reads its own in its slow path and gives up. Never
   // cleared: a workspace is re-created after a failure.
   uint64_t abort;
-  // CUDA: the first thread that gives up claims the error record (atomicCAS).
+  // CUDA: the first thread that gives up claims this rank's error record, the
+  // first that meets a peer's abort the peer-abort record (atomicCAS, once
+  // each: DataFlagRecords).
   uint32_t error_claim;
-  uint32_t pad2;
+  uint32_t peer_abort_claim;
 };
 static_assert(sizeof(DataFlagControl) <= 4096, "DataFlagControl must fit its 4 KiB control region");
 

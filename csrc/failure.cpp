@@ -168,10 +168,16 @@ void check_workspace_health(const Workspace& ws) {
       state = kReasonPeerAbort;
     }
   }
+  // CUDA: without an own failure, a peer's abort a kernel recorded (dataflag.cuh record_failure).
+  const DataFlagError* record = ws.error;
+  if (state == kReasonNone) {
+    record = &reinterpret_cast<const DataFlagRecords*>(ws.error)->peer_abort;
+    state = __atomic_load_n(&record->state, __ATOMIC_ACQUIRE);
+  }
   if (state == kReasonNone) return;
   std::atomic_thread_fence(std::memory_order_acquire);
   DataFlagError e;
-  std::memcpy(&e, static_cast<const void*>(ws.error), sizeof(e));
+  std::memcpy(&e, static_cast<const void*>(record), sizeof(e));
   e.state = state;
   TORCH_CHECK(false, cat("torch_sdcp: ", kind_name(ws.kind), " workspace ", ws.handle, " on rank ", ws.rank,
               " is poisoned: ", describe_dataflag_error(ws, e),

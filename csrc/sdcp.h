@@ -211,8 +211,9 @@ struct Workspace {
 // What a workspace's error memory holds (host memory, or host-mapped pinned
 // memory on CUDA): the error record, then the void word.
 struct DataFlagRecords {
-  DataFlagError error;
+  DataFlagError error;  // this rank's own failure (a timeout, a mismatch, bad input, an error in a call)
   uint64_t void_word;
+  DataFlagError peer_abort;  // CUDA: a peer's abort word seen by a kernel here (read when `error` is empty)
 };
 
 // A call's header: its call tag (checked by check_call_tag: -1 untagged) in

@@ -117,13 +117,14 @@ __device__ __forceinline__ ulonglong2 ld_volatile_keys(const ulonglong2* p) {
 
 // The merge kernel's failure policy (dataflag.cuh, ReportNow): a call site
 // anywhere in this 1,024-thread kernel (64 registers) costs it spills
-// throughout (measured: 1.1-1.8 us per call at one rank, NOTES.md), so its
-// waits keep the block's first failure here, in shared memory, and thread 0
-// reports it through the out-of-line functions after the row loop. The
-// block's later waits return at once (failed()), so the report comes after at
-// most its remaining rows' sorts. As when reported at once, the first failure
-// wins, except that a header mismatch replaces a seen abort word (a mismatch
-// names both sides); a void header is kept beside it.
+// throughout (measured: 1.1-1.8 us per call at one rank, NOTES.md; one left
+// after the row loop, 0.1 us), so its waits keep the block's first
+// failure here, in shared memory, and thread 0 records it inline after the
+// row loop, without printing (printf is a call; the host's error carries the
+// same fields). The block's later waits return at once (failed()), so the
+// record comes after at most its remaining rows' sorts. As when reported at
+// once, the first failure wins, except that a header mismatch replaces a seen
+// abort word (a mismatch names both sides); a void header is kept beside it.
 struct PendingFailure {
   uint32_t kind;  // kNoFailure, kTimedOut, kAborted, kMismatched
   int src;
@@ -156,11 +157,11 @@ struct ReportLater {
   __device__ __forceinline__ void voided(int src, uint64_t) const { atomicCAS(&f->void_src, -1, src); }
 };
 
-// Thread 0, after the row loop and a barrier: what the block kept, reported.
-static __device__ __noinline__ void report_pending(const DeviceWorkspace& ws, const PendingFailure& f, uint64_t call) {
-  if (f.void_src >= 0) dataflag_void(ws, f.void_src, call);
-  if (f.kind == kMismatched) dataflag_mismatch(ws, f.src, call, f.field, f.mine, f.theirs, kWaitHeader);
-  else if (f.kind != kNoFailure) dataflag_give_up(ws, f.src, call, f.abort, f.wait);
+// Thread 0, after the row loop's last barrier: what the block kept, recorded.
+__device__ __forceinline__ void record_pending(const DeviceWorkspace& ws, const PendingFailure& f, uint64_t call) {
+  if (f.void_src >= 0) record_void(ws, f.void_src, call);
+  if (f.kind == kMismatched) record_mismatch<false>(ws, f.src, call, f.field, f.mine, f.theirs, kWaitHeader);
+  else if (f.kind != kNoFailure) record_give_up<false>(ws, f.src, call, f.abort, f.wait);
 }
 
 // Polls two keys of a local buffer until neither is the sentinel. Each 64-bit
@@ -313,9 +314,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();  // the next row reuses the shared memory
   }
+  // Every wait of the block is done: the row loop ends with a barrier (and
+  // every block has a row: the grid is at most the row count).
   if (!have_call) call = block_call_index(ws, fail);
-  __syncthreads();  // every wait of the block is done
-  if (threadIdx.x == 0) report_pending(ws, pending, call);
+  if (threadIdx.x == 0) record_pending(ws, pending, call);
   block_finish_call(ws, call);
 }
 
