@@ -15,15 +15,17 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ uint32_t load_word(const uint8_t* x, int64_t nbytes, int64_t w, bool aligned) {
-  if (aligned) return reinterpret_cast<const uint32_t*>(x)[w];
+template <bool kAligned>
+__device__ __forceinline__ uint32_t load_word(const uint8_t* x, int64_t nbytes, int64_t w) {
+  if (kAligned) return reinterpret_cast<const uint32_t*>(x)[w];
   uint32_t v = 0;
   for (int b = 0; b < 4 && 4 * w + b < nbytes; ++b) v |= static_cast<uint32_t>(x[4 * w + b]) << (8 * b);
   return v;
 }
 
-__device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t w, uint32_t v, bool aligned) {
-  if (aligned) {
+template <bool kAligned>
+__device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t w, uint32_t v) {
+  if (kAligned) {
     reinterpret_cast<uint32_t*>(out)[w] = v;
     return;
   }
@@ -37,17 +39,22 @@ __device__ __forceinline__ void store_word(uint8_t* out, int64_t nbytes, int64_t
 // it polls data: for small exchanges that warp holds no words, so the check
 // runs beside the other warps' polls.
 // The workspace is a grid constant (no per-thread local copy for the failure
-// paths, which take its address).
-__global__ void peer_all_gather_kernel(const __grid_constant__ DeviceWorkspace ws, const uint8_t* x, uint8_t* out,
-                                       int64_t nbytes, int64_t source_bytes, bool aligned, int64_t header_offset,
-                                       const __grid_constant__ CallHeader hdr) {
+// paths, which take its address). Compiled per case, because at a few bytes
+// the call is one warp's chain of dependent steps and every instruction on it
+// counts: kAligned (x, out and nbytes 4-byte aligned: one 32-bit access per
+// word, no byte path) and kOneWord (every thread has at most one word: no
+// loop over words).
+template <bool kAligned, bool kOneWord>
+__global__ void __launch_bounds__(kThreads)
+    peer_all_gather_kernel(const __grid_constant__ DeviceWorkspace ws, const uint8_t* x, uint8_t* out, int64_t nbytes,
+                           int64_t source_bytes, int64_t header_offset, const __grid_constant__ CallHeader hdr) {
   // This thread's first word is loaded before the call index, so that the two
   // loads are in flight together (x is the previous kernel's output: after
   // the programmatic wait).
   pdl_wait_and_release();
   const int64_t words = (nbytes + 3) / 4;
   const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const uint32_t first_word = first < words ? load_word(x, nbytes, first, aligned) : 0;
+  const uint32_t first_word = first < words ? load_word<kAligned>(x, nbytes, first) : 0;
   const uint64_t call = block_call_index(ws);
   const uint64_t tag = static_cast<uint64_t>(call_tag(call)) << 32;
   const int n = ws.world, me = ws.rank;
@@ -60,17 +67,27 @@ __global__ void peer_all_gather_kernel(const __grid_constant__ DeviceWorkspace w
   const int peer = threadIdx.x & 31;
   const bool header_lane = blockIdx.x == 0 && threadIdx.x / 32 == blockDim.x / 32 - 1 && peer < n && peer != me;
   if (header_lane) store_call_header_tagged(header(peer, me), tag, hdr);
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t w = first; w < words; w += step) {
-    const uint32_t v = w == first ? first_word : load_word(x, nbytes, w, aligned);
+  auto push = [&](int64_t w, uint32_t v) {
     for (int d = 0; d < n; ++d)
       if (d != me) st_volatile_u64(entry(d, me) + w, tag | v);
-    store_word(out + me * nbytes, nbytes, w, v, aligned);
+    store_word<kAligned>(out + me * nbytes, nbytes, w, v);
+  };
+  auto gather = [&](int64_t w) {
+    for (int s = 0; s < n; ++s)
+      if (s != me)
+        store_word<kAligned>(out + s * nbytes, nbytes, w, poll_tagged(ws, entry(me, s) + w, tag >> 32, s, call));
+  };
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (kOneWord) {
+    if (first < words) push(first, first_word);
+  } else {
+    for (int64_t w = first; w < words; w += step) push(w, w == first ? first_word : load_word<kAligned>(x, nbytes, w));
   }
   if (header_lane) check_call_header_tagged(ws, header(me, peer), tag >> 32, hdr, peer, call);
-  for (int64_t w = first; w < words; w += step) {
-    for (int s = 0; s < n; ++s)
-      if (s != me) store_word(out + s * nbytes, nbytes, w, poll_tagged(ws, entry(me, s) + w, tag >> 32, s, call), aligned);
+  if (kOneWord) {
+    if (first < words) gather(first);
+  } else {
+    for (int64_t w = first; w < words; w += step) gather(w);
   }
   block_finish_call(ws, call);
 }
@@ -83,9 +100,15 @@ void all_gather_cuda(const AllGatherCall& c, const at::Tensor& x) {
   auto* dst = static_cast<uint8_t*>(c.out.data_ptr());
   const bool aligned = c.nbytes % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 4 == 0 &&
                        reinterpret_cast<uintptr_t>(dst) % 4 == 0;
-  const int grid = dataflag_grid((c.nbytes + 3) / 4, kThreads, x.get_device());
-  launch_dataflag(peer_all_gather_kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), x.get_device(),
-                 device_workspace(ws), src, dst, c.nbytes, c.geo.source_bytes, aligned, c.geo.header_offset, c.header);
+  const int64_t words = (c.nbytes + 3) / 4;
+  const int grid = dataflag_grid(words, kThreads, x.get_device());
+  const bool one_word = words <= static_cast<int64_t>(grid) * kThreads;
+  auto launch = [&](auto kernel) {
+    launch_dataflag(kernel, grid, kThreads, at::cuda::getCurrentCUDAStream(), x.get_device(), device_workspace(ws),
+                   src, dst, c.nbytes, c.geo.source_bytes, c.geo.header_offset, c.header);
+  };
+  if (aligned) one_word ? launch(peer_all_gather_kernel<true, true>) : launch(peer_all_gather_kernel<true, false>);
+  else one_word ? launch(peer_all_gather_kernel<false, true>) : launch(peer_all_gather_kernel<false, false>);
 }
 
 }  // namespace

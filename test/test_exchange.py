@@ -193,6 +193,35 @@ def _tagged_bytes_worker(rank, world, mode):
     return True
 
 
+def _large_worker(rank, world, mode):
+    """More words than a grid of threads on CUDA (the kernel's loop over a
+    thread's words: a grid holds at most 384 blocks of 256 threads), aligned
+    and not, bit-exact."""
+    import torch_sdcp
+
+    args = rank_workspace_args(rank, mode)
+    device = args.get("device", torch.device("cpu"))
+    g = torch.Generator().manual_seed(11)
+    nbytes = 4 * 384 * 256 * 3 + 5  # three and a bit words per thread of the largest grid
+    with torch_sdcp.ExchangeWorkspace(None, nbytes + 1, timeout_s=30, **args) as ws:
+        data = [torch.randint(0, 256, (nbytes + 1,), dtype=torch.uint8, generator=g) for _ in range(world)]
+        for n, offset in ((nbytes - 5, 0), (nbytes, 1)):  # whole words; odd bytes off a word
+            x = data[rank].to(device)[offset:offset + n]
+            got = ws.all_gather(x)
+            want = torch.stack([d[offset:offset + n] for d in data])
+            assert torch.equal(got.cpu(), want), f"rank {rank}: {n} bytes at offset {offset} differ"
+    return True
+
+
+def test_host_large_exchange_is_bit_exact():
+    assert run_workers(_large_worker, 2, args=("host",), timeout=120) == [True] * 2
+
+
+@requires_gpus(1)
+def test_cuda_large_exchange_is_bit_exact_shared_gpu():
+    assert run_workers(_large_worker, 2, args=("cuda_shared",), timeout=120) == [True] * 2
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_host_tagged_words_are_bit_exact(world):
     assert run_workers(_tagged_bytes_worker, world, args=("host",), timeout=120) == [True] * world
