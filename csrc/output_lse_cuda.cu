@@ -91,23 +91,53 @@ struct LookupRound {
   int64_t len;
 };
 
-__device__ __forceinline__ LookupRound lookup_round(const RowMask& m, int64_t lo, int64_t hi) {
+// The same loads as they land: each value's 32-bit words (hi unused for an
+// int32 tensor), widened only where the lookup uses them. Widening at the
+// load (a sign extension, a move out of the width's branch) made the first
+// round's two loads wait in turn at kernel entry, ahead of the call index.
+struct LookupWords {
+  uint32_t end_lo, end_hi, len_lo, len_hi;
+};
+
+// Element i of a 1-D int32 / int64 tensor into (lo, hi): one load per word,
+// straight into the registers that keep it.
+__device__ __forceinline__ void load_words(const void* p, bool wide, int64_t i, uint32_t& lo, uint32_t& hi) {
+  const uint32_t* w = static_cast<const uint32_t*>(p);
+  lo = w[wide ? 2 * i : i];
+  if (wide) hi = w[2 * i + 1];
+}
+
+__device__ __forceinline__ int64_t widen(uint32_t lo, uint32_t hi, bool wide) {
+  return wide ? static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)
+              : static_cast<int64_t>(static_cast<int32_t>(lo));
+}
+
+__device__ __forceinline__ LookupWords load_lookup_round(const RowMask& m, int64_t lo, int64_t hi) {
   const int lane = threadIdx.x & 31;
   const bool last = hi - lo <= 32;  // then step 1: A = lo + (the count below)
   const int64_t step = last ? 1 : (hi - lo + 31) / 32;
   const int64_t e = lo + (lane + 1) * step;
-  LookupRound r{INT64_MAX, 1};
-  if (e <= hi) r.end = m.boundary(e);
-  if (last && lo + lane < m.requests) r.len = m.seq_len(lo + lane);
+  // Past the range: the largest end of the width (a row index is below it), length 1.
+  LookupWords r{m.query_start_loc_wide ? 0xffffffffu : 0x7fffffffu, 0x7fffffffu, 1u, 0u};
+  if (e <= hi) load_words(m.query_start_loc, m.query_start_loc_wide, e, r.end_lo, r.end_hi);
+  if (last && lo + lane < m.requests) load_words(m.seq_lens, m.seq_lens_wide, lo + lane, r.len_lo, r.len_hi);
   return r;
 }
 
+__device__ __forceinline__ LookupRound widen(const RowMask& m, const LookupWords& r) {
+  return {widen(r.end_lo, r.end_hi, m.query_start_loc_wide), widen(r.len_lo, r.len_hi, m.seq_lens_wide)};
+}
+
+__device__ __forceinline__ LookupRound lookup_round(const RowMask& m, int64_t lo, int64_t hi) {
+  return widen(m, load_lookup_round(m, lo, hi));
+}
+
 // The first round is the same for every row (lo = 0, hi = R): a warp loads it
-// once, beside its first inputs, and keeps it in shared memory (in registers
-// it costs spills), so a row of up to 32 requests is looked up without a
-// global load of its own.
-__device__ __forceinline__ LookupRound first_lookup_round(const RowMask& m) {
-  return m.enabled && m.requests > 0 ? lookup_round(m, 0, m.requests) : LookupRound{INT64_MAX, 1};
+// once, beside its first inputs and the call index, and keeps it in shared
+// memory (in registers it costs spills), so a row of up to 32 requests is
+// looked up without a global load of its own.
+__device__ __forceinline__ LookupWords first_lookup_round(const RowMask& m) {
+  return m.enabled && m.requests > 0 ? load_lookup_round(m, 0, m.requests) : LookupWords{0, 0, 1u, 0u};
 }
 
 // Row t's lookup, from its first round `r` (first_lookup_round's).
@@ -181,7 +211,7 @@ __global__ void __launch_bounds__(kThreads)
   // The lookup's first round: loaded at entry, kept in shared memory once
   // the call index is known (by then it has landed).
   __shared__ LookupRound first_rounds[kThreads];  // lane j of warp w: [w * 32 + j]
-  const LookupRound first_round = first_lookup_round(mask);
+  const LookupWords first_round = first_lookup_round(mask);
   auto row_empty = [&](int t) {
     if (!mask.enabled) return false;
     if (t != mask_row) {
@@ -208,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
   auto begin_call = [&] {
     call = block_call_index(ws);
     have_call = true;
-    first_rounds[threadIdx.x] = first_round;  // read by this warp's lanes only
+    first_rounds[threadIdx.x] = widen(mask, first_round);  // read by this warp's lanes only
     __syncwarp();
     if (header_warp && lane < n && lane != me) store_call_header(header(lane, me), hdr);
   };

@@ -245,6 +245,14 @@ def test_masked_peer_combine_cuda_two_ranks_on_one_gpu():
     assert run_workers(_masked_combine_worker, 2, args=("cuda_shared", 24), timeout=400) == [N_MASKED] * 2
 
 
+# Up to 1,100 requests: the row lookup's second round (over 32 requests) and
+# third (over 1,024), each with int32 and int64 metadata, on one GPU.
+@requires_gpus(1)
+def test_masked_peer_combine_cuda_many_requests_two_ranks_on_one_gpu():
+    done = run_workers(_masked_combine_worker, 2, args=("cuda_shared", 1100), timeout=400)
+    assert done == [2 * len(host_cases(1100))] * 2
+
+
 def _masked_graph_worker(rank, world, mode, replays):
     import torch_sdcp
 
