@@ -1,7 +1,8 @@
 """World-1 calls of each boundary for Nsight Compute, which times every
 launch alone: the Output/LSE combine at 1 and 32 rows (unmasked, then with
-vLLM's mask), the top-K merge and topk_select at 1 row, the 8-byte exchange,
-and the query gather at DIAG_ROWS rows (default 4096). For example:
+vLLM's mask), the top-K merge and topk_select at TOPK_ROWS rows (default 1),
+the 8-byte exchange, and the query gather at DIAG_ROWS rows (default 4096).
+For example:
 
     ncu --clock-control none -k 'regex:output_lse_kernel|topk_merge_kernel|topk_select_kernel' \
         --metrics gpu__time_duration.sum,smsp__inst_executed.sum --csv \
@@ -40,10 +41,10 @@ if "olse" in which:
         torch.cuda.synchronize()
     ws.close()
 if "topk" in which:
-    k = 2048
-    ws = torch_sdcp.TopKWorkspace(None, 4, k, backend="cuda", device=dev)
-    scores = torch.randn(1, k, generator=g).to(dev)
-    ids = torch.randperm(k, generator=g).view(1, k).to(torch.int32).to(dev)
+    k, rows = 2048, int(os.environ.get("TOPK_ROWS", "1"))
+    ws = torch_sdcp.TopKWorkspace(None, max(rows, 4), k, backend="cuda", device=dev)
+    scores = torch.randn(rows, k, generator=g).to(dev)
+    ids = torch.randperm(rows * k, generator=g).view(rows, k).to(torch.int32).to(dev)
     for _ in range(5):
         ws.merge(scores, ids)
     torch.cuda.synchronize()

@@ -80,8 +80,27 @@ __device__ __forceinline__ uint32_t ld_global_u32(const uint32_t* p) {
 
 // One kernel, the chain built up by BODY (a: empty, b: +counter, c: +loop,
 // d: +data); GDC picks the griddepcontrol prologue.
+template <int BODY, int GDC>
+__device__ __forceinline__ void lab_body(const Args& a);
+
 template <int BODY, int GDC, int THREADS>
 __global__ void __launch_bounds__(THREADS, 1) lab_kernel(Args a) {
+  lab_body<BODY, GDC>(a);
+}
+
+// The same kernel with the library's amount of parameters: 256 bytes in all
+// (the exchange passes 128, Output/LSE about 230: DeviceWorkspace, geometry,
+// pointers, call header, row mask), none of them read.
+struct Padding {
+  uint8_t bytes[256 - sizeof(Args)];
+};
+template <int BODY, int GDC, int THREADS>
+__global__ void __launch_bounds__(THREADS, 1) lab_kernel_padded(Args a, Padding) {
+  lab_body<BODY, GDC>(a);
+}
+
+template <int BODY, int GDC>
+__device__ __forceinline__ void lab_body(const Args& a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (GDC == kWaitRelease || GDC == kWaitOnly) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (GDC == kWaitRelease || GDC == kReleaseOnly) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -130,6 +149,7 @@ __global__ void gate_kernel(const volatile uint32_t* gate, uint32_t seq, volatil
 }
 
 using KernelFn = void (*)(Args);
+using PaddedFn = void (*)(Args, Padding);
 
 struct Variant {
   const char* id;
@@ -139,6 +159,7 @@ struct Variant {
   std::vector<int> pdl;  // launched without (0) and/or with (1) the PDL attribute
   bool graph;            // false: plain stream launches
   bool negative;         // expected to fail its check
+  PaddedFn padded = nullptr;  // launched instead of fn, with 256 bytes of parameters
 };
 
 struct Row {
@@ -168,7 +189,8 @@ void launch(const Variant& v, bool pdl) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  CK(cudaLaunchKernelEx(&cfg, v.fn, Args{d_ctl, d_in, d_out}));
+  if (v.padded != nullptr) CK(cudaLaunchKernelEx(&cfg, v.padded, Args{d_ctl, d_in, d_out}, Padding{}));
+  else CK(cudaLaunchKernelEx(&cfg, v.fn, Args{d_ctl, d_in, d_out}));
 }
 
 // Per-call us of `unit` (K calls), median and min of kTrials trials of kReplays units.
@@ -320,6 +342,8 @@ int main() {
        true, false},
       {"d-pre", "+ 8 B data, load before counter", lab_kernel<kDataBefore, kWaitRelease, 256>, 256, 0, kDataBefore,
        {0, 1}, true, false},
+      {"d-256", "d-pre with 256 B of parameters", lab_kernel<kDataBefore, kWaitRelease, 256>, 256, 0, kDataBefore,
+       {1}, true, false, lab_kernel_padded<kDataBefore, kWaitRelease, 256>},
       {"e0", "1024 thr 150 KB empty, no griddepctl", lab_kernel<kEmpty, kNone, 1024>, 1024, big, kEmpty, {0}, true,
        false},
       {"e", "1024 thr 150 KB empty", lab_kernel<kEmpty, kWaitRelease, 1024>, 1024, big, kEmpty, {0, 1}, true, false},
