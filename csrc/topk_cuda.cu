@@ -122,9 +122,11 @@ __device__ __forceinline__ ulonglong2 ld_volatile_keys(const ulonglong2* p) {
 // failure here, in shared memory, and thread 0 records it inline after the
 // row loop, without printing (printf is a call; the host's error carries the
 // same fields). The block's later waits return at once (failed()), so the
-// record comes after at most its remaining rows' sorts. As when reported at
-// once, the first failure wins, except that a header mismatch replaces a seen
-// abort word (a mismatch names both sides); a void header is kept beside it.
+// record comes after at most its remaining rows' sorts. The first failure
+// wins, except that a header mismatch replaces a seen abort word: the host
+// reads an own failure before a peer's abort (dataflag.cuh record_failure),
+// so the mismatch alone tells it what both records would. A void header is
+// kept beside it.
 struct PendingFailure {
   uint32_t kind;  // kNoFailure, kTimedOut, kAborted, kMismatched
   int src;
