@@ -1,7 +1,8 @@
 """World-1 calls of each boundary for Nsight Compute, which times every
-launch alone: the Output/LSE combine at 1 and 32 rows (unmasked, then with
-vLLM's mask), the top-K merge and topk_select at TOPK_ROWS rows (default 1),
-the 8-byte exchange, and the query gather at DIAG_ROWS rows (default 4096).
+launch alone: the Output/LSE combine at OLSE_ROWS rows (default 1,32;
+unmasked, then with the bench's vLLM mask), the top-K merge and topk_select
+at TOPK_ROWS rows (default 1), the 8-byte exchange, and the query gather at
+DIAG_ROWS rows (default 4096).
 For example:
 
     ncu --clock-control none -k 'regex:output_lse_kernel|topk_merge_kernel|topk_select_kernel' \
@@ -27,8 +28,9 @@ torch.cuda.set_device(dev)
 which = sys.argv[1:] or ["olse", "topk", "signal"]
 g = torch.Generator().manual_seed(1)
 if "olse" in which:
-    ws = torch_sdcp.OutputLSEWorkspace(None, 128, 64, 512, backend="cuda", device=dev)
-    for rows in (1, 32):
+    olse_rows = [int(r) for r in os.environ.get("OLSE_ROWS", "1,32").split(",")]
+    ws = torch_sdcp.OutputLSEWorkspace(None, max(olse_rows), 64, 512, backend="cuda", device=dev)
+    for rows in olse_rows:
         po = torch.randn(rows, 64, 512, generator=g).to(torch.bfloat16).to(dev)
         pl = (torch.randn(rows, 64, generator=g) * 3).to(dev)
         seq_lens = torch.where(torch.arange(rows) % 8 == 7, 0, 100 + torch.arange(rows)).to(torch.int32).to(dev)

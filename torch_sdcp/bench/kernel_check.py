@@ -6,7 +6,7 @@ enough to run under compute-sanitizer (memcheck):
 A one-rank group (no peer) runs every call's own stores, headers and call
 index, so it covers what a kernel does with its own data: the exchange
 (whole words, a byte tail, an input off a word boundary), the Output/LSE
-combine with and without vLLM's mask (more than 32 and more than 1024
+combine with and without vLLM's mask (more than 32, 1024 and 32,768
 requests, so the row lookup takes its later rounds), the query gather
 (interleaved and NeoX, fp8 and bf16) and its zero-copy view, and the top-K
 merge. Prints one line per case and exits non-zero on the first mismatch.
@@ -32,7 +32,7 @@ def check_output_lse(dev: torch.device) -> None:
     h, d = 16, 512
     ws = torch_sdcp.OutputLSEWorkspace(None, 2100, h, d, backend=BACKEND, device=dev)
     try:
-        for rows, requests in ((1, 1), (7, 3), (33, 33), (64, 40), (300, 250), (2100, 2050)):
+        for rows, requests in ((1, 1), (7, 3), (33, 33), (64, 40), (300, 250), (2100, 2050), (64, 40000)):
             g = torch.Generator().manual_seed(rows)
             po = torch.randn(rows, h, d, generator=g).to(torch.bfloat16)
             pl = torch.randn(rows, h, generator=g) * 3
