@@ -91,6 +91,8 @@ RowMask check_row_mask(const c10::optional<at::Tensor>& seq_lens, const c10::opt
   check_dim(q, "query_start_loc", 1);
   SDCP_CHECK_ARG(q.size(0) == s.size(0) + 1, "query_start_loc",
                  s.size(0) + 1 << " entries (len(seq_lens) + 1)", q.size(0));
+  // The CUDA kernel's row lookup indexes requests in 32 bits, with headroom for its steps.
+  SDCP_CHECK_ARG(s.size(0) < (int64_t{1} << 30), "seq_lens", "fewer than 2**30 requests", s.size(0));
   check_index_tensor(s, "seq_lens", partial_out);
   check_index_tensor(q, "query_start_loc", partial_out);
   return {true, s.data_ptr(), q.data_ptr(), s.size(0), s.scalar_type() == at::kLong, q.scalar_type() == at::kLong};

@@ -12,6 +12,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 namespace sdcp {
 namespace {
 
@@ -79,87 +81,125 @@ __global__ void lse_combine_kernel(const scalar_t* po, const float* pl, int n, i
 }
 
 // RowMask::row_empty with the whole warp: a 32-way search over the request
-// ends (one round of loads for up to 32 requests, two up to 1024), the last
-// round also loading the candidate requests' seq_lens. A = the number of ends
-// query_start_loc[1..R] <= t (ascending ends); the row is padding when
-// A == R, else it belongs to request A.
+// ends (one round of loads for up to 32 requests, two up to 1024, three up to
+// 32,768), the last round also loading the candidate requests' seq_lens. A =
+// the number of ends query_start_loc[1..R] <= t (ascending ends); the row is
+// padding when A == R, else it belongs to request A.
 //
-// One round's loads: lane j's end (the largest value for a lane past the
-// range) and, in the last round, candidate request lo + j's length.
+// In 32-bit arithmetic (the host keeps R below 2^30, a row index is an int):
+// an int64 end is clamped to int32, which keeps its comparison with every
+// row, and of a length only whether it is 0 is kept. kNarrow: both tensors
+// are int32 (vLLM's metadata), known at compile time; otherwise each
+// tensor's width is read from the mask.
+//
+// One round as a lane holds it: the end at query_start_loc[lo + (lane + 1) *
+// step] (INT32_MAX past R) and, in the last round (step 1), whether request
+// lo + lane's length is nonzero.
 struct LookupRound {
-  int64_t end;
-  int64_t len;
+  int32_t end;
+  uint32_t nonzero;
 };
 
 // The same loads as they land: each value's 32-bit words (hi unused for an
-// int32 tensor), widened only where the lookup uses them. Widening at the
-// load (a sign extension, a move out of the width's branch) made the first
-// round's two loads wait in turn at kernel entry, ahead of the call index.
+// int32 tensor), narrowed only where the lookup uses them. Narrowing at the
+// load made the first round's loads wait in turn at kernel entry, ahead of
+// the call index.
 struct LookupWords {
   uint32_t end_lo, end_hi, len_lo, len_hi;
 };
 
 // Element i of a 1-D int32 / int64 tensor into (lo, hi): one load per word,
 // straight into the registers that keep it.
-__device__ __forceinline__ void load_words(const void* p, bool wide, int64_t i, uint32_t& lo, uint32_t& hi) {
+__device__ __forceinline__ void load_words(const void* p, bool wide, int i, uint32_t& lo, uint32_t& hi) {
   const uint32_t* w = static_cast<const uint32_t*>(p);
   lo = w[wide ? 2 * i : i];
   if (wide) hi = w[2 * i + 1];
 }
 
-__device__ __forceinline__ int64_t widen(uint32_t lo, uint32_t hi, bool wide) {
-  return wide ? static_cast<int64_t>((static_cast<uint64_t>(hi) << 32) | lo)
-              : static_cast<int64_t>(static_cast<int32_t>(lo));
+// An end as an int32 that compares with every row as the end does.
+__device__ __forceinline__ int32_t narrow_end(uint32_t lo, uint32_t hi, bool wide) {
+  const int32_t l = static_cast<int32_t>(lo), h = static_cast<int32_t>(hi);
+  if (!wide || h == (l >> 31)) return l;  // in int32 range: hi is lo's sign
+  return h < 0 ? INT32_MIN : INT32_MAX;
 }
 
-__device__ __forceinline__ LookupWords load_lookup_round(const RowMask& m, int64_t lo, int64_t hi) {
-  const int lane = threadIdx.x & 31;
+template <bool kNarrow>
+__device__ __forceinline__ LookupWords load_lookup_round(const RowMask& m, int lo, int hi) {
+  const int lane = threadIdx.x & 31, requests = static_cast<int>(m.requests);
   const bool last = hi - lo <= 32;  // then step 1: A = lo + (the count below)
-  const int64_t step = last ? 1 : (hi - lo + 31) / 32;
-  const int64_t e = lo + (lane + 1) * step;
-  // Past the range: the largest end of the width (a row index is below it), length 1.
-  LookupWords r{m.query_start_loc_wide ? 0xffffffffu : 0x7fffffffu, 0x7fffffffu, 1u, 0u};
-  if (e <= hi) load_words(m.query_start_loc, m.query_start_loc_wide, e, r.end_lo, r.end_hi);
-  if (last && lo + lane < m.requests) load_words(m.seq_lens, m.seq_lens_wide, lo + lane, r.len_lo, r.len_hi);
+  const int step = last ? 1 : static_cast<int>(static_cast<unsigned>(hi - lo + 31) >> 5);
+  const int e = lo + (lane + 1) * step;
+  // Past R: an end above every row, a nonzero length. Every end up to R is
+  // loaded, also past hi, so that the last round serves later rows too.
+  LookupWords r{0x7fffffffu, 0u, 1u, 0u};
+  if (e <= requests) load_words(m.query_start_loc, !kNarrow && m.query_start_loc_wide, e, r.end_lo, r.end_hi);
+  if (last && lo + lane < requests) load_words(m.seq_lens, !kNarrow && m.seq_lens_wide, lo + lane, r.len_lo, r.len_hi);
   return r;
 }
 
-__device__ __forceinline__ LookupRound widen(const RowMask& m, const LookupWords& r) {
-  return {widen(r.end_lo, r.end_hi, m.query_start_loc_wide), widen(r.len_lo, r.len_hi, m.seq_lens_wide)};
-}
-
-__device__ __forceinline__ LookupRound lookup_round(const RowMask& m, int64_t lo, int64_t hi) {
-  return widen(m, load_lookup_round(m, lo, hi));
+template <bool kNarrow>
+__device__ __forceinline__ LookupRound narrow(const RowMask& m, const LookupWords& r) {
+  const bool len_wide = !kNarrow && m.seq_lens_wide;
+  return {narrow_end(r.end_lo, r.end_hi, !kNarrow && m.query_start_loc_wide), len_wide ? r.len_lo | r.len_hi : r.len_lo};
 }
 
 // The first round is the same for every row (lo = 0, hi = R): a warp loads it
 // once, beside its first inputs and the call index, and keeps it in shared
 // memory (in registers it costs spills), so a row of up to 32 requests is
 // looked up without a global load of its own.
+template <bool kNarrow>
 __device__ __forceinline__ LookupWords first_lookup_round(const RowMask& m) {
-  return m.enabled && m.requests > 0 ? load_lookup_round(m, 0, m.requests) : LookupWords{0, 0, 1u, 0u};
+  return m.enabled && m.requests > 0 ? load_lookup_round<kNarrow>(m, 0, static_cast<int>(m.requests))
+                                     : LookupWords{0x7fffffffu, 0u, 1u, 0u};
 }
 
-// Row t's lookup, from its first round `r` (first_lookup_round's).
-__device__ __forceinline__ bool warp_row_empty(const RowMask& m, int64_t t, LookupRound r) {
-  const int64_t requests = m.requests;
+// A warp's last round of step 1, kept for its later rows: lane j's share
+// (`r`, in shared memory: in registers it costs spills) holds the end and
+// length of request lo + j. A row t >= row_lo (= query_start_loc[lo], so
+// A >= lo) is answered by it with one ballot, unless all 32 ends are <= t
+// short of R. A warp's rows ascend through its items (and again in the owner
+// loop), so at many rows per warp most lookups take this path.
+struct LookupWindow {
+  int lo = 0;
+  int row_lo = INT32_MAX;  // no window yet
+  LookupRound* r;          // this lane's entry
+};
+
+// Row t's lookup, from its first round `first` (first_lookup_round's).
+template <bool kNarrow>
+__device__ __forceinline__ bool warp_row_empty(const RowMask& m, int t, LookupRound first, LookupWindow& win) {
+  const int requests = static_cast<int>(m.requests);
   if (requests == 0) return true;
-  int64_t lo = 0, hi = requests;  // A in [lo, hi]
+  if (t >= win.row_lo) {
+    const LookupRound w = *win.r;
+    const int c = __popc(__ballot_sync(0xffffffffu, w.end <= t));
+    const bool got = __shfl_sync(0xffffffffu, w.nonzero, c & 31) != 0u;
+    if (c < 32) return win.lo + c >= requests || !got;  // padding, or request lo + c's length
+    if (win.lo + 32 >= requests) return true;           // A = R: padding
+  }
+  int lo = 0, hi = requests, row_lo = INT32_MIN;  // A in [lo, hi], and query_start_loc[lo] <= t
+  LookupRound r = first;
   while (true) {
     const bool last = hi - lo <= 32;
-    const int64_t step = last ? 1 : (hi - lo + 31) / 32;
     const int c = __popc(__ballot_sync(0xffffffffu, r.end <= t));
     if (last) {
-      const int64_t a = lo + c;
+      win.lo = lo;
+      win.row_lo = row_lo;
+      *win.r = r;
+      const int a = lo + c;
       if (a >= requests) return true;  // padding
       // a - lo = c <= 31 here unless every lane's end was <= t (then a == lo + 32).
-      const int64_t got = __shfl_sync(0xffffffffu, r.len, c & 31);
-      return (c < 32 ? got : m.seq_len(a)) == 0;
+      if (c < 32) return __shfl_sync(0xffffffffu, r.nonzero, c) == 0u;
+      uint32_t len_lo, len_hi = 0;
+      load_words(m.seq_lens, !kNarrow && m.seq_lens_wide, a, len_lo, len_hi);
+      return (len_lo | len_hi) == 0u;
     }
-    const int64_t next_lo = lo + c * step;
+    const int step = static_cast<int>(static_cast<unsigned>(hi - lo + 31) >> 5);
+    const int32_t found = __shfl_sync(0xffffffffu, r.end, (c + 31) & 31);  // lane c - 1: end at lo + c * step
+    if (c > 0) row_lo = found;
     hi = min(hi, lo + (c + 1) * step - 1);
-    lo = next_lo;
-    r = lookup_round(m, lo, hi);
+    lo += c * step;
+    r = narrow<kNarrow>(m, load_lookup_round<kNarrow>(m, lo, hi));
   }
 }
 
@@ -185,10 +225,11 @@ __device__ __forceinline__ bool warp_row_empty(const RowMask& m, int64_t t, Look
 // With a row mask (vLLM's seq_lens / query_start_loc, output_lse.h) each
 // producer sends -inf for its own empty rows, so the owner's combine gives
 // them no weight; a warp looks a row up once (warp_row_empty, whose first
-// round it loads at entry), and without a mask the lookup is one uniform
-// branch per item. At one rank this warp's own first inputs, the lookup's
+// round it loads at entry and whose last round it keeps for its later rows),
+// and without a mask the lookup is one uniform branch per item. kNarrowMask:
+// int32 metadata (or none), the lookup's load widths fixed at compile time. At one rank this warp's own first inputs, the lookup's
 // first round and the call index are all in flight together.
-template <typename scalar_t, int kN>
+template <typename scalar_t, int kN, bool kNarrowMask>
 __global__ void __launch_bounds__(kThreads)
     output_lse_kernel(const __grid_constant__ DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po,
                       const float* pl, int rows, bool base2, scalar_t* out, float* out_lse,
@@ -208,15 +249,17 @@ __global__ void __launch_bounds__(kThreads)
   // Called by the whole warp (the lookup is a warp-wide search).
   int mask_row = -1;
   bool mask_row_empty = false;
+  __shared__ LookupRound windows[kThreads];  // the kept last round, laid out as first_rounds
+  LookupWindow mask_window{0, INT32_MAX, &windows[threadIdx.x]};
   // The lookup's first round: loaded at entry, kept in shared memory once
   // the call index is known (by then it has landed).
   __shared__ LookupRound first_rounds[kThreads];  // lane j of warp w: [w * 32 + j]
-  const LookupWords first_round = first_lookup_round(mask);
+  const LookupWords first_round = first_lookup_round<kNarrowMask>(mask);
   auto row_empty = [&](int t) {
     if (!mask.enabled) return false;
     if (t != mask_row) {
       mask_row = t;
-      mask_row_empty = warp_row_empty(mask, t, first_rounds[threadIdx.x]);
+      mask_row_empty = warp_row_empty<kNarrowMask>(mask, t, first_rounds[threadIdx.x], mask_window);
     }
     return mask_row_empty;
   };
@@ -238,8 +281,7 @@ __global__ void __launch_bounds__(kThreads)
   auto begin_call = [&] {
     call = block_call_index(ws);
     have_call = true;
-    first_rounds[threadIdx.x] = widen(mask, first_round);  // read by this warp's lanes only
-    __syncwarp();
+    if (mask.enabled) first_rounds[threadIdx.x] = narrow<kNarrowMask>(mask, first_round);  // read by this lane only
     if (header_warp && lane < n && lane != me) store_call_header(header(lane, me), hdr);
   };
   // Shard d of item (t, h): partial_out[t, d*hl + h] (dim elements).
@@ -418,6 +460,28 @@ void lse_combine_cuda(const at::Tensor& partial_out, const at::Tensor& partial_l
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <typename scalar_t>
+void launch_combine(const CombineCall& c, int grid, cudaStream_t stream, bool narrow_mask, const at::Tensor& partial_out,
+                    const at::Tensor& partial_lse, bool base2, at::Tensor& out, at::Tensor& out_lse) {
+  auto launch = [&](auto kernel) {
+    launch_dataflag(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(*c.ws), c.geo,
+                    partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
+                    out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header, c.mask);
+  };
+  auto by_world = [&](auto narrow) {
+    constexpr bool kNarrow = decltype(narrow)::value;
+    switch (c.ws->world_size) {  // one rank, DCP2, 4 and 8 keep their weights in registers
+      case 1: launch(output_lse_kernel<scalar_t, 1, kNarrow>); break;
+      case 2: launch(output_lse_kernel<scalar_t, 2, kNarrow>); break;
+      case 4: launch(output_lse_kernel<scalar_t, 4, kNarrow>); break;
+      case 8: launch(output_lse_kernel<scalar_t, 8, kNarrow>); break;
+      default: launch(output_lse_kernel<scalar_t, 0, kNarrow>);
+    }
+  };
+  if (narrow_mask) by_world(std::true_type{});
+  else by_world(std::false_type{});
+}
+
 void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const at::Tensor& partial_lse, bool base2,
                       at::Tensor& out, at::Tensor& out_lse) {
   const Workspace& ws = *c.ws;
@@ -432,20 +496,18 @@ void combine_out_cuda(const CombineCall& c, const at::Tensor& partial_out, const
   SDCP_CHECK_ARG(c.rows * c.geo.local_heads * c.geo.head_dim < (int64_t{1} << 31), "partial_out",
                  "fewer than 2**31 elements of this rank's heads (the CUDA kernel's 32-bit indexing)",
                  c.rows << " rows x " << c.geo.local_heads << " heads x " << c.geo.head_dim << " elements");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, partial_out.scalar_type(), "output_lse_combine", [&] {
-    auto launch = [&](auto kernel) {
-      launch_dataflag(kernel, grid, kThreads, stream, partial_out.get_device(), device_workspace(ws), c.geo,
-                     partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
-                     out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header, c.mask);
-    };
-    switch (ws.world_size) {  // one rank, DCP2, 4 and 8 keep their weights in registers
-      case 1: launch(output_lse_kernel<scalar_t, 1>); break;
-      case 2: launch(output_lse_kernel<scalar_t, 2>); break;
-      case 4: launch(output_lse_kernel<scalar_t, 4>); break;
-      case 8: launch(output_lse_kernel<scalar_t, 8>); break;
-      default: launch(output_lse_kernel<scalar_t, 0>);
-    }
-  });
+  // int32 metadata (vLLM's, or no mask) takes the kernel with the widths fixed at compile time.
+  const bool narrow_mask = !c.mask.enabled || (!c.mask.seq_lens_wide && !c.mask.query_start_loc_wide);
+  auto launch = [&](auto payload) {
+    using scalar_t = decltype(payload);
+    launch_combine<scalar_t>(c, grid, stream, narrow_mask, partial_out, partial_lse, base2, out, out_lse);
+  };
+  switch (partial_out.scalar_type()) {  // the payload dtypes check_partial_inputs admits
+    case at::kFloat: launch(float{}); break;
+    case at::kHalf: launch(at::Half{}); break;
+    case at::kBFloat16: launch(at::BFloat16{}); break;
+    default: TORCH_CHECK(false, "output_lse_combine: unchecked payload dtype ", partial_out.scalar_type());
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -195,7 +195,10 @@ def test_masked_op_rejects_bad_arguments(world1):
            ((s, q[:2]), "'query_start_loc'.*3 entries.*got 2"),
            ((s.float(), q), "'seq_lens'.*dtype int32 or int64"),
            ((s, q.to(torch.int16)), "'query_start_loc'.*dtype int32 or int64"),
-           ((torch.ones(4, dtype=torch.int32)[::2], q), "'seq_lens'.*contiguous")]
+           ((torch.ones(4, dtype=torch.int32)[::2], q), "'seq_lens'.*contiguous"),
+           # the CUDA lookup's 32-bit request indices (expanded: no memory behind them)
+           ((torch.ones(1, dtype=torch.int32).expand(2**30), torch.zeros(1, dtype=torch.int32).expand(2**30 + 1)),
+            r"'seq_lens'.*fewer than 2\*\*30 requests.*got 1073741824")]
     for (seq_lens, qsl), message in bad:
         with torch_sdcp.OutputLSEWorkspace(world1, 8, 4, 128, backend="host") as ws, \
                 pytest.raises(ValueError, match=message):
@@ -251,6 +254,42 @@ def test_masked_peer_combine_cuda_two_ranks_on_one_gpu():
 def test_masked_peer_combine_cuda_many_requests_two_ranks_on_one_gpu():
     done = run_workers(_masked_combine_worker, 2, args=("cuda_shared", 1100), timeout=400)
     assert done == [2 * len(host_cases(1100))] * 2
+
+
+def window_cases(rows):
+    """(rows per request, metadata dtypes): layouts whose lookups run through a
+    warp's kept window of 32 requests (few heads and many rows, so each warp
+    walks many rows): one row per request (R = rows: three rounds), MTP with a
+    padding tail, zero-length requests (repeated ends) over 1,024 requests,
+    and an int64 end past int32 (clamped in the kernel's 32-bit compare)."""
+    random_lens = torch.randint(0, 4, (1500,), generator=torch.Generator().manual_seed(7)).tolist()
+    both = (torch.int32, torch.int64)
+    return [([1] * rows, both), ([3] * (rows // 3 - 5), both), (random_lens, both),
+            ([1] * 100 + [2**40], (torch.int64,))]
+
+
+def _masked_window_worker(rank, world, mode, rows):
+    import torch_sdcp
+
+    args = rank_workspace_args(rank, mode)
+    device = args["device"]
+    h, d = 8 * world, 128
+    done = 0
+    with torch_sdcp.OutputLSEWorkspace(None, rows, h, d, **args) as ws:
+        for i, (lens, dtypes) in enumerate(window_cases(rows)):
+            for dtype in dtypes:
+                out, lse, seq_lens, qsl = rank_case(world, rows, lens, h, d, seed=i, nasty=False, dtype=dtype)
+                got, got_lse = ws.combine(out[rank].to(device), lse[rank].to(device), return_lse=True,
+                                          seq_lens=seq_lens[rank].to(device), query_start_loc=qsl.to(device))
+                check_masked(got, got_lse, *masked_reference(rank, world, out, lse, seq_lens, qsl))
+                done += 1
+    return done
+
+
+# A warp's kept lookup window (many rows per warp), int32 and int64, on one GPU.
+@requires_gpus(1)
+def test_masked_peer_combine_cuda_row_windows_two_ranks_on_one_gpu():
+    assert run_workers(_masked_window_worker, 2, args=("cuda_shared", 4096), timeout=400) == [7] * 2
 
 
 def _masked_graph_worker(rank, world, mode, replays):

@@ -221,6 +221,7 @@ def check_mask_args(seq_lens: Tensor | None, query_start_loc: Tensor | None) -> 
     check_dim(query_start_loc, "query_start_loc", 1)
     check(query_start_loc.numel() == seq_lens.numel() + 1, "query_start_loc",
           f"{seq_lens.numel() + 1} entries (len(seq_lens) + 1)", query_start_loc.numel())
+    check(seq_lens.numel() < 2**30, "seq_lens", "fewer than 2**30 requests", seq_lens.numel())
     for t, arg in ((seq_lens, "seq_lens"), (query_start_loc, "query_start_loc")):
         check(t.dtype in (torch.int32, torch.int64), arg, "dtype int32 or int64", f"dtype {t.dtype}")
     return True

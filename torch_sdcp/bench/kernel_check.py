@@ -7,7 +7,8 @@ A one-rank group (no peer) runs every call's own stores, headers and call
 index, so it covers what a kernel does with its own data: the exchange
 (whole words, a byte tail, an input off a word boundary), the Output/LSE
 combine with and without vLLM's mask (more than 32, 1024 and 32,768
-requests, so the row lookup takes its later rounds), the query gather
+requests, so the row lookup takes its later rounds; int32 and int64
+metadata, the kernel's two widths), the query gather
 (interleaved and NeoX, fp8 and bf16) and its zero-copy view, and the top-K
 merge. Prints one line per case and exits non-zero on the first mismatch.
 """
@@ -32,7 +33,9 @@ def check_output_lse(dev: torch.device) -> None:
     h, d = 16, 512
     ws = torch_sdcp.OutputLSEWorkspace(None, 2100, h, d, backend=BACKEND, device=dev)
     try:
-        for rows, requests in ((1, 1), (7, 3), (33, 33), (64, 40), (300, 250), (2100, 2050), (64, 40000)):
+        cases = ((1, 1), (7, 3), (33, 33), (64, 40), (300, 250), (2100, 2050), (64, 40000))
+        for i, (rows, requests) in enumerate(cases):
+            index_dtype = torch.int64 if i % 2 else torch.int32  # both of the kernel's metadata widths
             g = torch.Generator().manual_seed(rows)
             po = torch.randn(rows, h, d, generator=g).to(torch.bfloat16)
             pl = torch.randn(rows, h, generator=g) * 3
@@ -43,8 +46,8 @@ def check_output_lse(dev: torch.device) -> None:
             # One request per row or several, some shards empty, the tail padding.
             ends = torch.sort(torch.randint(0, rows + 1, (requests - 1,), generator=g)).values
             qsl = torch.cat([torch.zeros(1, dtype=torch.long), ends, torch.tensor([max(rows - 1, 0)])])
-            qsl = torch.cummax(qsl, 0).values.to(torch.int32)
-            seq_lens = torch.randint(0, 3, (requests,), generator=g).to(torch.int32)
+            qsl = torch.cummax(qsl, 0).values.to(index_dtype)
+            seq_lens = torch.randint(0, 3, (requests,), generator=g).to(index_dtype)
             got, got_lse = ws.combine(po.to(dev), pl.to(dev), return_lse=True, seq_lens=seq_lens.to(dev),
                                       query_start_loc=qsl.to(dev))
             masked = semantics.mask_empty_shards(pl, seq_lens, qsl)
@@ -54,7 +57,7 @@ def check_output_lse(dev: torch.device) -> None:
             assert torch.equal(got[torch.isneginf(got_lse)].abs().sum(), torch.tensor(0.0, dtype=torch.float64))
             torch.testing.assert_close(got_lse, ref_lse, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
-            print(f"output_lse rows {rows} requests {requests}: ok", flush=True)
+            print(f"output_lse rows {rows} requests {requests} {index_dtype}: ok", flush=True)
     finally:
         ws.close()
 
