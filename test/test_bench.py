@@ -106,6 +106,19 @@ def test_tables_give_ratios_against_the_strongest_baseline():
     assert "symm-mem/torch_sdcp 2.50x" in tables({"meta": meta, "results": {"output_lse": [row]}})
 
 
+@pytest.mark.parametrize("device, share", [("NVIDIA H200", "(50%) (of 4.80 TB/s, NVIDIA H200's datasheet)"),
+                                           ("NVIDIA H100 80GB HBM3", "(72%) (of 3.35 TB/s, NVIDIA H100 80GB HBM3's"),
+                                           ("NVIDIA H100 NVL", "(62%) (of 3.90 TB/s"),
+                                           ("Some GPU", "(Some GPU: no datasheet bandwidth known)")])
+def test_bandwidth_share_is_of_the_gpu_the_bench_ran_on(device, share):
+    meta = {"date": "d", "world_size": 1, "backend": "cuda", "device": device, "torch": "t"}
+    row = {"rows": 1024, "bytes": 240_000_000, "collective": {"k8": 200.0, "k1": 201.0},
+           "sdcp": {"k8": 100.0, "k1": 101.0}}
+    text = tables({"meta": meta, "results": {"output_lse": [row]}})
+    assert "bytes moved per rank 240.0 MB; by them (k8): collective 1.20 TB/s" in text
+    assert f"torch_sdcp 2.40 TB/s {share}" in text
+
+
 def test_bench_times_the_topk_ordering_step_per_distribution(tmp_path):
     out = tmp_path / "bench"
     res = run_bench("--backend", "host", "--world-size", "2", "--rows", "1,2", "--replays", "1", "--trials", "1",

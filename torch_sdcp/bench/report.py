@@ -97,21 +97,30 @@ def fmt_us(cell: dict, k: str) -> str:
 
 # Rows from which the tables print the bytes a call must move and the bandwidth it reaches.
 BANDWIDTH_ROWS = 1024
-# H200 HBM3e by the datasheet; the share printed is of this figure.
-HBM_BYTES_PER_S = 4.8e12
+# Memory bandwidth by the datasheet, bytes/s, by a name fragment of
+# torch.cuda.get_device_name (most specific first); the share printed is of it.
+HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
+                   ("H20", 4.0e12), ("B200", 8.0e12), ("A100-SXM4-80GB", 2.039e12), ("A100", 1.555e12))
 
 
-def bandwidth_line(row: dict, paths: list, names: dict) -> str:
+def datasheet_bandwidth(device: str) -> float | None:
+    """The datasheet memory bandwidth of the GPU named `device`, or None for one not in the table."""
+    return next((rate for part, rate in HBM_BYTES_PER_S if part in device), None)
+
+
+def bandwidth_line(row: dict, paths: list, names: dict, device: str) -> str:
     """The least bytes a rank's call must move through its memory and, per
-    path, the bandwidth that makes at its k8 time."""
+    path, the bandwidth that makes at its k8 time (with its share of the
+    GPU's datasheet bandwidth, where the GPU is in the table)."""
+    peak = datasheet_bandwidth(device)
     cells = []
     for p in paths:
         us = row[p].get("k8") if "error" not in row[p] else None
         if isinstance(us, (int, float)) and us > 0:
             rate = row["bytes"] / (us * 1e-6)
-            cells.append(f"{names[p]} {rate / 1e12:.2f} TB/s ({rate / HBM_BYTES_PER_S:.0%})")
-    return (f"             bytes moved per rank {row['bytes'] / 1e6:.1f} MB; by them (k8): " + ", ".join(cells)
-            + f" (of {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
+            cells.append(f"{names[p]} {rate / 1e12:.2f} TB/s" + (f" ({rate / peak:.0%})" if peak else ""))
+    of = f" (of {peak / 1e12:.2f} TB/s, {device}'s datasheet)" if peak else f" ({device}: no datasheet bandwidth known)"
+    return f"             bytes moved per rank {row['bytes'] / 1e6:.1f} MB; by them (k8): " + ", ".join(cells) + of
 
 
 def strongest_baseline(row: dict) -> tuple | None:
@@ -181,7 +190,7 @@ def tables(data: dict) -> str:
                         cells.append(f"{best[0]}/{PATH_NAMES[p]} {best[1] / ours:.2f}x")
                 lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells))
                 if row.get("bytes") and row["rows"] >= BANDWIDTH_ROWS:
-                    lines.append(bandwidth_line(row, paths, names))
+                    lines.append(bandwidth_line(row, paths, names, meta["device"]))
                 if "kernels" in row:
                     lines.append("             kernel alone (k8): " + ", ".join(
                         f"{name} {fmt_us(cell, 'k8')}" for name, cell in row["kernels"].items()))
