@@ -101,9 +101,9 @@ struct LookupRound {
 };
 
 // The same loads as they land: each value's 32-bit words (hi unused for an
-// int32 tensor), narrowed only where the lookup uses them. Narrowing at the
-// load made the first round's loads wait in turn at kernel entry, ahead of
-// the call index.
+// int32 tensor), converted only where the lookup uses them. Converting at the
+// load (a sign extension, a move out of the width's branch) made the first
+// round's loads wait in turn at kernel entry, ahead of the call index.
 struct LookupWords {
   uint32_t end_lo, end_hi, len_lo, len_hi;
 };
