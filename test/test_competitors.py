@@ -22,6 +22,30 @@ def test_module_imports_without_cuda():
     assert competitors.SymmMemOutputLSE and competitors.VllmA2AOutputLSE
 
 
+def test_enabling_symmetric_memory_is_quiet_and_still_called():
+    """The per-group enable call is deprecated as no longer needed from torch
+    2.11 on: it is still made (older torch needs it), its FutureWarning is
+    not printed, and any other warning still is."""
+    import types
+    import warnings
+
+    calls = []
+
+    def enable(name, category=FutureWarning):
+        calls.append(name)
+        warnings.warn("deprecated", category, stacklevel=2)
+
+    group = types.SimpleNamespace(group_name="g0")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        competitors._enable_for_group(types.SimpleNamespace(enable_symm_mem_for_group=enable), group)
+    assert calls == ["g0"] and not seen
+    with pytest.warns(UserWarning):
+        competitors._enable_for_group(
+            types.SimpleNamespace(enable_symm_mem_for_group=lambda n: enable(n, UserWarning)), group)
+    competitors._enable_for_group(types.SimpleNamespace(), group)  # absent: nothing to call
+
+
 @pytest.mark.parametrize("base2", [False, True])
 @pytest.mark.parametrize("n,t,h,d,dtype", [(2, 1, 4, 64, torch.bfloat16), (3, 128, 3, 32, torch.float16),
                                            (4, 7, 2, 16, torch.float32)])

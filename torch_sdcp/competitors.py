@@ -49,6 +49,7 @@ import contextlib
 import functools
 import math
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -75,8 +76,12 @@ def _default_group() -> dist.ProcessGroup:
 
 
 def _enable_for_group(symm_mem, group) -> None:
+    # Older torch needs this call; the torch this project builds against
+    # (2.11 on) deprecates it as no longer needed, with a FutureWarning that
+    # every benchmark run would print.
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        with contextlib.suppress(Exception):  # newer torch: enabled by default
+        with contextlib.suppress(Exception), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group.group_name)
 
 
