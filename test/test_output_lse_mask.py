@@ -257,15 +257,18 @@ def test_masked_peer_combine_cuda_many_requests_two_ranks_on_one_gpu():
 
 
 def window_cases(rows):
-    """(rows per request, metadata dtypes): layouts whose lookups run through a
-    warp's kept window of 32 requests (few heads and many rows, so each warp
-    walks many rows): one row per request (R = rows: three rounds), MTP with a
-    padding tail, zero-length requests (repeated ends) over 1,024 requests,
-    and an int64 end past int32 (clamped in the kernel's 32-bit compare)."""
+    """(rows per request, [(seq_lens dtype, query_start_loc dtype)]): layouts
+    whose lookups run through a warp's kept window of 32 requests (few heads
+    and many rows, so each warp walks many rows): one row per request (R =
+    rows: three rounds), MTP with a padding tail, zero-length requests
+    (repeated ends) over 1,024 requests, and an int64 end past int32 (clamped
+    in the kernel's 32-bit compare). Every pair of widths: both int32 is the
+    kernel with the widths fixed, the other three read them at run time."""
     random_lens = torch.randint(0, 4, (1500,), generator=torch.Generator().manual_seed(7)).tolist()
-    both = (torch.int32, torch.int64)
-    return [([1] * rows, both), ([3] * (rows // 3 - 5), both), (random_lens, both),
-            ([1] * 100 + [2**40], (torch.int64,))]
+    i32, i64 = torch.int32, torch.int64
+    pairs = [(i32, i32), (i64, i64), (i64, i32), (i32, i64)]
+    return [([1] * rows, pairs), ([3] * (rows // 3 - 5), pairs), (random_lens, pairs),
+            ([1] * 100 + [2**40], [(i64, i64), (i32, i64)])]
 
 
 def _masked_window_worker(rank, world, mode, rows):
@@ -276,9 +279,10 @@ def _masked_window_worker(rank, world, mode, rows):
     h, d = 8 * world, 128
     done = 0
     with torch_sdcp.OutputLSEWorkspace(None, rows, h, d, **args) as ws:
-        for i, (lens, dtypes) in enumerate(window_cases(rows)):
-            for dtype in dtypes:
-                out, lse, seq_lens, qsl = rank_case(world, rows, lens, h, d, seed=i, nasty=False, dtype=dtype)
+        for i, (lens, pairs) in enumerate(window_cases(rows)):
+            for seq_dtype, qsl_dtype in pairs:
+                out, lse, seq_lens, qsl = rank_case(world, rows, lens, h, d, seed=i, nasty=False, dtype=qsl_dtype)
+                seq_lens = seq_lens.to(seq_dtype)
                 got, got_lse = ws.combine(out[rank].to(device), lse[rank].to(device), return_lse=True,
                                           seq_lens=seq_lens[rank].to(device), query_start_loc=qsl.to(device))
                 check_masked(got, got_lse, *masked_reference(rank, world, out, lse, seq_lens, qsl))
@@ -286,10 +290,10 @@ def _masked_window_worker(rank, world, mode, rows):
     return done
 
 
-# A warp's kept lookup window (many rows per warp), int32 and int64, on one GPU.
+# A warp's kept lookup window (many rows per warp), every pair of metadata widths, on one GPU.
 @requires_gpus(1)
 def test_masked_peer_combine_cuda_row_windows_two_ranks_on_one_gpu():
-    assert run_workers(_masked_window_worker, 2, args=("cuda_shared", 4096), timeout=400) == [7] * 2
+    assert run_workers(_masked_window_worker, 2, args=("cuda_shared", 4096), timeout=400) == [14] * 2
 
 
 def _masked_graph_worker(rank, world, mode, replays):
