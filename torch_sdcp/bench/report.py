@@ -100,7 +100,7 @@ BANDWIDTH_ROWS = 1024
 # Memory bandwidth by the datasheet, bytes/s, by a name fragment of
 # torch.cuda.get_device_name (most specific first); the share printed is of it.
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
-                   ("H20", 4.0e12), ("B200", 8.0e12), ("A100-SXM4-80GB", 2.039e12), ("A100", 1.555e12))
+                   ("H20", 4.0e12), ("B200", 8.0e12))
 
 
 def datasheet_bandwidth(device: str) -> float | None:
