@@ -337,6 +337,7 @@ def _skip_worker(rank, world, device):
     po, pl = po.to(dev.get("device", "cpu")), pl.to(dev.get("device", "cpu"))
     dist.barrier(group=control)
     ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=1.5, **dev)
+    dist.barrier(group=control)  # the first call entered together, as after the re-creation below
     ws.combine(po, pl)
     ws.check()
     if rank == 0:  # rank 1 skips this call
@@ -372,6 +373,9 @@ def _skip_worker(rank, world, device):
         ws.resize(0)
     ws.resize(4)  # re-creation (collective) clears the poison
     assert not ws.poisoned
+    # A rank can leave the re-creation later than its peer (on a loaded machine
+    # by more than this workspace's 1.5 s timeout): enter the next call together.
+    dist.barrier(group=control)
     ws.combine(po, pl)
     ws.close()
     with torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=30, **dev) as fresh:
