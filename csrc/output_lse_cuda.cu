@@ -160,9 +160,9 @@ __device__ __forceinline__ LookupWords first_lookup_round(const RowMask& m) {
 // short of R. A warp's rows ascend through its items (and again in the owner
 // loop), so at many rows per warp most lookups take this path.
 struct LookupWindow {
-  int lo = 0;
-  int row_lo = INT32_MAX;  // no window yet
-  LookupRound* r;          // this lane's entry
+  int lo;
+  int row_lo;      // INT32_MAX: no window yet
+  LookupRound* r;  // this lane's entry
 };
 
 // Row t's lookup, from its first round `first` (first_lookup_round's).
@@ -227,8 +227,9 @@ __device__ __forceinline__ bool warp_row_empty(const RowMask& m, int t, LookupRo
 // them no weight; a warp looks a row up once (warp_row_empty, whose first
 // round it loads at entry and whose last round it keeps for its later rows),
 // and without a mask the lookup is one uniform branch per item. kNarrowMask:
-// int32 metadata (or none), the lookup's load widths fixed at compile time. At one rank this warp's own first inputs, the lookup's
-// first round and the call index are all in flight together.
+// int32 metadata (or none), the lookup's load widths fixed at compile time.
+// At one rank this warp's own first inputs, the lookup's first round and the
+// call index are all in flight together.
 template <typename scalar_t, int kN, bool kNarrowMask>
 __global__ void __launch_bounds__(kThreads)
     output_lse_kernel(const __grid_constant__ DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po,
@@ -250,7 +251,7 @@ __global__ void __launch_bounds__(kThreads)
   int mask_row = -1;
   bool mask_row_empty = false;
   __shared__ LookupRound windows[kThreads];  // the kept last round, laid out as first_rounds
-  LookupWindow mask_window{0, INT32_MAX, &windows[threadIdx.x]};
+  LookupWindow mask_window{0, INT32_MAX, &windows[threadIdx.x]};  // no window yet
   // The lookup's first round: loaded at entry, kept in shared memory once
   // the call index is known (by then it has landed).
   __shared__ LookupRound first_rounds[kThreads];  // lane j of warp w: [w * 32 + j]
