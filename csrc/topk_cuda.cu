@@ -209,13 +209,17 @@ __device__ __forceinline__ void check_headers(const DeviceWorkspace& ws, int64_t
   }
 }
 
-// Grid: one block per row, at most one per SM (block b handles rows b, b +
-// gridDim.x, ...). For each row: sort the own candidates, push the best kk
-// keys into every peer's buffer (16-byte stores when kk is even), then merge
-// each peer's list (polled from the local buffer, the sentinel written back
-// at once) into the result, nearest peer first. A block waits only for the
-// same rows of its peers, which every block pushes before it waits, so the
-// grid need not be co-resident.
+// Grid: one block per row, at most one per SM. kRowLoop: block b handles
+// rows b, b + gridDim.x, ...; without it the grid is the row count and block
+// b handles row b alone: a loop around the sort lets the compiler hoist the
+// sort's per-thread addresses out of it and keep them, spilled, across the
+// sort (at 128 rows, 2 us above the sort alone: NOTES.md, Version 13). For
+// each row: sort the own candidates, push the best kk keys into every peer's
+// buffer (16-byte stores when kk is even), then merge each peer's list
+// (polled from the local buffer, the sentinel written back at once) into the
+// result, nearest peer first. A block waits only for the same rows of its
+// peers, which every block pushes before it waits, so the grid need not be
+// co-resident.
 //
 // Call headers (dataflag.cuh): thread 0 of block 0 stores this rank's header
 // into every peer's buffer as soon as it knows the call (after its first
@@ -229,6 +233,7 @@ __device__ __forceinline__ void check_headers(const DeviceWorkspace& ws, int64_t
 // meets the abort still finds this rank's header and names both sides.
 // The workspace is a grid constant: the failure paths take its address, which
 // would otherwise make every thread copy it into local memory at entry.
+template <bool kRowLoop>
 __global__ void __launch_bounds__(kThreads, 1)
     topk_merge_kernel(const __grid_constant__ DeviceWorkspace ws, TopKGeometry g, SmemPlan p, const float* scores,
                       const int32_t* ids, int64_t s0, int64_t i0, int rows, int c, int k, int32_t* out,
@@ -242,10 +247,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const ReportLater fail{&pending};
   // The inputs are the previous kernel's outputs: wait for it (programmatic
   // launch) before loading them, and read the call index only once the first
-  // row is sorted, so the counter load overlaps the sort's input loads.
+  // row is sorted, so the counter load overlaps the sort's input loads. The
+  // block keeps it in shared memory: a register live across the sort (the
+  // next row's, or the loop's back edge) is spilled, and at 128 rows those
+  // spills were about 40 bytes per thread stored through to L2.
+  __shared__ uint64_t block_call;
   pdl_wait_and_release();
   uint64_t call = 0;
-  bool have_call = false;
   const int n = ws.world, me = ws.rank;
   const int kk = static_cast<int>(g.keys_per_row);  // min(c, k)
   auto inbox = [&](int d, int src, int t) {
@@ -258,10 +266,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const bool checks_header = header_thread && t == 0;  // block 0's first row
     // 1. Owner: the best kk keys of the row, in order.
     uint64_t* acc = block_select(smem, p, scores + t * s0, ids + t * i0, c, kk);
-    if (!have_call) {
+    if (t == static_cast<int>(blockIdx.x)) {  // the block's first row
       call = block_call_index(ws, fail);
-      have_call = true;
+      if (threadIdx.x == 0) block_call = call;  // read after the barriers of this row
       if (header_thread) store_headers(ws, g.header_offset, call, hdr);  // before the keys
+    } else {
+      call = block_call;
     }
     uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
     // 2. Push them into every peer's buffer (plain stores: the keys are their own flag).
@@ -315,10 +325,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
     }
     __syncthreads();  // the next row reuses the shared memory
+    if constexpr (!kRowLoop) break;
   }
-  // Every wait of the block is done: the row loop ends with a barrier (and
-  // every block has a row: the grid is at most the row count).
-  if (!have_call) call = block_call_index(ws, fail);
+  // Every wait of the block is done: the row loop ends with a barrier, and
+  // every block has a row (the grid is at most the row count).
+  call = block_call;
   if (threadIdx.x == 0) record_pending(ws, pending, call);
   block_finish_call(ws, call);
 }
@@ -400,18 +411,22 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   const int device = scores.get_device();
   // acc and tmp hold up to k keys (the merged result), stage one peer's kk.
   const SmemPlan p = plan_smem(cand, kk, k, kk);
-  static std::array<std::atomic<int64_t>, 64> current{};
-  set_smem(reinterpret_cast<const void*>(topk_merge_kernel), p.total, current, device, "scores",
-           cat(cand, " candidates per rank and k = ", k).c_str());
-  // One block per row of this call, at most one per SM. Programmatic launch:
-  // the kernel waits for the previous one in pdl_wait_and_release before it
-  // loads anything.
-  const int grid = static_cast<int>(std::min<int64_t>(c.rows, sm_count(device)));
-  launch_dataflag(topk_merge_kernel, grid, kThreads, static_cast<size_t>(p.total),
-                 at::cuda::getCurrentCUDAStream().stream(), device, device_workspace(ws), c.geo, p,
-                 scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
-                 static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>(),
-                 c.header);
+  // One block per row of this call, at most one per SM: up to one row per SM
+  // the kernel without the row loop. Programmatic launch: the kernel waits
+  // for the previous one in pdl_wait_and_release before it loads anything.
+  const int sms = sm_count(device);
+  auto launch = [&](auto kernel, std::array<std::atomic<int64_t>, 64>& current) {
+    set_smem(reinterpret_cast<const void*>(kernel), p.total, current, device, "scores",
+             cat(cand, " candidates per rank and k = ", k).c_str());
+    launch_dataflag(kernel, static_cast<int>(std::min<int64_t>(c.rows, sms)), kThreads, static_cast<size_t>(p.total),
+                   at::cuda::getCurrentCUDAStream().stream(), device, device_workspace(ws), c.geo, p,
+                   scores.data_ptr<float>(), ids.data_ptr<int32_t>(), scores.stride(0), ids.stride(0),
+                   static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>(),
+                   c.header);
+  };
+  static std::array<std::atomic<int64_t>, 64> current_one_row{}, current_row_loop{};
+  if (c.rows <= sms) launch(topk_merge_kernel<false>, current_one_row);
+  else launch(topk_merge_kernel<true>, current_row_loop);
 }
 
 }  // namespace

@@ -330,6 +330,25 @@ def test_peer_merge_opcheck_and_compile_world1(world1):
                 ws.merge(scores[:, :16].contiguous(), ids[:, :16].contiguous())
 
 
+# World 1 on one GPU: up to one row per SM the merge kernel runs without a
+# row loop (grid = rows), past it a block loops over rows; either side of the
+# SM count, plain and nasty, against the reference.
+@requires_gpus(1)
+def test_peer_merge_cuda_world1_either_side_of_the_sm_count(world1):
+    import torch_sdcp
+
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    k = 512
+    with torch_sdcp.TopKWorkspace(world1, sms + 200, k, candidates_per_rank=k, backend="cuda",
+                                  device=device) as ws:
+        for rows in (1, sms, sms + 1, sms + 200):
+            for nasty in (False, True):
+                scores, ids = make_candidates(rows, k, seed=rows, nasty=nasty)
+                got = ws.merge(scores.to(device), ids.to(device)).cpu()
+                assert torch.equal(got, reference.topk_merge_ref([(scores, ids)], k)), (rows, nasty)
+
+
 def _many_calls_worker(rank, world, calls, backend):
     import torch_sdcp
 

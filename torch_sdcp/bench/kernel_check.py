@@ -100,9 +100,10 @@ def check_topk(dev: torch.device) -> None:
     from torch_sdcp import reference
 
     k = 2048
-    ws = torch_sdcp.TopKWorkspace(None, 40, k, candidates_per_rank=k, backend=BACKEND, device=dev)
+    # 200 rows: more than an H100's or H200's SMs, so a block loops over rows.
+    ws = torch_sdcp.TopKWorkspace(None, 200, k, candidates_per_rank=k, backend=BACKEND, device=dev)
     try:
-        for rows in (1, 40):
+        for rows in (1, 40, 200):
             g = torch.Generator().manual_seed(rows)
             scores = torch.randn(rows, k, generator=g)
             ids = torch.randperm(rows * k, generator=g).view(rows, k).to(torch.int32)
