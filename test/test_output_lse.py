@@ -423,10 +423,16 @@ def test_bad_input_on_one_rank_aborts_the_waiting_peer_at_once():
 def _killed_peer_worker(rank, world):
     import os
 
+    import torch.distributed as dist
+
     import torch_sdcp
 
+    control = dist.new_group([0, 1])
     po, pl = rank_partials(2, seed=rank)
     ws = torch_sdcp.OutputLSEWorkspace(None, 8, 8, 64, timeout_s=1.5, **HOST)
+    # A rank can leave the creation later than its peer (on a loaded machine by
+    # more than this workspace's 1.5 s timeout): enter the first call together.
+    dist.barrier(group=control)
     ws.combine(po, pl)
     if rank == 1:
         os._exit(17)  # killed between calls
@@ -445,11 +451,16 @@ def test_killed_rank_poisons_the_survivor():
 
 
 def _rows_fallback_disagreement_worker(rank, world):
+    import torch.distributed as dist
+
     import torch_sdcp
 
+    control = dist.new_group([0, 1])
     ws = torch_sdcp.OutputLSEWorkspace(None, 2, 8, 64, timeout_s=1.5, **HOST)
     po, pl = rank_partials(2, seed=rank)
+    dist.barrier(group=control)  # the first call entered together (a short timeout)
     ws.combine(po, pl)
+    dist.barrier(group=control)  # and the timed one: rank 1 waits for rank 0's placeholder
     t0 = time.monotonic()
     if rank == 0:  # 3 rows > max_rows: the collective path, while rank 1 takes the peer path: a void call
         big, big_lse = rank_partials(3, seed=rank)
