@@ -248,9 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The inputs are the previous kernel's outputs: wait for it (programmatic
   // launch) before loading them, and read the call index only once the first
   // row is sorted, so the counter load overlaps the sort's input loads. The
-  // block keeps it in shared memory: a register live across the sort (the
-  // next row's, or the loop's back edge) is spilled, and at 128 rows those
-  // spills were about 40 bytes per thread stored through to L2.
+  // block keeps it in shared memory: held in a register across a later row's
+  // sort, which needs all 64, it would be spilled, and spills are stored
+  // through to L2 (NOTES.md, Version 13).
   __shared__ uint64_t block_call;
   pdl_wait_and_release();
   uint64_t call = 0;
