@@ -306,7 +306,12 @@ Row run(const Variant& v, int pdl, int k, std::string* result, int* edges) {
 }
 
 int main(int argc, char** argv) {
-  const double exchange_us = argc > 1 ? std::atof(argv[1]) : 0.0;
+  double exchange_us = 0.0;  // 0: not compared
+  if (argc > 2 || (argc == 2 && ((exchange_us = std::strtod(argv[1], nullptr)) <= 0.0))) {
+    printf("usage: launch_lab [EXCHANGE_US]: expected one positive number of microseconds, got %s\n",
+           argc > 2 ? "more than one argument" : argv[1]);
+    return 2;
+  }
   CK(cudaSetDevice(0));
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
