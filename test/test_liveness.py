@@ -172,3 +172,56 @@ def test_a_stopped_peer_ends_every_wait():
             # a round ends within the stop and a few timeouts (creation, calls and close each bounded)
             assert elapsed < STOPPED_S + 8.0, (rank, outcome, elapsed)
     print(f"{SIGSTOP_RUNS} rounds with rank 1 stopped for {STOPPED_S} s: {sorted(tally.items())}")
+
+
+# ---------------------------------------------------------------------------
+# A live peer is never reported as exited. The watcher thread polls the
+# pidfds outside its lock; a pidfd closed meanwhile (a workspace closed) and
+# its number reused by a memfd (always readable), then by the pidfd of the
+# next workspace's watch, once made the poll report a live peer's exit: that
+# rank aborted the workspace and the peers' call failed ("peer 0 (pid ...)
+# exited" while it ran). Without the fix this loop met it within a few
+# thousand rounds (about a second).
+# ---------------------------------------------------------------------------
+
+ALIASING_S = 3.0
+
+
+def test_a_live_peer_is_never_reported_exited():
+    import subprocess
+    import sys
+    import time
+
+    from torch_sdcp.peer import liveness
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        told = []
+
+        def on_exit(rank, pid):
+            told.append((rank, pid))
+
+        rounds, start = 0, time.monotonic()
+        while time.monotonic() - start < ALIASING_S and not told:
+            liveness.watch({0: peer.pid}, on_exit).cancel()  # its pidfd leaves while the watcher polls it
+            fd = os.memfd_create("sdcp-test")  # takes the lowest free fd: the pidfd's, if already closed
+            sum(range(2000))  # holds the GIL: the watcher's poll returns before it may take the lock
+            os.close(fd)
+            watch = liveness.watch({0: peer.pid}, on_exit)  # the next pidfd, maybe the same number again
+            sum(range(2000))
+            watch.cancel()
+            rounds += 1
+        assert not told, f"a live process was reported as exited after {rounds} rounds: {told}"
+        assert peer.poll() is None
+
+        # A real exit is still reported, and at once.
+        watch = liveness.watch({0: peer.pid}, on_exit)
+        peer.kill()
+        deadline = time.monotonic() + REPORTED_WITHIN_S
+        while not told and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert told == [(0, peer.pid)] and watch.gone == (0, peer.pid) and watch.exited_now() == (0, peer.pid)
+        watch.cancel()
+    finally:
+        peer.kill()
+        peer.wait()

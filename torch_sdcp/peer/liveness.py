@@ -35,25 +35,34 @@ class Watch:
         """``gone``, or a peer whose process has exited by now although the
         watcher thread has not told this watch yet (a peer's abort, sent by
         its own watcher, can arrive first): what an error names as its cause."""
-        with _watcher._lock:  # the watcher sets gone under it before it closes the pidfd
+        # Polled under the lock (a zero timeout): no pidfd is closed under it,
+        # so no fd number polled here can stand for another file meanwhile.
+        with _watcher._lock:
             if self.gone is not None:
                 return self.gone
             fds = {fd: pid for pid, fd in _watcher._pidfds.items() if pid in self.peers.values()}
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        for fd, events in poller.poll(0) if fds else ():
-            if events & select.POLLIN and fd in fds:
-                pid = fds[fd]
-                return next(r for r, p in self.peers.items() if p == pid), pid
-        return self.gone  # closed meanwhile (POLLNVAL): by the watcher, which set gone first
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            for fd, events in poller.poll(0) if fds else ():
+                if events & select.POLLIN and fd in fds:
+                    pid = fds[fd]
+                    return next(r for r, p in self.peers.items() if p == pid), pid
+        return None
 
 
 class _Watcher:
+    """Only the watcher thread closes a pidfd that it may be polling (one that
+    ``remove()`` no longer needs waits in ``_retired`` for its next turn): a fd
+    closed under a running poll() can be reused at once by another file (a
+    memfd, which always polls readable) or another pid's pidfd, and the poll
+    would report a live peer as exited."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._watches: set[Watch] = set()
         self._pidfds: dict[int, int] = {}  # pid -> pidfd
+        self._retired: list[int] = []  # pidfds no longer watched, closed by the watcher thread
         self._wake_r, self._wake_w = -1, -1
         self._thread: threading.Thread | None = None
 
@@ -78,7 +87,7 @@ class _Watcher:
         with self._lock:
             self._watches.discard(watch)
             for pid in set(self._pidfds) - {p for w in self._watches for p in w.peers.values()}:
-                os.close(self._pidfds.pop(pid))
+                self._retired.append(self._pidfds.pop(pid))
         self._wake()
 
     def _start_locked(self) -> None:
@@ -96,6 +105,9 @@ class _Watcher:
     def _run(self) -> None:
         while True:
             with self._lock:
+                for fd in self._retired:  # not polled now: closing cannot alias a fd in a poll
+                    os.close(fd)
+                self._retired.clear()
                 by_fd = {fd: pid for pid, fd in self._pidfds.items()}
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
@@ -132,7 +144,7 @@ class _Watcher:
 
     def after_fork_in_child(self) -> None:
         """The child watches nothing of its parent's (the thread did not fork)."""
-        for fd in list(self._pidfds.values()) + [self._wake_r, self._wake_w]:
+        for fd in list(self._pidfds.values()) + self._retired + [self._wake_r, self._wake_w]:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
