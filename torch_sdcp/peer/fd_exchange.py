@@ -144,15 +144,24 @@ def _exchange_fds(listener: socket.socket, fd: int, rank: int, world_size: int, 
     expected = {r: pids[r] for r in range(world_size) if r != rank}
     stop = threading.Event()
     box: dict[str, Any] = {}
+    # The server's own descriptor: a server still running after the join's bound can never send
+    # a file that reused the caller's fd number once the caller closed it.
+    served_fd = os.dup(fd)
 
     def serve():
         try:
-            box["served"] = _serve_fd(listener, fd, rank, nbytes, expected, uid, deadline, stop)
+            box["served"] = _serve_fd(listener, served_fd, rank, nbytes, expected, uid, deadline, stop)
         except BaseException as e:
             box["error"] = e
+        finally:
+            os.close(served_fd)
 
     thread = threading.Thread(target=serve, name=f"sdcp-fd-server-{rank}", daemon=True)
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        os.close(served_fd)
+        raise
     received: dict[int, int] = {}
     ok = False
     try:
