@@ -52,8 +52,8 @@ class Watch:
 
 
 class _Watcher:
-    """Only the watcher thread closes a pidfd that it may be polling (one that
-    ``remove()`` no longer needs waits in ``_retired`` for its next turn): a fd
+    """Only the watcher thread closes a pidfd, between its polls (one no longer
+    needed waits in ``_retired`` for the thread's next turn): a fd
     closed under a running poll() can be reused at once by another file (a
     memfd, which always polls readable) or another pid's pidfd, and the poll
     would report a live peer as exited."""
@@ -132,8 +132,8 @@ class _Watcher:
                 if w.gone is None:
                     w.gone = (next(r for r, p in w.peers.items() if p == pid), pid)
             fd = self._pidfds.pop(pid, None)
-            if fd is not None:
-                os.close(fd)
+            if fd is not None:  # closed by the watcher thread's next turn (this may run on add()'s caller)
+                self._retired.append(fd)
         for w in told:
             rank = next(r for r, p in w.peers.items() if p == pid)
             try:
