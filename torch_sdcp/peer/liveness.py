@@ -35,34 +35,34 @@ class Watch:
         """``gone``, or a peer whose process has exited by now although the
         watcher thread has not told this watch yet (a peer's abort, sent by
         its own watcher, can arrive first): what an error names as its cause."""
-        # Polled under the lock (a zero timeout): no pidfd is closed under it,
-        # so no fd number polled here can stand for another file meanwhile.
-        with _watcher._lock:
+        with _watcher._lock:  # pidfds are opened and closed under it: each fd here is its pid's
             if self.gone is not None:
                 return self.gone
-            fds = {fd: pid for pid, fd in _watcher._pidfds.items() if pid in self.peers.values()}
-            poller = select.poll()
-            for fd in fds:
-                poller.register(fd, select.POLLIN)
-            for fd, events in poller.poll(0) if fds else ():
-                if events & select.POLLIN and fd in fds:
-                    pid = fds[fd]
-                    return next(r for r, p in self.peers.items() if p == pid), pid
+            for rank, pid in self.peers.items():
+                fd = _watcher._pidfds.get(pid)
+                if fd is not None and _has_exited(fd):
+                    return rank, pid
         return None
 
 
+def _has_exited(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has exited (a pidfd polls readable then)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return any(events & select.POLLIN for _, events in poller.poll(0))
+
+
 class _Watcher:
-    """Only the watcher thread closes a pidfd, between its polls (one no longer
-    needed waits in ``_retired`` for the thread's next turn): a fd
-    closed under a running poll() can be reused at once by another file (a
-    memfd, which always polls readable) or another pid's pidfd, and the poll
-    would report a live peer as exited."""
+    """The watcher thread polls the pidfds outside the lock, so a fd it polls
+    can be closed meanwhile (a workspace closed) and its number reused by
+    another file (a memfd always polls readable) or by another pidfd. What a
+    poll reports is therefore only a hint: an exit counts once the pid's pidfd,
+    read under the lock (where pidfds are opened and closed), polls readable."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._watches: set[Watch] = set()
         self._pidfds: dict[int, int] = {}  # pid -> pidfd
-        self._retired: list[int] = []  # pidfds no longer watched, closed by the watcher thread
         self._wake_r, self._wake_w = -1, -1
         self._thread: threading.Thread | None = None
 
@@ -87,7 +87,7 @@ class _Watcher:
         with self._lock:
             self._watches.discard(watch)
             for pid in set(self._pidfds) - {p for w in self._watches for p in w.peers.values()}:
-                self._retired.append(self._pidfds.pop(pid))
+                os.close(self._pidfds.pop(pid))
         self._wake()
 
     def _start_locked(self) -> None:
@@ -105,9 +105,6 @@ class _Watcher:
     def _run(self) -> None:
         while True:
             with self._lock:
-                for fd in self._retired:  # not polled now: closing cannot alias a fd in a poll
-                    os.close(fd)
-                self._retired.clear()
                 by_fd = {fd: pid for pid, fd in self._pidfds.items()}
             poller = select.poll()
             poller.register(self._wake_r, select.POLLIN)
@@ -125,15 +122,15 @@ class _Watcher:
 
     def _exited(self, pid: int, fd: int | None = None) -> None:
         with self._lock:
-            if fd is not None and self._pidfds.get(pid) != fd:
-                return  # no longer watched (closed by remove() while polled)
+            if fd is not None and (self._pidfds.get(pid) != fd or not _has_exited(fd)):
+                return  # no longer watched, or the fd polled was another file by then (a live peer)
             told = [w for w in self._watches if pid in w.peers.values()]
             for w in told:  # before the pidfd goes: Watch.exited_now() sees one or the other
                 if w.gone is None:
                     w.gone = (next(r for r, p in w.peers.items() if p == pid), pid)
             fd = self._pidfds.pop(pid, None)
-            if fd is not None:  # closed by the watcher thread's next turn (this may run on add()'s caller)
-                self._retired.append(fd)
+            if fd is not None:
+                os.close(fd)
         for w in told:
             rank = next(r for r, p in w.peers.items() if p == pid)
             try:
@@ -144,7 +141,7 @@ class _Watcher:
 
     def after_fork_in_child(self) -> None:
         """The child watches nothing of its parent's (the thread did not fork)."""
-        for fd in list(self._pidfds.values()) + self._retired + [self._wake_r, self._wake_w]:
+        for fd in list(self._pidfds.values()) + [self._wake_r, self._wake_w]:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
