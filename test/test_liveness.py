@@ -225,3 +225,19 @@ def test_a_live_peer_is_never_reported_exited():
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_a_peer_gone_before_it_is_watched_is_told_at_once():
+    import subprocess
+    import sys
+
+    from torch_sdcp.peer import liveness
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: no pidfd can be opened for it
+    told = []
+    watch = liveness.watch({3: gone.pid}, lambda rank, pid: told.append((rank, pid)))
+    try:
+        assert told == [(3, gone.pid)] and watch.gone == (3, gone.pid) and watch.exited_now() == (3, gone.pid)
+    finally:
+        watch.cancel()

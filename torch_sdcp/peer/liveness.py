@@ -79,8 +79,10 @@ class _Watcher:
                                 pid, e)
             self._watches.add(watch)
             self._start_locked()
-        for pid in exited:  # gone before it could be watched
-            self._exited(pid)
+        for pid in exited:  # gone before it could be watched: only this watch is told (no pidfd vouches for the
+            with self._lock:  # pid, which another process may hold by now)
+                self._mark_gone_locked([watch], pid)
+            self._notify([watch], pid)
         self._wake()
 
     def remove(self, watch: Watch) -> None:
@@ -120,17 +122,23 @@ class _Watcher:
                 elif fd in by_fd and events & select.POLLIN:
                     self._exited(by_fd[fd], fd)
 
-    def _exited(self, pid: int, fd: int | None = None) -> None:
+    def _exited(self, pid: int, fd: int) -> None:
         with self._lock:
-            if fd is not None and (self._pidfds.get(pid) != fd or not _has_exited(fd)):
+            if self._pidfds.get(pid) != fd or not _has_exited(fd):
                 return  # no longer watched, or the fd polled was another file by then (a live peer)
             told = [w for w in self._watches if pid in w.peers.values()]
-            for w in told:  # before the pidfd goes: Watch.exited_now() sees one or the other
-                if w.gone is None:
-                    w.gone = (next(r for r, p in w.peers.items() if p == pid), pid)
-            fd = self._pidfds.pop(pid, None)
-            if fd is not None:
-                os.close(fd)
+            self._mark_gone_locked(told, pid)  # before the pidfd goes: Watch.exited_now() sees one or the other
+            os.close(self._pidfds.pop(pid))
+        self._notify(told, pid)
+
+    @staticmethod
+    def _mark_gone_locked(told: list[Watch], pid: int) -> None:
+        for w in told:
+            if w.gone is None:
+                w.gone = (next(r for r, p in w.peers.items() if p == pid), pid)
+
+    @staticmethod
+    def _notify(told: list[Watch], pid: int) -> None:
         for w in told:
             rank = next(r for r, p in w.peers.items() if p == pid)
             try:
