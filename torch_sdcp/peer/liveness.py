@@ -79,8 +79,10 @@ class _Watcher:
                                 pid, e)
             self._watches.add(watch)
             self._start_locked()
-        for pid in exited:  # gone before it could be watched: only this watch is told (no pidfd vouches for the
-            with self._lock:  # pid, which another process may hold by now)
+        # Gone before it could be watched: only this watch is told (no pidfd vouches for the pid,
+        # which another process may hold by now).
+        for pid in exited:
+            with self._lock:
                 self._mark_gone_locked([watch], pid)
             self._notify([watch], pid)
         self._wake()
