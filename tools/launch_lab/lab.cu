@@ -35,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -307,7 +308,9 @@ Row run(const Variant& v, int pdl, int k, std::string* result, int* edges) {
 
 int main(int argc, char** argv) {
   double exchange_us = 0.0;  // 0: not compared
-  if (argc > 2 || (argc == 2 && ((exchange_us = std::strtod(argv[1], nullptr)) <= 0.0))) {
+  char* end = nullptr;
+  if (argc == 2) exchange_us = std::strtod(argv[1], &end);
+  if (argc > 2 || (argc == 2 && (end == argv[1] || *end != '\0' || !(exchange_us > 0.0) || !std::isfinite(exchange_us)))) {
     printf("usage: launch_lab [EXCHANGE_US]: expected one positive number of microseconds, got %s\n",
            argc > 2 ? "more than one argument" : argv[1]);
     return 2;
