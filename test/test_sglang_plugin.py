@@ -683,7 +683,7 @@ def cli(fake, monkeypatch):
     SGLang's registry, the plugin off (every SDCP_SGLANG* variable unset,
     restored afterwards)."""
     import torch_sdcp_plugins.sglang as entry
-    from torch_sdcp_plugins.settings import SGLANG
+    from torch_sdcp_settings import SGLANG
 
     for name in SGLANG.names():
         monkeypatch.setenv(name, "")
@@ -740,7 +740,7 @@ def test_cli_options_reach_the_environment_and_the_dump(cli):
     """from_cli_args (which keeps ServerArgs fields only) writes each option
     given into its variable; the dump shows the values in effect; a process
     started afterwards (SGLang's schedulers) reads them."""
-    from torch_sdcp_plugins.settings import SGLANG
+    from torch_sdcp_settings import SGLANG
 
     _, args = _parse(cli, ["--model-path", "m", "--sdcp", "require", "--sdcp-seams", "QUERY",
                            "--sdcp-max-rows", "64", "--sdcp-timeout-s", "30"])
@@ -751,7 +751,7 @@ def test_cli_options_reach_the_environment_and_the_dump(cli):
     assert dump["model_path"] == "m"
     assert {k: dump[k] for k in ("sdcp", "sdcp_seams", "sdcp_max_rows", "sdcp_timeout_s")} == \
         {"sdcp": "require", "sdcp_seams": "query", "sdcp_max_rows": 64, "sdcp_timeout_s": 30.0}
-    child = subprocess.run([sys.executable, "-c", "from torch_sdcp_plugins.settings import SGLANG as s; "
+    child = subprocess.run([sys.executable, "-c", "from torch_sdcp_settings import SGLANG as s; "
                             "print(s.mode()[0], s.seams(), s.max_rows_cap(), s.timeout_s())"],
                            capture_output=True, text=True, timeout=120)
     assert child.stdout.split() == ["require", "('query',)", "64", "30.0"], child.stdout + child.stderr

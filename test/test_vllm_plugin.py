@@ -38,7 +38,7 @@ from torch_sdcp import reference
 from torch_sdcp.integrations import vllm_calls
 from torch_sdcp.integrations._core import query_direct
 from torch_sdcp_plugins import vllm as vllm_entry
-from torch_sdcp_plugins.settings import VLLM
+from torch_sdcp_settings import VLLM
 
 # ---------------------------------------------------------------------------
 # Inputs of one decode step, for every rank (seeded: each rank rebuilds all)
@@ -345,7 +345,7 @@ def test_import_does_not_import_vllm():
     code = ("import sys, torch_sdcp, torch_sdcp.integrations, torch_sdcp.integrations.vllm, "
             "torch_sdcp.integrations.sglang; "
             "shims = [m for m in ('torch_sdcp_plugins.vllm', 'torch_sdcp_plugins.sglang') if m in sys.modules]; "
-            "assert not shims, shims; assert 'torch_sdcp_plugins.settings' in sys.modules; "
+            "assert not shims, shims; assert 'torch_sdcp_settings' in sys.modules; "
             "import torch_sdcp_plugins.vllm as e; e.register(); assert 'vllm' not in sys.modules, 'vllm imported'")
     import os
 

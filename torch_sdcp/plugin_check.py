@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_sdcp_plugins.settings import SGLANG, VLLM, EngineSettings
+from torch_sdcp_settings import SGLANG, VLLM, EngineSettings
 
 __all__ = ["main", "report"]
 

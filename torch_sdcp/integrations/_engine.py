@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_sdcp_plugins.settings import EngineSettings
+from torch_sdcp_settings import EngineSettings
 
 __all__ = ["SeamPlan", "accepted_version", "engine_logger", "query_geometry", "workspace_options"]
 

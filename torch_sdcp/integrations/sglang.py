@@ -41,7 +41,7 @@ from torch_sdcp.integrations._engine import (
     query_geometry,
     workspace_options,
 )
-from torch_sdcp_plugins.settings import SGLANG
+from torch_sdcp_settings import SGLANG
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_MAX_ROWS", "ENV_TIMEOUT_S", "HOOKS", "SGLANG_SIGNATURES", "SUPPORTED_SGLANG_VERSIONS",

@@ -72,7 +72,7 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
     workspaces,
 )
 from torch_sdcp.integrations.vllm_step import _destroy_model_parallel, _worker_sample_tokens, check_step
-from torch_sdcp_plugins.settings import VLLM
+from torch_sdcp_settings import VLLM
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

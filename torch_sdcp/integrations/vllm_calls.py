@@ -24,7 +24,7 @@ from torch_sdcp._checks import check_mask_args as _check_mask_args
 from torch_sdcp.integrations._core import EngineHooks, Face, Seam, Site, normalise_device
 from torch_sdcp.integrations._engine import engine_logger, query_geometry, workspace_options
 from torch_sdcp.semantics import mask_empty_shards
-from torch_sdcp_plugins.settings import VLLM
+from torch_sdcp_settings import VLLM
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "gather_heads",
