@@ -52,6 +52,8 @@ from _sglang_stand_in import (
     step_inputs,
 )
 
+from torch_sdcp.integrations import sglang_step as face_step
+
 
 def _protocol_worker(rank, world, rows_list):
     torch.set_num_threads(1)
@@ -72,7 +74,7 @@ def _protocol_worker(rank, world, rows_list):
 
     model = torch.nn.Sequential(MLA(world), MLA(world), MLA(1))
     runner = ns.mods[RUNNER].BaseRunner(ns.mods[MODEL_RUNNER].ModelRunner(model))
-    face._WARMED_UP_ON = ("cuda", "cpu")  # the stand-in's runner is warmed up on the host
+    face_step._WARMED_UP_ON = ("cuda", "cpu")  # the stand-in's runner is warmed up on the host
     ns.at_kv_sizing = lambda: [type(w).__name__ for w in face.workspaces()]
     runner.model_runner.alloc_memory_pool()  # the workspaces exist when SGLang sizes its KV pool
     runner._pre_initialize_fi_a2a_workspace()
@@ -179,12 +181,12 @@ def fake():
     ns = build_fake_sglang()
     with InModules(ns.mods):
         yield ns
-        face._hooks.installed = False
-        face._hooks.originals.clear()
-        face._hooks.dcp_group = None
-        face._hooks.early_rows.clear()
-        face._hooks.early.clear()
-        face._face.forget()
+        face.engine.installed = False
+        face.engine.originals.clear()
+        face.engine.dcp_group = None
+        face.engine.early_rows.clear()
+        face.engine.early.clear()
+        face.face.forget()
 
 
 def test_unknown_version_refused(fake, caplog):
@@ -208,7 +210,7 @@ def test_install_registers_every_hook_once(fake):
     finally:
         registry.register = real
     assert registered == [(t, k) for t, k, _ in face.HOOKS]
-    assert set(face._hooks.originals) == {"cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"}
+    assert set(face.engine.originals) == {"cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"}
 
 
 def test_what_stays_sglangs(fake):
@@ -232,7 +234,7 @@ def test_what_stays_sglangs(fake):
 
 def test_step_check_fails_the_step(fake, monkeypatch):
     from torch_sdcp import integrations
-    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import _cache
     from torch_sdcp.integrations import sglang as face
 
     class Poisoned:
@@ -245,10 +247,10 @@ def test_step_check_fails_the_step(fake, monkeypatch):
     fake.mods[REGISTRY].HookRegistry.apply_hooks()
     runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
     assert runner.forward(lambda: "ok") == "ok"
-    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(Poisoned(), 8, True))
+    monkeypatch.setitem(_cache.CACHE, ("sglang", "output_lse", "g", (), "cpu", 0), _cache.Entry(Poisoned(), 8, True))
     with pytest.raises(RuntimeError, match="timed out"):
         runner.forward(lambda: "ok")
-    assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == 1
+    assert integrations.counters()["sglang"][_cache.STEP_CHECK]["timeout"] == 1
 
 
 class _Recorded:
@@ -272,7 +274,7 @@ def _scheduler(fake, monkeypatch, overlap, hooks=None):
     """The stand-in scheduler over SGLang's hooked ModelRunner, a recorded
     workspace in this face's cache, and the plugin's hooks (all of HOOKS, or
     the named targets only) applied by SGLang's registry."""
-    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import _cache
     from torch_sdcp.integrations import sglang as face
 
     registry = fake.mods[REGISTRY]
@@ -281,7 +283,7 @@ def _scheduler(fake, monkeypatch, overlap, hooks=None):
             registry.HookRegistry.register(target, hook, getattr(registry.HookType, kind))
     registry.HookRegistry.apply_hooks()
     ws = _Recorded()
-    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(ws, 8, True))
+    monkeypatch.setitem(_cache.CACHE, ("sglang", "output_lse", "g", (), "cpu", 0), _cache.Entry(ws, 8, True))
     device = stand_in.Device()
     runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
     return fake.mods[SCHEDULER].Scheduler(runner, device, overlap), device, ws
@@ -305,7 +307,7 @@ def test_overlap_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch)
     1's tokens reach the detokenizer (the control below); the check in result
     processing, after copy_done, raises before any of them is streamed."""
     from torch_sdcp import integrations
-    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import _cache
 
     sched, device, ws = _scheduler(fake, monkeypatch, overlap=True, hooks=("forward",))
     batches = _batches(device, ws, failing=1)
@@ -317,12 +319,12 @@ def test_overlap_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch)
     with InModules(rebuilt.mods):
         sched, device, ws = _scheduler(rebuilt, monkeypatch, overlap=True)
         batches = _batches(device, ws, failing=1)
-        before = integrations.counters()["sglang"].get(_core.STEP_CHECK, {}).get("timeout", 0)
+        before = integrations.counters()["sglang"].get(_cache.STEP_CHECK, {}).get("timeout", 0)
         with pytest.raises(RuntimeError, match="the step's output is not returned.*timed out"):
             sched.event_loop_overlap(batches)
         assert [b for b, _ in sched.outputs] == batches[:1], "an output of the failed step 1 left"
         assert (len(device.launched), device.done) == (3, 2), "raised in step 1's result processing, step 2 launched"
-        assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == before + 1
+        assert integrations.counters()["sglang"][_cache.STEP_CHECK]["timeout"] == before + 1
 
 
 def test_normal_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch):
@@ -342,17 +344,16 @@ def test_result_check_waits_for_the_step(monkeypatch):
     the processors' tolist() waits for); nothing without CUDA."""
     import types as t
 
-    from torch_sdcp.integrations import sglang as face
 
     waited = []
-    face._wait_for_step(t.SimpleNamespace(copy_done=t.SimpleNamespace(synchronize=lambda: waited.append("event"))))
+    face_step._wait_for_step(t.SimpleNamespace(copy_done=t.SimpleNamespace(synchronize=lambda: waited.append("event"))))
     stream = t.SimpleNamespace(synchronize=lambda: waited.append("stream"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    face._wait_for_step(t.SimpleNamespace(copy_done=None))
+    face_step._wait_for_step(t.SimpleNamespace(copy_done=None))
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    face._wait_for_step(t.SimpleNamespace(copy_done=None))
+    face_step._wait_for_step(t.SimpleNamespace(copy_done=None))
     assert waited == ["event", "stream"]
 
 
@@ -362,39 +363,37 @@ def test_result_check_costs_nothing_without_a_workspace(fake):
 
     from torch_sdcp.integrations import sglang as face
 
-    face._before_results(None, None, t.SimpleNamespace(copy_done=t.SimpleNamespace(
+    face.before_results(None, None, t.SimpleNamespace(copy_done=t.SimpleNamespace(
         synchronize=lambda: pytest.fail("waited without a workspace"))))
 
 
 def test_bound_from_sglang_and_cap(fake, monkeypatch):
-    from torch_sdcp.integrations import sglang as face
 
     runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential()))
-    assert face._row_bound(runner) == BOUND
+    assert face_step._row_bound(runner) == BOUND
     runner._widest_decode_rows = lambda: None  # no CUDA graphs: max_running_requests x tokens per request
-    assert face._row_bound(runner) == 64 * TOKENS_PER_REQ
+    assert face_step._row_bound(runner) == 64 * TOKENS_PER_REQ
     monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "100")
-    assert face._row_bound(runner) == 100
+    assert face_step._row_bound(runner) == 100
     monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "lots")
     with pytest.raises(ValueError, match="SDCP_SGLANG_MAX_ROWS"):
-        face._row_bound(runner)
+        face_step._row_bound(runner)
 
 
 def test_rows_known_before_the_kv_pool(fake, monkeypatch):
     """Before the pool: the CUDA-graph configuration's widest decode batch
     (SGLang only filters that list later), else the --max-running-requests
     the user set, else unknown; capped by SDCP_SGLANG_MAX_ROWS."""
-    from torch_sdcp.integrations import sglang as face
 
     mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
     fake.graphs.cuda_graph_config.decode.bs = [1, 8, 3]
-    assert face._rows_before_the_pool(mr) == 8 * TOKENS_PER_REQ
+    assert face_step._rows_before_the_pool(mr) == 8 * TOKENS_PER_REQ
     fake.graphs.cuda_graph_config = None
-    assert face._rows_before_the_pool(mr) is None
+    assert face_step._rows_before_the_pool(mr) is None
     fake.schedule.max_running_requests = 48
-    assert face._rows_before_the_pool(mr) == 48 * TOKENS_PER_REQ
+    assert face_step._rows_before_the_pool(mr) == 48 * TOKENS_PER_REQ
     monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "20")
-    assert face._rows_before_the_pool(mr) == 20
+    assert face_step._rows_before_the_pool(mr) == 20
 
 
 def test_workspaces_before_the_kv_pool_which_and_when(fake, monkeypatch, caplog):
@@ -405,33 +404,33 @@ def test_workspaces_before_the_kv_pool_which_and_when(fake, monkeypatch, caplog)
     from torch_sdcp.integrations import sglang as face
 
     made = []
-    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
+    monkeypatch.setattr(face_step, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
     model = torch.nn.Sequential(MLA(2), MLA(2))
     mr = fake.mods[MODEL_RUNNER].ModelRunner(model)
-    face._before_alloc_memory_pool(mr)  # a cpu runner: SGLang never warms it up, nothing is made
-    assert made == [] and face._hooks.early_rows == {}
-    monkeypatch.setattr(face, "_WARMED_UP_ON", ("cuda", "cpu"))
+    face.before_alloc_memory_pool(mr)  # a cpu runner: SGLang never warms it up, nothing is made
+    assert made == [] and face.engine.early_rows == {}
+    monkeypatch.setattr(face_step, "_WARMED_UP_ON", ("cuda", "cpu"))
     fake.parallel.dcp_comm_backend = "fi_a2a"  # the combine stays SGLang's: the query only
-    face._before_alloc_memory_pool(mr)
+    face.before_alloc_memory_pool(mr)
     assert [(m["combine"], m["query"], m["max_rows"]) for m in made] == [(False, True, BOUND)]
-    assert face._hooks.early_rows == {id(mr): BOUND}
+    assert face.engine.early_rows == {id(mr): BOUND}
     made.clear()
-    face._before_alloc_memory_pool(fake.mods[MODEL_RUNNER].ModelRunner(model, is_draft_worker=True))
+    face.before_alloc_memory_pool(fake.mods[MODEL_RUNNER].ModelRunner(model, is_draft_worker=True))
     fake.parallel.dcp_enabled = False
-    face._before_alloc_memory_pool(mr)
+    face.before_alloc_memory_pool(mr)
     fake.parallel.dcp_enabled = True
     fake.graphs.cuda_graph_config = None
     with caplog.at_level(logging.WARNING):
-        face._before_alloc_memory_pool(mr)
+        face.before_alloc_memory_pool(mr)
     assert made == [] and any("made at warm-up" in r.getMessage() for r in caplog.records)
 
     def boom(group, **k):
         raise RuntimeError("no peer")
 
     fake.graphs.cuda_graph_config = types.SimpleNamespace(decode=types.SimpleNamespace(bs=[4]))
-    monkeypatch.setattr(face, "prepare", boom)
+    monkeypatch.setattr(face_step, "prepare", boom)
     with caplog.at_level(logging.ERROR):
-        face._before_alloc_memory_pool(mr)
+        face.before_alloc_memory_pool(mr)
     assert any("no peer" in r.getMessage() and "tried again at warm-up" in r.getMessage() for r in caplog.records)
 
 
@@ -439,20 +438,20 @@ def test_workspaces_after_the_kv_pool_log_their_bytes_and_the_fraction(fake, mon
     """A workspace made at warm-up (after the KV sizing) is named with its
     bytes and the --mem-fraction-static that keeps SGLang's headroom; one
     made before the pool is not."""
-    from torch_sdcp.integrations import _core
+    from torch_sdcp.integrations import _cache
     from torch_sdcp.integrations import sglang as face
 
     early, late = _Recorded(), _Recorded()
     late.physical_bytes = early.physical_bytes = 2**30 // 4
-    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(early, 8, True))
-    face._hooks.early.add(id(early))
+    monkeypatch.setitem(_cache.CACHE, ("sglang", "output_lse", "g", (), "cpu", 0), _cache.Entry(early, 8, True))
+    face.engine.early.add(id(early))
     mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())  # 80 GB before the model, fraction 0.85
     with caplog.at_level(logging.WARNING):
-        face._log_outside_budget(mr)
+        face_step._log_outside_budget(mr)
     assert not caplog.records
-    monkeypatch.setitem(_core._cache, ("sglang", "query", "g", (), "cpu", 0), _core.Entry(late, 8, True))
+    monkeypatch.setitem(_cache.CACHE, ("sglang", "query", "g", (), "cpu", 0), _cache.Entry(late, 8, True))
     with caplog.at_level(logging.WARNING):
-        face._log_outside_budget(mr)
+        face_step._log_outside_budget(mr)
     assert [r.getMessage() for r in caplog.records] == [
         "torch_sdcp: 1 workspace(s), 268435456 bytes per rank, were made after SGLang sized its KV pool: they come "
         "out of the --mem-fraction-static headroom; to keep it, lower --mem-fraction-static by 0.0031 (0.85 -> "
@@ -460,10 +459,9 @@ def test_workspaces_after_the_kv_pool_log_their_bytes_and_the_fraction(fake, mon
 
 
 def test_geometries_from_the_model():
-    from torch_sdcp.integrations import sglang as face
 
     model = torch.nn.Sequential(MLA(2), MLA(2), MLA(1), torch.nn.Linear(2, 2))
-    assert face._mla_geometries(model) == [(H_LOC, D, R)]
+    assert face_step._mla_geometries(model) == [(H_LOC, D, R)]
 
 
 def test_pre_capture_follows_sglangs_settings(fake, monkeypatch, caplog):
@@ -472,13 +470,13 @@ def test_pre_capture_follows_sglangs_settings(fake, monkeypatch, caplog):
     from torch_sdcp.integrations import sglang as face
 
     made = []
-    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
+    monkeypatch.setattr(face_step, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
     runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential(MLA(2), MLA(2))))
     for backend, replicate, want in (("ag_rs", False, (True, True)), ("a2a", True, (True, False)),
                                      ("fi_a2a", False, (False, True)), ("fi_a2a", True, None)):
         fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = backend, replicate
         made.clear()
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
         if want is None:
             assert made == []
         else:
@@ -486,16 +484,16 @@ def test_pre_capture_follows_sglangs_settings(fake, monkeypatch, caplog):
             assert made[0]["max_rows"] == BOUND and made[0]["local_heads"] == H_LOC
     fake.parallel.dcp_comm_backend, fake.parallel.dcp_enabled = "ag_rs", False
     made.clear()
-    face._after_pre_initialize(None, runner)
+    face.after_pre_initialize(None, runner)
     assert made == []
     fake.parallel.dcp_enabled = True
 
     def boom(group, **k):
         raise RuntimeError("no memory")
 
-    monkeypatch.setattr(face, "prepare", boom)
+    monkeypatch.setattr(face_step, "prepare", boom)
     with caplog.at_level(logging.ERROR):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
     assert any("no memory" in r.getMessage() for r in caplog.records)
 
 
@@ -565,23 +563,23 @@ def test_startup_line_on_sglangs_defaults_names_the_flags(fake, monkeypatch, cap
     turn each seam on; in the require mode start-up fails with that line."""
     from torch_sdcp.integrations import sglang as face
 
-    monkeypatch.setattr(face, "prepare", lambda group, **k: pytest.fail("nothing to prepare"))
+    monkeypatch.setattr(face_step, "prepare", lambda group, **k: pytest.fail("nothing to prepare"))
     fake.parallel.dcp_group = types.SimpleNamespace(unique_name="dcp:7", world_size=2)
     fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = "fi_a2a", True
     runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential(MLA(2))))
     with caplog.at_level(logging.INFO):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
     lines = [r.getMessage() for r in caplog.records if "DCP group dcp:7" in r.getMessage()]
     assert len(lines) == 1, caplog.records
     assert "combine off" in lines[0] and "--dcp-comm-backend ag_rs or a2a" in lines[0], lines
     assert "query off" in lines[0] and "--dcp-replicate-q-proj" in lines[0], lines
-    face._face.forget()
+    face.face.forget()
     monkeypatch.setenv("SDCP_SGLANG", "require")
     with pytest.raises(RuntimeError, match="SDCP_SGLANG=require.*combine, query"):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
     monkeypatch.setenv("SDCP_SGLANG_SEAMS", "query")  # the combine not asked for: only the query refuses
     with pytest.raises(RuntimeError, match=r"seam\(s\) query cannot"):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
 
 
 def test_startup_line_when_dcp_is_off(fake, caplog):
@@ -590,7 +588,7 @@ def test_startup_line_when_dcp_is_off(fake, caplog):
     fake.parallel.dcp_enabled = False
     runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential()))
     with caplog.at_level(logging.INFO):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
     fake.parallel.dcp_enabled = True
     assert any("without DCP" in r.getMessage() for r in caplog.records), caplog.records
 
@@ -633,9 +631,9 @@ def _local_shutdown_worker(rank, world):
     dist.barrier()
     if rank == 0:
         start = time.monotonic()
-        face._before_shutdown()
+        face.before_shutdown()
         elapsed = time.monotonic() - start
-        face._before_shutdown()  # idempotent
+        face.before_shutdown()  # idempotent
         assert face.workspaces() == [] and ws.closed
         dist.barrier()
         return elapsed
@@ -645,7 +643,7 @@ def _local_shutdown_worker(rank, world):
     with pytest.raises(RuntimeError):
         ws.combine(out, lse)
     raised_after = time.monotonic() - start
-    face._before_shutdown()
+    face.before_shutdown()
     dist.barrier()
     return raised_after
 

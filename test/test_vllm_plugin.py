@@ -36,7 +36,7 @@ from _vllm_stand_in import vllm_select as _vllm_select
 
 from torch_sdcp import reference
 from torch_sdcp.integrations import vllm_calls
-from torch_sdcp.integrations._core import query_direct
+from torch_sdcp.integrations._boundaries import query_direct
 from torch_sdcp_plugins import vllm as vllm_entry
 from torch_sdcp_settings import VLLM
 
@@ -627,8 +627,8 @@ def _gpu_capture_worker(rank, world, shared=False):
     device = torch.device("cuda", 0 if shared else rank)
     torch.cuda.set_device(device)
     if shared:  # both ranks on one GPU: correct, time-sliced
-        options = vllm_calls._face.options
-        vllm_calls._face.options = lambda: {**options(), "allow_shared_device": True}
+        options = vllm_calls.face.options
+        vllm_calls.face.options = lambda: {**options(), "allow_shared_device": True}
     coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     plugin.configure(dcp_group=lambda: coord)
     rows = 8

@@ -42,7 +42,7 @@ class Family:
     ops whose schema takes ``int workspace`` (they publish into peers'
     memory: the compiler must never drop them). ``integration``: the key of
     the engine faces' boundary table that builds its workspace
-    (torch_sdcp/integrations/_core.py ``BOUNDARIES``), None if no face does.
+    (torch_sdcp/integrations/_boundaries.py ``BOUNDARIES``), None if no face does.
     """
 
     name: str

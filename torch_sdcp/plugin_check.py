@@ -192,7 +192,7 @@ def report(argv: Sequence[str]) -> tuple[int, str]:
 
         parallel = SimpleNamespace(dcp_comm_backend=args.dcp_comm_backend,
                                    dcp_replicate_q_proj=args.dcp_replicate_q_proj)
-        plan = sglang._plan(parallel, SimpleNamespace(unique_name="dcp", world_size=world))
+        plan = sglang.seam_plan(parallel, SimpleNamespace(unique_name="dcp", world_size=world))
         for seam in SGLANG.all_seams:
             if seam in plan.seams:
                 continue

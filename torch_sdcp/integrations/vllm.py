@@ -51,16 +51,16 @@ import sys
 import threading
 from typing import Any
 
-from torch_sdcp.integrations._core import OUTPUT_DTYPES
+from torch_sdcp.integrations._boundaries import OUTPUT_DTYPES
 from torch_sdcp.integrations._engine import SeamPlan, accepted_version
 from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exported
     DEFAULT_TIMEOUT_S,
     ENV_TIMEOUT_S,
-    _face,
-    _hooks,
     configure,
     cp_lse_ag_out_rs,
     dcp_a2a_lse_reduce,
+    engine,
+    face,
     gather_heads,
     gather_query,
     mask_empty_shards,
@@ -71,7 +71,7 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
     try_prepare_topk,
     workspaces,
 )
-from torch_sdcp.integrations.vllm_step import _destroy_model_parallel, _worker_sample_tokens, check_step
+from torch_sdcp.integrations.vllm_step import check_step, destroy_model_parallel, worker_sample_tokens
 from torch_sdcp_settings import VLLM
 
 __all__ = [
@@ -234,7 +234,7 @@ class _State:
 
 
 _state = _State()
-_log_once = _face.log_once  # once per reason, in vLLM's logger when vLLM is loaded
+_log_once = face.log_once  # once per reason, in vLLM's logger when vLLM is loaded
 
 
 # ---------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def _manager_init(self, *args, **kwargs):
     """Wraps MLADCPManager.__init__: lets the patched _init_* see the
     vllm_config, prepares the top-K workspaces of a sparse-indexer model
     (every layer shares them) and logs the seams once per DCP group."""
-    original = _hooks.originals["MLADCPManager.__init__"]
+    original = engine.originals["MLADCPManager.__init__"]
     vllm_config = kwargs.get("vllm_config", args[0] if args else None)
     stack = getattr(_state.config, "stack", None)
     if stack is None:
@@ -347,7 +347,7 @@ def _manager_init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, us
     """Replaces MLADCPManager._init_combine: the same partial vLLM builds,
     over this module's functions. PCP, a single rank, an unsupported dtype,
     a setting or no peer memory keep vLLM's own choice."""
-    original = _hooks.originals["MLADCPManager._init_combine"]
+    original = engine.originals["MLADCPManager._init_combine"]
     world = self.group.world_size
     off = _state.step_check or configured_off("combine", world=world, use_a2a=self.use_a2a, use_pcp=use_pcp,
                                               dtype=dtype)
@@ -372,7 +372,7 @@ def _manager_init_query_gather(self, num_heads, head_dim, dtype):
     Prepared for every manager: whether the model gathers is the attention
     class's choice (GLM-5's DeepseekV32Attention always does; deepseek_v2
     models follow VLLM_DCP_Q_REPLICATE over the config), not the config's."""
-    original = _hooks.originals["MLADCPManager._init_query_gather"]
+    original = engine.originals["MLADCPManager._init_query_gather"]
     off = _state.step_check or configured_off("query", world=self.group.world_size)
     bound = _row_bound(self.max_num_tokens)
     if off is None and not try_prepare_query_gather(self.group, max_rows=bound, local_heads=num_heads,
@@ -409,9 +409,9 @@ def _install_step_check() -> None:
             _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
                       "stays vLLM's", _GPU_WORKER, _state.step_check)
             return
-        _hooks.originals["Worker.sample_tokens"] = value
-        setattr(owner, name, _worker_sample_tokens)
-        _state.patches.append((owner, name, value, _worker_sample_tokens))
+        engine.originals["Worker.sample_tokens"] = value
+        setattr(owner, name, worker_sample_tokens)
+        _state.patches.append((owner, name, value, worker_sample_tokens))
         _state.step_check = ""
 
 
@@ -446,7 +446,7 @@ _REPLACEMENTS = {
     "MLADCPManager._init_combine": _manager_init_combine,
     "MLADCPManager._init_query_gather": _manager_init_query_gather,
     "_merge_dcp_topk_global": merge_dcp_topk_global,
-    "destroy_model_parallel": _destroy_model_parallel,
+    "destroy_model_parallel": destroy_model_parallel,
 }
 
 
