@@ -511,12 +511,12 @@ def test_pcp_single_rank_and_query_replication_keep_vllm(plugin, monkeypatch):
 
 
 def test_bound_from_engine_and_cap(plugin, monkeypatch):
-    assert plugin._row_bound(512) == 512
+    assert plugin.row_bound(512) == 512
     monkeypatch.setenv("SDCP_VLLM_MAX_ROWS", "128")
-    assert plugin._row_bound(512) == 128 and plugin._row_bound(64) == 64
+    assert plugin.row_bound(512) == 128 and plugin.row_bound(64) == 64
     monkeypatch.setenv("SDCP_VLLM_MAX_ROWS", "lots")
     with pytest.raises(ValueError, match="SDCP_VLLM_MAX_ROWS"):
-        plugin._row_bound(512)
+        plugin.row_bound(512)
     monkeypatch.setenv("SDCP_VLLM_TIMEOUT_S", "-1")
     with pytest.raises(ValueError, match="SDCP_VLLM_TIMEOUT_S"):
         VLLM.timeout_s()

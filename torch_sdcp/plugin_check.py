@@ -177,7 +177,7 @@ def report(argv: Sequence[str]) -> tuple[int, str]:
             if off is None:
                 plan.decide(seam, True, "peer memory (if the node's gate passes)")
             else:
-                plan.decide(seam, False, off, *vllm._enable_hint(seam, off))
+                plan.decide(seam, False, off, *vllm.enable_hint(seam, off))
         if plan.seams["combine"][0]:
             sizes["Output/LSE"] = _bytes("OUTPUT_LSE", [rows, heads, args.kv_lora_rank, _element(dtype)], world)
         if plan.seams["query"][0]:
