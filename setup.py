@@ -277,7 +277,7 @@ if __name__ == "__main__":
         name="torch_sdcp",
         version=read_version(),
         description="Shared-DCP: peer-addressable decode data paths for Decode Context Parallelism",
-        packages=find_packages(include=["torch_sdcp", "torch_sdcp.*", "torch_sdcp_plugins"]),
+        packages=find_packages(include=["torch_sdcp", "torch_sdcp.*", "torch_sdcp_plugins", "torch_sdcp_settings"]),
         ext_modules=[extension()],
         cmdclass={"build_ext": BuildExtension},
         python_requires=">=3.10",

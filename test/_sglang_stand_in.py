@@ -18,7 +18,7 @@ import types
 
 import torch
 import torch.distributed as dist
-from _engine_stand_in import all_gather_bytes, packages
+from _engine_stand_in import InModules, all_gather_bytes, packages
 
 H_LOC, D, R = 2, 32, 16  # local heads, kv_lora_rank, qk_rope_head_dim
 MAX_BS, TOKENS_PER_REQ = 4, 4
@@ -451,3 +451,19 @@ def step_inputs(world, rows, seed, dtype):
     for p in per_rank:
         p[3][0, 0] = -math.inf  # every shard of (row 0, head 0) is empty
     return per_rank
+
+
+def installed_fake_sglang():
+    """The fake SGLang in sys.modules while a test runs (the tests' ``fake``
+    fixture), and the SGLang face as a fresh process has it after."""
+    from torch_sdcp.integrations import sglang as face
+
+    ns = build_fake_sglang()
+    with InModules(ns.mods):
+        yield ns
+        face.engine.installed = False
+        face.engine.originals.clear()
+        face.engine.dcp_group = None
+        face.engine.early_rows.clear()
+        face.engine.early.clear()
+        face.face.forget()

@@ -270,10 +270,10 @@ def reset_plugin(plugin):
 
     plugin.uninstall()
     entry._logged.clear()
-    vllm_calls._face.forget()
-    vllm_calls._face.ubatch_id = lambda: 0
-    vllm_calls._hooks.originals.clear()
-    vllm_calls._hooks.dcp_group = None
+    vllm_calls.face.forget()
+    vllm_calls.face.ubatch_id = lambda: 0
+    vllm_calls.engine.originals.clear()
+    vllm_calls.engine.dcp_group = None
 
 
 class FakeVllm:

@@ -19,10 +19,9 @@ from _helpers import requires_gpus
 
 import torch_sdcp  # noqa: F401  (registers the ops)
 from torch_sdcp import reference
-from torch_sdcp.bench import one_gpu, parse_args
+from torch_sdcp.bench import one_gpu, one_gpu_boundaries, one_gpu_report, one_gpu_timing, parse_args, virtual_ranks
+from torch_sdcp.bench.virtual_ranks import VirtualRanks
 from torch_sdcp.families import WorkspaceKind
-from torch_sdcp.peer import virtual_ranks
-from torch_sdcp.peer.virtual_ranks import VirtualRanks
 
 # ---------------------------------------------------------------------------------------------
 # arguments
@@ -99,7 +98,7 @@ def test_one_gpu_defaults(monkeypatch):
     # the plain bench's Timer: k8 / k1, 100 replays
     args = parse_args(["--one-gpu", "2", "--one-gpu-method", "one-graph"])
     assert args.one_gpu_method == "one-graph" and args.one_gpu_steps is None and args.replays == 100
-    assert (one_gpu.GraphPerRank.name, one_gpu.OneGraph.name) == one_gpu.METHODS  # the default first
+    assert (one_gpu_timing.GraphPerRank.name, one_gpu_timing.OneGraph.name) == one_gpu.METHODS  # the default first
 
 
 def test_the_bench_without_one_gpu_is_unchanged():
@@ -118,7 +117,7 @@ def test_a_bad_one_gpu_option_from_the_command_line_exits_2(tmp_path):
 # co-residency, checks, table (no GPU needed)
 # ---------------------------------------------------------------------------------------------
 
-GLM5 = one_gpu.Geometry(heads=64, head_dim=512, rope_dim=64, k=2048, query_dtype=torch.float8_e4m3fn)
+GLM5 = one_gpu_boundaries.Geometry(heads=64, head_dim=512, rope_dim=64, k=2048, query_dtype=torch.float8_e4m3fn)
 H200_SMS = 132
 
 
@@ -147,7 +146,7 @@ H200_SMS = 132
     ("output_lse", 128, 1, 264, True, True),  # world 1: no peer, whatever PDL holds
 ])
 def test_residency_follows_the_grid_sizes_of_the_kernels(name, rows, world, blocks, pdl, fits):
-    boundary = one_gpu.BOUNDARY_CLASSES[name](GLM5, torch.device("cpu"))
+    boundary = one_gpu_boundaries.BOUNDARY_CLASSES[name](GLM5, torch.device("cpu"))
     got, why = one_gpu.residency(boundary, rows, world, H200_SMS, one_gpu.ASSUMED_BLOCKS_PER_SM[name], pdl)
     assert got == blocks and (why is None) == fits, why
     if why:
@@ -168,7 +167,7 @@ def test_pdl_is_on_as_the_kernels_decide(monkeypatch, major, env, on):
     assert one_gpu.grids_per_rank(on) == (2 if on else 1)
 
 
-SMALL = one_gpu.Geometry(heads=8, head_dim=64, rope_dim=16, k=16, query_dtype=torch.float8_e4m3fn)
+SMALL = one_gpu_boundaries.Geometry(heads=8, head_dim=64, rope_dim=16, k=16, query_dtype=torch.float8_e4m3fn)
 
 
 def reference_results(boundary, inputs, rows, world):
@@ -201,7 +200,7 @@ def corrupt(result):
 
 @pytest.mark.parametrize("name", one_gpu.BOUNDARIES)
 def test_the_reference_check_passes_the_reference_and_fails_a_changed_result(name):
-    boundary = one_gpu.BOUNDARY_CLASSES[name](SMALL, torch.device("cpu"))
+    boundary = one_gpu_boundaries.BOUNDARY_CLASSES[name](SMALL, torch.device("cpu"))
     rows, world = 3, 2
     inputs = [boundary.check_inputs(rows, r, world) for r in range(world)]
     if name != "signal":  # the check's inputs differ between the ranks
@@ -210,7 +209,7 @@ def test_the_reference_check_passes_the_reference_and_fails_a_changed_result(nam
     results = reference_results(boundary, inputs, rows, world)
     boundary.check(results, inputs, rows, world)
     results[1] = corrupt(results[1])
-    with pytest.raises(one_gpu.CheckFailed, match=f"{name}, world 2.*rank 1"):
+    with pytest.raises(one_gpu_boundaries.CheckFailed, match=f"{name}, world 2.*rank 1"):
         boundary.check(results, inputs, rows, world)
 
 
@@ -218,10 +217,10 @@ def test_the_timed_inputs_are_the_benchs():
     from torch_sdcp.bench.boundaries import output_lse_inputs, topk_inputs
 
     cpu = torch.device("cpu")
-    po, pl = one_gpu.OutputLSE(SMALL, cpu).timed_inputs(5, 1, 2)
+    po, pl = one_gpu_boundaries.OutputLSE(SMALL, cpu).timed_inputs(5, 1, 2)
     want = output_lse_inputs(torch.Generator().manual_seed(5), 5, 8, 64, cpu)
     assert torch.equal(po, want[0]) and torch.equal(pl, want[1])
-    scores, ids = one_gpu.TopK(SMALL, cpu).timed_inputs(5, 1, 2)
+    scores, ids = one_gpu_boundaries.TopK(SMALL, cpu).timed_inputs(5, 1, 2)
     assert torch.equal(ids, topk_inputs(torch.Generator().manual_seed(5 * 31 + 1), 5, 16, 1, 2, cpu)[1])
 
 
@@ -239,7 +238,7 @@ def test_the_table_says_what_the_figure_is():
                   "world4": {"grid_blocks": 1, "check": "MISMATCH", "error": "topk, world 4, rows 1: rank 2"}},
                  {"rows": 32, "world1": {"grid_blocks": 32, "check": "ok", "k8": 7.2, "k1": 9.1},
                   "world4": {"grid_blocks": 32, "error": "RuntimeError: virtual rank 0 failed"}}]}
-    text = one_gpu.tables({"meta": meta, "results": results})
+    text = one_gpu_report.tables({"meta": meta, "results": results})
     assert "one GPU, 4 virtual ranks: kernel side, HBM in place of NVLink; not a multi-GPU figure" in text
     assert "world 1 2.0 / 4.0 | world 4 3.5 / 5.0 | world 4 - world 1 +1.5 us (k8)" in text
     assert "world 4 skipped" in text and "not co-resident: 4 grids of 256 blocks" in text
@@ -251,7 +250,7 @@ def test_the_table_says_what_the_figure_is():
     # a run without a method in its JSON (before --one-gpu-method) was one graph, k8 / k1
     assert "method one-graph: k8, 8 steps in ONE CUDA graph" in text and "branches run concurrently" in text
     meta["pdl"] = False
-    assert "PDL off (SDCP_PDL=0" in one_gpu.tables({"meta": meta, "results": results})
+    assert "PDL off (SDCP_PDL=0" in one_gpu_report.tables({"meta": meta, "results": results})
 
 
 def test_the_table_names_the_graph_per_rank_method_and_its_figure():
@@ -266,7 +265,7 @@ def test_the_table_names_the_graph_per_rank_method_and_its_figure():
         {"rows": 32, "world1": {"grid_blocks": 256, "check": "ok", "k64": 4.0},
          "world8": {"grid_blocks": 32, "error": "RuntimeError: virtual rank 3 failed at the first replay of the "
                                                 "rank graphs"}}]}
-    text = one_gpu.tables({"meta": meta, "results": results})
+    text = one_gpu_report.tables({"meta": meta, "results": results})
     assert "not a multi-GPU figure" in text
     assert ("k64; method graph-per-rank: each rank's 64 steps in a CUDA graph of its own, the 8 graphs launched on "
             "8 streams") in text
@@ -320,7 +319,7 @@ def test_a_replay_forks_every_rank_graph_from_rank_0s_stream_and_joins_it_back(m
 
     monkeypatch.setattr(torch.cuda, "stream", StreamContext)
     streams = [FakeStream(log, f"s{r}") for r in range(4)]
-    replay = one_gpu.RankGraphReplay(streams, [FakeGraph(log, r, current) for r in range(4)])
+    replay = one_gpu_timing.RankGraphReplay(streams, [FakeGraph(log, r, current) for r in range(4)])
     replay()
     assert log == ["s0: record fork", "s0: graph 0",
                    "s1: wait fork", "s1: graph 1", "s1: record join1",
@@ -328,7 +327,7 @@ def test_a_replay_forks_every_rank_graph_from_rank_0s_stream_and_joins_it_back(m
                    "s3: wait fork", "s3: graph 3", "s3: record join3",
                    "s0: wait join1", "s0: wait join2", "s0: wait join3"]
     log.clear()
-    one_gpu.RankGraphReplay(streams[:1], [FakeGraph(log, 0, current)])()  # world 1: no fork, no join
+    one_gpu_timing.RankGraphReplay(streams[:1], [FakeGraph(log, 0, current)])()  # world 1: no fork, no join
     assert log == ["s0: graph 0"]
 
 
@@ -381,7 +380,7 @@ class FakeCuda:
             fake.capturing = None
 
         def sleep(cycles):
-            fake.clock += cycles / one_gpu.SPIN_CYCLES_PER_US
+            fake.clock += cycles / one_gpu_timing.SPIN_CYCLES_PER_US
 
         def synchronize(device=None):
             fake.synchronized += 1
@@ -405,7 +404,7 @@ def test_graph_per_rank_warms_up_captures_checks_the_first_replay_and_times_per_
     fake.install(monkeypatch)
     counts = [0, 0]
     checked = []
-    method = one_gpu.GraphPerRank(steps=16, replays=4, trials=3)
+    method = one_gpu_timing.GraphPerRank(steps=16, replays=4, trials=3)
     got = method.measure([FakeCuda.Stream(), FakeCuda.Stream()], [fake.call(r, counts) for r in range(2)],
                          lambda: checked.append(fake.clock))
     assert counts == [2 + 16, 2 + 16]  # two eager warm-up steps, then 16 captured
@@ -418,8 +417,8 @@ def test_graph_per_rank_warms_up_captures_checks_the_first_replay_and_times_per_
 def test_graph_per_rank_counts_the_trials_whose_launches_outlasted_the_head_start(monkeypatch):
     fake = FakeCuda()
     fake.install(monkeypatch)
-    monkeypatch.setattr(one_gpu, "MAX_HEAD_START_US", 1e-6)  # a spin of no cycles: every launch is late
-    got = one_gpu.GraphPerRank(steps=8, replays=2, trials=5).measure(
+    monkeypatch.setattr(one_gpu_timing, "MAX_HEAD_START_US", 1e-6)  # a spin of no cycles: every launch is late
+    got = one_gpu_timing.GraphPerRank(steps=8, replays=2, trials=5).measure(
         [FakeCuda.Stream()], [fake.call(0, [0])], lambda: None)
     assert got["host_late_trials"] == 5 and got["k8"] == pytest.approx(1.0)  # world 1: 1 us per step
 
@@ -506,7 +505,7 @@ class FakeDriver:
 def fake_driver(monkeypatch):
     def install(**kw):
         driver = FakeDriver(**kw)
-        monkeypatch.setattr(virtual_ranks, "_cu", driver)
+        monkeypatch.setattr(virtual_ranks, "cu", driver)
         return driver
     return install
 

@@ -1,6 +1,7 @@
 """Call tags (docs/PROTOCOL.md "Failure behaviour"): every call method takes
 an optional ``tag`` (for example the layer index), carried in the call
-header and compared by every peer. Two host-backend ranks, every family:
+header and compared by every peer. Two host-backend ranks, every peer op of
+every family (the cross-family table, _family_calls.py):
 
 - calls whose tags differ (or one untagged) poison the workspace on every
   rank, each naming both tags and the peer; so does a call that one rank
@@ -18,61 +19,16 @@ from __future__ import annotations
 import pytest
 import torch
 from _dist import run_workers
-from _helpers import (
-    HOST,
-    expect_failure,
-    make_query,
-    rank_candidates,
-    rank_partials,
-    rank_workspace_args,
-    requires_gpus,
-)
+from _family_calls import ROWS, op_calls
+from _helpers import HOST, expect_failure, rank_candidates, rank_partials, requires_gpus
 
-ROWS = 2
 LIMIT = 2**23 - 1  # the first tag that is not one (torch_sdcp._checks.CALL_TAG_LIMIT)
 
 
 def _families(rank, mode="host"):
-    """name: (create, call(ws, **tag) -> a tensor of its result). The inputs are
-    alike in shape on every rank, so calls of one family pair by shape alone.
-    ``mode``: "host", "cuda" or "cuda_shared" (_helpers.rank_workspace_args)."""
-    import torch_sdcp
-
-    opts = rank_workspace_args(rank, mode)
-    where = opts.get("device", torch.device("cpu"))
-    nope, pe, pos, cache = (t.to(where) for t in make_query(ROWS, 2, nope=64, rope=16, max_pos=8, seed=rank))
-    scale = torch.full((1,), 0.5, device=where)
-    q = torch.full((ROWS, 2, 80), 0.25 * (rank + 1)).to(torch.float8_e4m3fn).to(where)
-    scores, ids = (t.to(where) for t in rank_candidates(ROWS, 8, seed=rank))
-    po, pl = (t.to(where) for t in rank_partials(ROWS, seed=rank))
-    out, out_lse = torch.empty(ROWS, 4, 64, dtype=torch.bfloat16, device=where), torch.empty(ROWS, 4, device=where)
-    x = torch.arange(8, dtype=torch.float32, device=where).view(2, 4) + 10 * rank
-    options = {"timeout_s": 60, **opts}
-
-    def query():
-        return torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, **options)
-
-    def view(ws, **tag):
-        got = ws.gather_view(nope, pe, pos, cache, scale, **tag).clone()
-        ws.release()
-        return got.view(torch.uint8)
-
-    def combine_out(ws, **tag):
-        ws.combine_out(po, pl, out, out_lse, **tag)
-        return torch.cat([out.float().flatten(), out_lse.flatten()])
-
-    return {
-        "gather": (query, lambda ws, **tag: ws.gather(nope, pe, pos, cache, scale, **tag).view(torch.uint8)),
-        "gather_view": (query, view),
-        "all_gather_heads": (query, lambda ws, **tag: ws.all_gather_heads(q, **tag).view(torch.uint8)),
-        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 4, 4, candidates_per_rank=8, **options),
-                  lambda ws, **tag: ws.merge(scores, ids, **tag)),
-        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, **options),
-                    lambda ws, **tag: ws.combine(po, pl, **tag)),
-        "combine_out": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, **options), combine_out),
-        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 64, **options),
-                       lambda ws, **tag: ws.all_gather(x, **tag)),
-    }
+    """op: (create, call(ws, **tag) -> a tensor of its result), for every peer
+    op of every family (the cross-family table, _family_calls.py)."""
+    return {op: (calls.make, calls.good) for op, calls in op_calls(rank, mode).items()}
 
 
 def _mismatch(mine, theirs):
@@ -99,7 +55,7 @@ def _mismatch_worker(rank, world, tags, skip, mode="host"):
 
     wrong = []
     for name, (make, call) in _families(rank, mode).items():
-        if mode != "host" and name == "gather_view":  # its release would meet the recorded failure first
+        if mode != "host" and name in ("query_publish", "query_release"):  # the release would meet the failure
             continue
         ws = make()
 

@@ -23,6 +23,7 @@ import pytest
 from _ast_helpers import SourceTrees, find_definition, param_list
 
 from torch_sdcp.integrations import sglang as face
+from torch_sdcp.integrations import sglang_step as face_step
 from torch_sdcp.integrations._engine import accepted_version
 
 COMM = "sglang.srt.layers.dcp.comm"
@@ -159,7 +160,7 @@ def test_pre_capture_point(version):
     """The warm-up calls _pre_initialize_fi_a2a_workspace before autotune, and
     the decode graph runner warms up before it captures."""
     warmup = _text(_find("sglang.srt.model_executor.runner.base_runner", "BaseRunner._warmup"))
-    assert "if mr.device != 'cuda':\n        return" in warmup and face._WARMED_UP_ON == ("cuda",)
+    assert "if mr.device != 'cuda':\n        return" in warmup and face_step._WARMED_UP_ON == ("cuda",)
     assert warmup.index("if mr.device != 'cuda'") < warmup.index("self._pre_initialize_fi_a2a_workspace()")
     assert warmup.index("self._pre_initialize_fi_a2a_workspace()") < warmup.index("should_run_flashinfer_autotune")
     capture = _text(_find("sglang.srt.model_executor.runner.decode_cuda_graph_runner",

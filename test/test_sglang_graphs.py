@@ -53,7 +53,7 @@ def _graph_worker(rank, world):
 
     face.configure(dcp_group=lambda: coord, originals=dict.fromkeys(
         ("cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"), never))
-    face._face.options = lambda: {"timeout_s": 120.0, "fallback": True, "allow_shared_device": True}
+    face.face.options = lambda: {"timeout_s": 120.0, "fallback": True, "allow_shared_device": True}
     done = face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.bfloat16,
                         device=device)
     assert done == {"output_lse": True, "query": True}, done

@@ -7,7 +7,10 @@ workspaces at the pre-capture point, decode steps through the call site's
 by-name imports (both combine backends, LSE base 2 and e, empty shards, the
 two-view query gather), SGLang's own function above the bound, teardown at
 shutdown. In-process: the entry imports nothing of torch_sdcp while off and
-never raises, the version refusal, what stays SGLang's, the per-step check.
+never raises, the version refusal, what stays SGLang's; the start-up line,
+the require mode, a local shutdown and the command-line options. The hooks
+around the calls (the per-step check, the rows bound, the workspaces before
+and after the KV pool) are test_sglang_step.py's.
 
 The stand-in follows docs/SGLANG.md; test_sglang_conformance.py checks the
 seams against SGLang's sources.
@@ -21,12 +24,10 @@ import subprocess
 import sys
 import types
 
-import _sglang_stand_in as stand_in
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_workers
-from _engine_stand_in import InModules
 from _sglang_stand_in import (
     BOUND,
     COMM,
@@ -37,20 +38,21 @@ from _sglang_stand_in import (
     PARALLEL_STATE,
     REGISTRY,
     RUNNER,
-    SCHEDULER,
     SERVER_ARGS,
-    TOKENS_PER_REQ,
     Coordinator,
     D,
     R,
     _real_registry,
     build_fake_sglang,
     decode_step,
+    installed_fake_sglang,
     ref_all_gather_q_for_mla_decode,
     ref_cp_lse_ag_out_rs_mla,
     ref_dcp_a2a_lse_reduce,
     step_inputs,
 )
+
+from torch_sdcp.integrations import sglang_step as face_step
 
 
 def _protocol_worker(rank, world, rows_list):
@@ -72,7 +74,7 @@ def _protocol_worker(rank, world, rows_list):
 
     model = torch.nn.Sequential(MLA(world), MLA(world), MLA(1))
     runner = ns.mods[RUNNER].BaseRunner(ns.mods[MODEL_RUNNER].ModelRunner(model))
-    face._WARMED_UP_ON = ("cuda", "cpu")  # the stand-in's runner is warmed up on the host
+    face_step._WARMED_UP_ON = ("cuda", "cpu")  # the stand-in's runner is warmed up on the host
     ns.at_kv_sizing = lambda: [type(w).__name__ for w in face.workspaces()]
     runner.model_runner.alloc_memory_pool()  # the workspaces exist when SGLang sizes its KV pool
     runner._pre_initialize_fi_a2a_workspace()
@@ -133,7 +135,7 @@ def test_sglang_protocol_two_ranks():
 
 
 # ---------------------------------------------------------------------------
-# In process: the entry point, versions, what stays SGLang's, the step check
+# In process: the entry point, versions, what stays SGLang's
 # ---------------------------------------------------------------------------
 
 
@@ -172,19 +174,7 @@ def test_entry_never_raises(monkeypatch, caplog):
                                                           "RuntimeError: no seam") == 1
 
 
-@pytest.fixture
-def fake():
-    from torch_sdcp.integrations import sglang as face
-
-    ns = build_fake_sglang()
-    with InModules(ns.mods):
-        yield ns
-        face._hooks.installed = False
-        face._hooks.originals.clear()
-        face._hooks.dcp_group = None
-        face._hooks.early_rows.clear()
-        face._hooks.early.clear()
-        face._face.forget()
+fake = pytest.fixture(installed_fake_sglang)
 
 
 def test_unknown_version_refused(fake, caplog):
@@ -208,7 +198,7 @@ def test_install_registers_every_hook_once(fake):
     finally:
         registry.register = real
     assert registered == [(t, k) for t, k, _ in face.HOOKS]
-    assert set(face._hooks.originals) == {"cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"}
+    assert set(face.engine.originals) == {"cp_lse_ag_out_rs_mla", "dcp_a2a_lse_reduce", "all_gather_q_for_mla_decode"}
 
 
 def test_what_stays_sglangs(fake):
@@ -229,274 +219,6 @@ def test_what_stays_sglangs(fake):
     assert face.cp_lse_ag_out_rs_mla(fp8, lse, two, None, True) == "own"
     assert seen[-1] == (fp8, lse, two, None, True) and len(seen) == 4
 
-
-def test_step_check_fails_the_step(fake, monkeypatch):
-    from torch_sdcp import integrations
-    from torch_sdcp.integrations import _core
-    from torch_sdcp.integrations import sglang as face
-
-    class Poisoned:
-        peer = True
-
-        def check(self):
-            raise RuntimeError("torch_sdcp: OutputLSEWorkspace on rank 0 timed out waiting for a peer")
-
-    assert face.install()
-    fake.mods[REGISTRY].HookRegistry.apply_hooks()
-    runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
-    assert runner.forward(lambda: "ok") == "ok"
-    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(Poisoned(), 8, True))
-    with pytest.raises(RuntimeError, match="timed out"):
-        runner.forward(lambda: "ok")
-    assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == 1
-
-
-class _Recorded:
-    """A peer workspace whose calls ran on the stand-in's device: ``fail()``
-    is the error record a failing kernel writes when it runs."""
-
-    peer = True
-
-    def __init__(self):
-        self.error = None
-
-    def fail(self):
-        self.error = "torch_sdcp: OutputLSEWorkspace on rank 0 timed out waiting for a peer"
-
-    def check(self):
-        if self.error is not None:
-            raise RuntimeError(self.error)
-
-
-def _scheduler(fake, monkeypatch, overlap, hooks=None):
-    """The stand-in scheduler over SGLang's hooked ModelRunner, a recorded
-    workspace in this face's cache, and the plugin's hooks (all of HOOKS, or
-    the named targets only) applied by SGLang's registry."""
-    from torch_sdcp.integrations import _core
-    from torch_sdcp.integrations import sglang as face
-
-    registry = fake.mods[REGISTRY]
-    for target, kind, hook in face.HOOKS:
-        if hooks is None or target.rsplit(".", 1)[-1] in hooks:
-            registry.HookRegistry.register(target, hook, getattr(registry.HookType, kind))
-    registry.HookRegistry.apply_hooks()
-    ws = _Recorded()
-    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(ws, 8, True))
-    device = stand_in.Device()
-    runner = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
-    return fake.mods[SCHEDULER].Scheduler(runner, device, overlap), device, ws
-
-
-def _batches(device, ws, failing):
-    """Decode steps 0..3; step ``failing`` launches a call that fails on the
-    device (its error recorded when its kernel runs, not at launch)."""
-    def step(i):
-        def forward():
-            device.launch(ws.fail if i == failing else lambda: None)
-            return f"tokens of step {i}"
-        return forward
-    return [step(i) for i in range(4)]
-
-
-def test_overlap_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch):
-    """Under SGLang's overlap loop, step 1's result is processed after step
-    2's forward was launched; step 1's failing call records its error only
-    when its kernel runs. The check before ModelRunner.forward alone lets step
-    1's tokens reach the detokenizer (the control below); the check in result
-    processing, after copy_done, raises before any of them is streamed."""
-    from torch_sdcp import integrations
-    from torch_sdcp.integrations import _core
-
-    sched, device, ws = _scheduler(fake, monkeypatch, overlap=True, hooks=("forward",))
-    batches = _batches(device, ws, failing=1)
-    with pytest.raises(RuntimeError, match="timed out"):
-        sched.event_loop_overlap(batches)
-    assert [b for b, _ in sched.outputs] == batches[:2], "control: without the result check step 1's output leaves"
-
-    rebuilt = build_fake_sglang()  # a fresh process: SGLang's functions unhooked, a fresh registry
-    with InModules(rebuilt.mods):
-        sched, device, ws = _scheduler(rebuilt, monkeypatch, overlap=True)
-        batches = _batches(device, ws, failing=1)
-        before = integrations.counters()["sglang"].get(_core.STEP_CHECK, {}).get("timeout", 0)
-        with pytest.raises(RuntimeError, match="the step's output is not returned.*timed out"):
-            sched.event_loop_overlap(batches)
-        assert [b for b, _ in sched.outputs] == batches[:1], "an output of the failed step 1 left"
-        assert (len(device.launched), device.done) == (3, 2), "raised in step 1's result processing, step 2 launched"
-        assert integrations.counters()["sglang"][_core.STEP_CHECK]["timeout"] == before + 1
-
-
-def test_normal_scheduler_a_failed_steps_output_never_leaves(fake, monkeypatch):
-    """SGLang's normal loop processes each result right after its forward:
-    the check after the step's synchronisation stops the failed step's
-    output there, before the next step is launched."""
-    sched, device, ws = _scheduler(fake, monkeypatch, overlap=False)
-    batches = _batches(device, ws, failing=2)
-    device.launch = lambda kernel: kernel()  # a host backend's call completes before it returns
-    with pytest.raises(RuntimeError, match="timed out"):
-        sched.event_loop_normal(batches)
-    assert [b for b, _ in sched.outputs] == batches[:2]
-
-
-def test_result_check_waits_for_the_step(monkeypatch):
-    """copy_done when SGLang recorded one, else the current CUDA stream (what
-    the processors' tolist() waits for); nothing without CUDA."""
-    import types as t
-
-    from torch_sdcp.integrations import sglang as face
-
-    waited = []
-    face._wait_for_step(t.SimpleNamespace(copy_done=t.SimpleNamespace(synchronize=lambda: waited.append("event"))))
-    stream = t.SimpleNamespace(synchronize=lambda: waited.append("stream"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    face._wait_for_step(t.SimpleNamespace(copy_done=None))
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    face._wait_for_step(t.SimpleNamespace(copy_done=None))
-    assert waited == ["event", "stream"]
-
-
-def test_result_check_costs_nothing_without_a_workspace(fake):
-    """No peer workspace: no wait, no check (SGLang keeps its own timing)."""
-    import types as t
-
-    from torch_sdcp.integrations import sglang as face
-
-    face._before_results(None, None, t.SimpleNamespace(copy_done=t.SimpleNamespace(
-        synchronize=lambda: pytest.fail("waited without a workspace"))))
-
-
-def test_bound_from_sglang_and_cap(fake, monkeypatch):
-    from torch_sdcp.integrations import sglang as face
-
-    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential()))
-    assert face._row_bound(runner) == BOUND
-    runner._widest_decode_rows = lambda: None  # no CUDA graphs: max_running_requests x tokens per request
-    assert face._row_bound(runner) == 64 * TOKENS_PER_REQ
-    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "100")
-    assert face._row_bound(runner) == 100
-    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "lots")
-    with pytest.raises(ValueError, match="SDCP_SGLANG_MAX_ROWS"):
-        face._row_bound(runner)
-
-
-def test_rows_known_before_the_kv_pool(fake, monkeypatch):
-    """Before the pool: the CUDA-graph configuration's widest decode batch
-    (SGLang only filters that list later), else the --max-running-requests
-    the user set, else unknown; capped by SDCP_SGLANG_MAX_ROWS."""
-    from torch_sdcp.integrations import sglang as face
-
-    mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())
-    fake.graphs.cuda_graph_config.decode.bs = [1, 8, 3]
-    assert face._rows_before_the_pool(mr) == 8 * TOKENS_PER_REQ
-    fake.graphs.cuda_graph_config = None
-    assert face._rows_before_the_pool(mr) is None
-    fake.schedule.max_running_requests = 48
-    assert face._rows_before_the_pool(mr) == 48 * TOKENS_PER_REQ
-    monkeypatch.setenv("SDCP_SGLANG_MAX_ROWS", "20")
-    assert face._rows_before_the_pool(mr) == 20
-
-
-def test_workspaces_before_the_kv_pool_which_and_when(fake, monkeypatch, caplog):
-    """The target model's workspaces are prepared before SGLang sizes its KV
-    pool, with the seams the settings select; a draft model, DCP off, or a
-    bound not known yet leave them to the warm-up; a failure is logged and
-    never reaches SGLang."""
-    from torch_sdcp.integrations import sglang as face
-
-    made = []
-    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
-    model = torch.nn.Sequential(MLA(2), MLA(2))
-    mr = fake.mods[MODEL_RUNNER].ModelRunner(model)
-    face._before_alloc_memory_pool(mr)  # a cpu runner: SGLang never warms it up, nothing is made
-    assert made == [] and face._hooks.early_rows == {}
-    monkeypatch.setattr(face, "_WARMED_UP_ON", ("cuda", "cpu"))
-    fake.parallel.dcp_comm_backend = "fi_a2a"  # the combine stays SGLang's: the query only
-    face._before_alloc_memory_pool(mr)
-    assert [(m["combine"], m["query"], m["max_rows"]) for m in made] == [(False, True, BOUND)]
-    assert face._hooks.early_rows == {id(mr): BOUND}
-    made.clear()
-    face._before_alloc_memory_pool(fake.mods[MODEL_RUNNER].ModelRunner(model, is_draft_worker=True))
-    fake.parallel.dcp_enabled = False
-    face._before_alloc_memory_pool(mr)
-    fake.parallel.dcp_enabled = True
-    fake.graphs.cuda_graph_config = None
-    with caplog.at_level(logging.WARNING):
-        face._before_alloc_memory_pool(mr)
-    assert made == [] and any("made at warm-up" in r.getMessage() for r in caplog.records)
-
-    def boom(group, **k):
-        raise RuntimeError("no peer")
-
-    fake.graphs.cuda_graph_config = types.SimpleNamespace(decode=types.SimpleNamespace(bs=[4]))
-    monkeypatch.setattr(face, "prepare", boom)
-    with caplog.at_level(logging.ERROR):
-        face._before_alloc_memory_pool(mr)
-    assert any("no peer" in r.getMessage() and "tried again at warm-up" in r.getMessage() for r in caplog.records)
-
-
-def test_workspaces_after_the_kv_pool_log_their_bytes_and_the_fraction(fake, monkeypatch, caplog):
-    """A workspace made at warm-up (after the KV sizing) is named with its
-    bytes and the --mem-fraction-static that keeps SGLang's headroom; one
-    made before the pool is not."""
-    from torch_sdcp.integrations import _core
-    from torch_sdcp.integrations import sglang as face
-
-    early, late = _Recorded(), _Recorded()
-    late.physical_bytes = early.physical_bytes = 2**30 // 4
-    monkeypatch.setitem(_core._cache, ("sglang", "output_lse", "g", (), "cpu", 0), _core.Entry(early, 8, True))
-    face._hooks.early.add(id(early))
-    mr = fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential())  # 80 GB before the model, fraction 0.85
-    with caplog.at_level(logging.WARNING):
-        face._log_outside_budget(mr)
-    assert not caplog.records
-    monkeypatch.setitem(_core._cache, ("sglang", "query", "g", (), "cpu", 0), _core.Entry(late, 8, True))
-    with caplog.at_level(logging.WARNING):
-        face._log_outside_budget(mr)
-    assert [r.getMessage() for r in caplog.records] == [
-        "torch_sdcp: 1 workspace(s), 268435456 bytes per rank, were made after SGLang sized its KV pool: they come "
-        "out of the --mem-fraction-static headroom; to keep it, lower --mem-fraction-static by 0.0031 (0.85 -> "
-        "0.8469)"]
-
-
-def test_geometries_from_the_model():
-    from torch_sdcp.integrations import sglang as face
-
-    model = torch.nn.Sequential(MLA(2), MLA(2), MLA(1), torch.nn.Linear(2, 2))
-    assert face._mla_geometries(model) == [(H_LOC, D, R)]
-
-
-def test_pre_capture_follows_sglangs_settings(fake, monkeypatch, caplog):
-    """fi_a2a keeps SGLang's combine, query replication makes no query
-    workspace, DCP off makes nothing, and a failure never reaches SGLang."""
-    from torch_sdcp.integrations import sglang as face
-
-    made = []
-    monkeypatch.setattr(face, "prepare", lambda group, **k: made.append(k) or {"output_lse": True, "query": True})
-    runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential(MLA(2), MLA(2))))
-    for backend, replicate, want in (("ag_rs", False, (True, True)), ("a2a", True, (True, False)),
-                                     ("fi_a2a", False, (False, True)), ("fi_a2a", True, None)):
-        fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = backend, replicate
-        made.clear()
-        face._after_pre_initialize(None, runner)
-        if want is None:
-            assert made == []
-        else:
-            assert [(m["combine"], m["query"]) for m in made] == [want], (backend, replicate, made)
-            assert made[0]["max_rows"] == BOUND and made[0]["local_heads"] == H_LOC
-    fake.parallel.dcp_comm_backend, fake.parallel.dcp_enabled = "ag_rs", False
-    made.clear()
-    face._after_pre_initialize(None, runner)
-    assert made == []
-    fake.parallel.dcp_enabled = True
-
-    def boom(group, **k):
-        raise RuntimeError("no memory")
-
-    monkeypatch.setattr(face, "prepare", boom)
-    with caplog.at_level(logging.ERROR):
-        face._after_pre_initialize(None, runner)
-    assert any("no memory" in r.getMessage() for r in caplog.records)
 
 
 # ---------------------------------------------------------------------------
@@ -565,23 +287,23 @@ def test_startup_line_on_sglangs_defaults_names_the_flags(fake, monkeypatch, cap
     turn each seam on; in the require mode start-up fails with that line."""
     from torch_sdcp.integrations import sglang as face
 
-    monkeypatch.setattr(face, "prepare", lambda group, **k: pytest.fail("nothing to prepare"))
+    monkeypatch.setattr(face_step, "prepare", lambda group, **k: pytest.fail("nothing to prepare"))
     fake.parallel.dcp_group = types.SimpleNamespace(unique_name="dcp:7", world_size=2)
     fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = "fi_a2a", True
     runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential(MLA(2))))
     with caplog.at_level(logging.INFO):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
     lines = [r.getMessage() for r in caplog.records if "DCP group dcp:7" in r.getMessage()]
     assert len(lines) == 1, caplog.records
     assert "combine off" in lines[0] and "--dcp-comm-backend ag_rs or a2a" in lines[0], lines
     assert "query off" in lines[0] and "--dcp-replicate-q-proj" in lines[0], lines
-    face._face.forget()
+    face.face.forget()
     monkeypatch.setenv("SDCP_SGLANG", "require")
     with pytest.raises(RuntimeError, match="SDCP_SGLANG=require.*combine, query"):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
     monkeypatch.setenv("SDCP_SGLANG_SEAMS", "query")  # the combine not asked for: only the query refuses
     with pytest.raises(RuntimeError, match=r"seam\(s\) query cannot"):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
 
 
 def test_startup_line_when_dcp_is_off(fake, caplog):
@@ -590,7 +312,7 @@ def test_startup_line_when_dcp_is_off(fake, caplog):
     fake.parallel.dcp_enabled = False
     runner = fake.mods[RUNNER].BaseRunner(fake.mods[MODEL_RUNNER].ModelRunner(torch.nn.Sequential()))
     with caplog.at_level(logging.INFO):
-        face._after_pre_initialize(None, runner)
+        face.after_pre_initialize(None, runner)
     fake.parallel.dcp_enabled = True
     assert any("without DCP" in r.getMessage() for r in caplog.records), caplog.records
 
@@ -633,9 +355,9 @@ def _local_shutdown_worker(rank, world):
     dist.barrier()
     if rank == 0:
         start = time.monotonic()
-        face._before_shutdown()
+        face.before_shutdown()
         elapsed = time.monotonic() - start
-        face._before_shutdown()  # idempotent
+        face.before_shutdown()  # idempotent
         assert face.workspaces() == [] and ws.closed
         dist.barrier()
         return elapsed
@@ -645,7 +367,7 @@ def _local_shutdown_worker(rank, world):
     with pytest.raises(RuntimeError):
         ws.combine(out, lse)
     raised_after = time.monotonic() - start
-    face._before_shutdown()
+    face.before_shutdown()
     dist.barrier()
     return raised_after
 
@@ -683,7 +405,7 @@ def cli(fake, monkeypatch):
     SGLang's registry, the plugin off (every SDCP_SGLANG* variable unset,
     restored afterwards)."""
     import torch_sdcp_plugins.sglang as entry
-    from torch_sdcp_plugins.settings import SGLANG
+    from torch_sdcp_settings import SGLANG
 
     for name in SGLANG.names():
         monkeypatch.setenv(name, "")
@@ -740,7 +462,7 @@ def test_cli_options_reach_the_environment_and_the_dump(cli):
     """from_cli_args (which keeps ServerArgs fields only) writes each option
     given into its variable; the dump shows the values in effect; a process
     started afterwards (SGLang's schedulers) reads them."""
-    from torch_sdcp_plugins.settings import SGLANG
+    from torch_sdcp_settings import SGLANG
 
     _, args = _parse(cli, ["--model-path", "m", "--sdcp", "require", "--sdcp-seams", "QUERY",
                            "--sdcp-max-rows", "64", "--sdcp-timeout-s", "30"])
@@ -751,7 +473,7 @@ def test_cli_options_reach_the_environment_and_the_dump(cli):
     assert dump["model_path"] == "m"
     assert {k: dump[k] for k in ("sdcp", "sdcp_seams", "sdcp_max_rows", "sdcp_timeout_s")} == \
         {"sdcp": "require", "sdcp_seams": "query", "sdcp_max_rows": 64, "sdcp_timeout_s": 30.0}
-    child = subprocess.run([sys.executable, "-c", "from torch_sdcp_plugins.settings import SGLANG as s; "
+    child = subprocess.run([sys.executable, "-c", "from torch_sdcp_settings import SGLANG as s; "
                             "print(s.mode()[0], s.seams(), s.max_rows_cap(), s.timeout_s())"],
                            capture_output=True, text=True, timeout=120)
     assert child.stdout.split() == ["require", "('query',)", "64", "30.0"], child.stdout + child.stderr

@@ -95,7 +95,7 @@ for target, kind, hook in p.HOOKS:
     print("LANDED", kind, target)
 for name in {SEAMS!r}:
     wrapper = getattr(comm, name)
-    assert wrapper.__wrapped__ is own[name] and p._hooks.originals[name] is own[name], name
+    assert wrapper.__wrapped__ is own[name] and p.engine.originals[name] is own[name], name
     for mod in callers:
         assert getattr(mod, name) is wrapper, mod.__name__ + "." + name + " keeps SGLang's own function"
         print("REBOUND", mod.__name__, name)

@@ -255,7 +255,7 @@ def test_health_check_in_sample_tokens(env, stubs):
         assert plugin.install()
         assert worker_cls.sample_tokens is original, "the worker's step is patched in the process that builds"
         _manager(ns)
-        assert worker_cls.sample_tokens is plugin._worker_sample_tokens
+        assert worker_cls.sample_tokens is plugin.worker_sample_tokens
         assert worker_cls(output="tokens").sample_tokens(None) == "tokens"
         pending = _AsyncOutput()
         assert worker_cls(output=pending).sample_tokens(None) is pending
@@ -380,8 +380,8 @@ def _gpu_health_worker(rank, world):
 
     device = torch.device("cuda", 0)  # both ranks on one GPU: correct, time-sliced
     torch.cuda.set_device(device)
-    options = vllm_calls._face.options
-    vllm_calls._face.options = lambda: {**options(), "allow_shared_device": True}
+    options = vllm_calls.face.options
+    vllm_calls.face.options = lambda: {**options(), "allow_shared_device": True}
     coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     plugin.configure(dcp_group=lambda: coord)
     assert plugin.try_prepare_output_lse(coord, max_rows=16, total_heads=world * H_LOC, head_dim=D,

@@ -36,9 +36,9 @@ from _vllm_stand_in import vllm_select as _vllm_select
 
 from torch_sdcp import reference
 from torch_sdcp.integrations import vllm_calls
-from torch_sdcp.integrations._core import query_direct
+from torch_sdcp.integrations._boundaries import query_direct
 from torch_sdcp_plugins import vllm as vllm_entry
-from torch_sdcp_plugins.settings import VLLM
+from torch_sdcp_settings import VLLM
 
 # ---------------------------------------------------------------------------
 # Inputs of one decode step, for every rank (seeded: each rank rebuilds all)
@@ -345,7 +345,7 @@ def test_import_does_not_import_vllm():
     code = ("import sys, torch_sdcp, torch_sdcp.integrations, torch_sdcp.integrations.vllm, "
             "torch_sdcp.integrations.sglang; "
             "shims = [m for m in ('torch_sdcp_plugins.vllm', 'torch_sdcp_plugins.sglang') if m in sys.modules]; "
-            "assert not shims, shims; assert 'torch_sdcp_plugins.settings' in sys.modules; "
+            "assert not shims, shims; assert 'torch_sdcp_settings' in sys.modules; "
             "import torch_sdcp_plugins.vllm as e; e.register(); assert 'vllm' not in sys.modules, 'vllm imported'")
     import os
 
@@ -511,12 +511,12 @@ def test_pcp_single_rank_and_query_replication_keep_vllm(plugin, monkeypatch):
 
 
 def test_bound_from_engine_and_cap(plugin, monkeypatch):
-    assert plugin._row_bound(512) == 512
+    assert plugin.row_bound(512) == 512
     monkeypatch.setenv("SDCP_VLLM_MAX_ROWS", "128")
-    assert plugin._row_bound(512) == 128 and plugin._row_bound(64) == 64
+    assert plugin.row_bound(512) == 128 and plugin.row_bound(64) == 64
     monkeypatch.setenv("SDCP_VLLM_MAX_ROWS", "lots")
     with pytest.raises(ValueError, match="SDCP_VLLM_MAX_ROWS"):
-        plugin._row_bound(512)
+        plugin.row_bound(512)
     monkeypatch.setenv("SDCP_VLLM_TIMEOUT_S", "-1")
     with pytest.raises(ValueError, match="SDCP_VLLM_TIMEOUT_S"):
         VLLM.timeout_s()
@@ -627,8 +627,8 @@ def _gpu_capture_worker(rank, world, shared=False):
     device = torch.device("cuda", 0 if shared else rank)
     torch.cuda.set_device(device)
     if shared:  # both ranks on one GPU: correct, time-sliced
-        options = vllm_calls._face.options
-        vllm_calls._face.options = lambda: {**options(), "allow_shared_device": True}
+        options = vllm_calls.face.options
+        vllm_calls.face.options = lambda: {**options(), "allow_shared_device": True}
     coord = Coordinator(dist.group.WORLD, {0: dist.group.WORLD}, lambda: 0)
     plugin.configure(dcp_group=lambda: coord)
     rows = 8

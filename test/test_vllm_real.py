@@ -46,7 +46,7 @@ assert dcp.MLADCPManager._init_combine is p._manager_init_combine
 assert dcp.MLADCPManager._init_query_gather is p._manager_init_query_gather
 assert dcp.MLADCPManager.__init__ is p._manager_init
 assert idx._merge_dcp_topk_global is p.merge_dcp_topk_global
-assert vllm.distributed.destroy_model_parallel is p._destroy_model_parallel
+assert vllm.distributed.destroy_model_parallel is p.destroy_model_parallel
 print("patched")
 """
 

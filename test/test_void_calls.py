@@ -4,7 +4,8 @@ an error (docs/PROTOCOL.md "Failure behaviour").
 
 - An argument error that the peer op finds (a non-contiguous tensor, a
   dtype, an ``out`` shape, a list where a tensor belongs) or that Python finds
-  (``lse_base="10"``, a misspelt keyword) is a void call on every family: the
+  (``lse_base="10"``, a misspelt keyword) is a void call on every peer op of
+  every family (the cross-family table, _family_calls.py): the
   bad rank raises its own ValueError/TypeError, the peer raises
   VoidedCallError naming it, and the next good calls pair and are right.
 - A view call while the last view is still open, and a call from a second
@@ -21,95 +22,27 @@ import time
 import pytest
 import torch
 from _dist import run_workers
+from _family_calls import ROWS, op_calls
 from _helpers import HOST, make_query, rank_candidates, rank_partials
-
-ROWS = 2
-
-
-def _strided(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its last two dimensions' strides swapped (same values, not contiguous)."""
-    return t.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 def _families(rank):
-    """name: (create, good call, [(what, bad call, error, the argument it names)])."""
+    """name: (create, good call, [(what, bad call, error, the argument it names)]):
+    every peer op of every family with a void call (the cross-family table,
+    _family_calls.py), and a combine in base 2."""
     import torch_sdcp
 
-    nope, pe, pos, cache = make_query(ROWS, 2, nope=64, rope=16, max_pos=8, seed=rank)
-    scale = torch.full((1,), 0.5)
-    q = torch.full((ROWS, 2, 80), 0.25 * (rank + 1)).to(torch.float8_e4m3fn)
-    scores, ids = rank_candidates(ROWS, 8, seed=rank)
+    table = op_calls(rank)
+    families = {op: (calls.make, calls.good, list(calls.void)) for op, calls in table.items() if calls.void}
     po, pl = rank_partials(ROWS, seed=rank)
-    out, out_lse = torch.empty(ROWS, 4, 64, dtype=torch.bfloat16), torch.empty(ROWS, 4)
-    x = torch.arange(8, dtype=torch.float32).view(2, 4) + 10 * rank
-
-    def query():
-        return torch_sdcp.QueryWorkspace(None, 4, 2, nope_dim=64, rope_dim=16, timeout_s=60, **HOST)
-
-    def view(ws, *args, **kwargs):
-        got = ws.gather_view(*args, **kwargs).clone()
-        ws.release()
-        return got
-
-    def combine_out(ws, *args, **kwargs):
-        ws.combine_out(*args, **kwargs)
-        return torch.cat([args[2].float().flatten(), args[3].flatten()])
-
-    return {
-        "gather": (query, lambda ws: ws.gather(nope, pe, pos, cache, scale), [
-            ("ql_nope non-contiguous", lambda ws: ws.gather(_strided(nope), pe, pos, cache, scale), ValueError,
-             "ql_nope"),
-            ("q_pe dtype", lambda ws: ws.gather(nope, pe.float(), pos, cache, scale), ValueError, "q_pe"),
-            ("positions a list", lambda ws: ws.gather(nope, pe, pos.tolist(), cache, scale), ValueError,
-             "positions"),
-            ("q_scale a list", lambda ws: ws.gather(nope, pe, pos, cache, [0.5]), ValueError, "q_scale"),
-        ]),
-        "gather_view": (query, lambda ws: view(ws, nope, pe, pos, cache, scale), [
-            ("q_pe dtype", lambda ws: view(ws, nope, pe.float(), pos, cache, scale), ValueError, "q_pe"),
-            ("cos_sin_cache non-contiguous", lambda ws: view(ws, nope, pe, pos, _strided(cache), scale),
-             ValueError, "cos_sin_cache"),
-        ]),
-        "all_gather_heads": (query, lambda ws: ws.all_gather_heads(q), [
-            ("q non-contiguous", lambda ws: ws.all_gather_heads(_strided(q.view(torch.uint8)).view(q.dtype)),
-             ValueError, "q"),
-            ("out shape", lambda ws: ws.all_gather_heads(q, torch.empty(ROWS, 2, 80, dtype=q.dtype)), ValueError,
-             "out"),
-            ("out a list", lambda ws: ws.all_gather_heads(q, []), ValueError, "out"),
-        ]),
-        "merge": (lambda: torch_sdcp.TopKWorkspace(None, 4, 4, candidates_per_rank=8, timeout_s=60, **HOST),
-                  lambda ws: ws.merge(scores, ids), [
-            ("scores dtype", lambda ws: ws.merge(scores.double(), ids), ValueError, "scores"),
-            ("ids dtype", lambda ws: ws.merge(scores, ids.long()), ValueError, "ids"),
-            ("ids non-contiguous", lambda ws: ws.merge(scores, _strided(ids)), ValueError, "ids"),
-            ("ids a list", lambda ws: ws.merge(scores, ids.tolist()), ValueError, "ids"),
-        ]),
-        "combine": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
-                    lambda ws: ws.combine(po, pl), [
-            ("partial_out non-contiguous", lambda ws: ws.combine(_strided(po), pl), ValueError, "partial_out"),
-            ("partial_lse non-contiguous", lambda ws: ws.combine(po, _strided(pl)), ValueError, "partial_lse"),
-            ("lse_base '10'", lambda ws: ws.combine(po, pl, lse_base="10"), ValueError, "lse_base"),
-            ("return_lse 'no'", lambda ws: ws.combine(po, pl, return_lse="no"), ValueError, "return_lse"),
-            ("seq_lens a list", lambda ws: ws.combine(po, pl, seq_lens=[1], query_start_loc=[0, 1]), ValueError,
-             "seq_lens"),
-        ]),
-        "combine base 2": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
-                           lambda ws: ws.combine(po, pl, lse_base="2"), [
+    families["output_lse_combine base 2"] = (
+        lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
+        lambda ws: ws.combine(po, pl, lse_base="2"), [
             # The placeholder takes the call's valid base, not the default.
             ("a misspelt keyword beside lse_base '2'",
              lambda ws: ws.combine(po, pl, lse_base="2", retrun_lse=True), TypeError, None),
-        ]),
-        "combine_out": (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
-                        lambda ws: combine_out(ws, po, pl, out, out_lse), [
-            ("out shape", lambda ws: combine_out(ws, po, pl, out[:, :3], out_lse), ValueError, "out"),
-            ("out_lse a list", lambda ws: combine_out(ws, po, pl, out, []), ValueError, "out_lse"),
-            ("lse_base '10'", lambda ws: combine_out(ws, po, pl, out, out_lse, lse_base="10"), ValueError,
-             "lse_base"),
-        ]),
-        "all_gather": (lambda: torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=60, **HOST),
-                       lambda ws: ws.all_gather(x), [
-            ("x non-contiguous", lambda ws: ws.all_gather(_strided(x)), ValueError, "x"),
-        ]),
-    }
+        ])
+    return families
 
 
 def _void_worker(rank, world):

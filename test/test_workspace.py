@@ -120,7 +120,7 @@ def test_layout_names_the_cpp_layout():
         for op in family.peer_ops:
             assert getattr(torch.ops.sdcp, op).default in torch_sdcp.fake.PEER_OPS
     # The engine faces' boundary table: one row per family that names one, in family order.
-    from torch_sdcp.integrations._core import BOUNDARIES
+    from torch_sdcp.integrations._boundaries import BOUNDARIES
     assert list(BOUNDARIES) == [f.integration for f in FAMILIES if f.integration]
     world = 2
     params = {ExchangeWorkspace: [100], OutputLSEWorkspace: [8, 8, 128, 2], TopKWorkspace: [8, 32, 16],

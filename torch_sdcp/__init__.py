@@ -13,6 +13,7 @@ baseline): torch_sdcp.collective.
 """
 
 import importlib
+from typing import TYPE_CHECKING
 
 # Loading the extension registers every torch.ops.sdcp operator. A failure here
 # is an installation problem and must be loud, never a silent fallback. First:
@@ -35,6 +36,19 @@ _LAZY = {
     **{family.workspace: "torch_sdcp.workspaces" for family in FAMILIES},
 }
 _LAZY_MODULES = ("collective", "inputs", "reference")
+
+if TYPE_CHECKING:  # what __getattr__ returns, written out for type checkers (test_family_table.py checks it)
+    from torch_sdcp import collective as collective
+    from torch_sdcp import inputs as inputs
+    from torch_sdcp import reference as reference
+    from torch_sdcp.peer import GroupOutOfStepError as GroupOutOfStepError
+    from torch_sdcp.peer import PeerArena as PeerArena
+    from torch_sdcp.workspaces import ExchangeWorkspace as ExchangeWorkspace
+    from torch_sdcp.workspaces import OutputLSEWorkspace as OutputLSEWorkspace
+    from torch_sdcp.workspaces import PeerWorkspace as PeerWorkspace
+    from torch_sdcp.workspaces import QueryWorkspace as QueryWorkspace
+    from torch_sdcp.workspaces import TopKWorkspace as TopKWorkspace
+    from torch_sdcp.workspaces import VoidedCallError as VoidedCallError
 
 
 def __getattr__(name):

@@ -1,8 +1,10 @@
 """The workspace families, one record each: the one Python list of families.
 
-The package's exports (``torch_sdcp``, ``torch_sdcp.workspaces``), the fake
-registry's peer ops (``torch_sdcp.fake.PEER_OPS``) and the kind test are
-derived from ``FAMILIES``; the C++ side has its own table (``kFamilies`` in
+The fake registry's peer ops (``torch_sdcp.fake.PEER_OPS``), the kind test,
+the engine faces' boundary table and the tests' cross-family call table
+(test/_family_calls.py, keyed by peer op) are derived from ``FAMILIES``; the
+package's exports (``torch_sdcp``, ``torch_sdcp.workspaces``) are written out
+for type checkers and held equal to it (test/test_family_table.py); the C++ side has its own table (``kFamilies`` in
 csrc/sdcp.h, indexed by ``WorkspaceKind``). This module imports nothing of
 the package, so that every layer may read it.
 
@@ -32,7 +34,8 @@ class Family:
     """One workspace family.
 
     ``name``: the file stem of its files (csrc/<name>.*,
-    torch_sdcp/workspaces/<name>.py, test/test_<name>.py) and its C++
+    torch_sdcp/workspaces/<name>.py, test/test_<name>*.py: test_exchange.py,
+    test_output_lse*.py, test_topk.py, test_query_*.py) and its C++
     ``FamilyInfo`` name. ``workspace``: its workspace class, defined in
     torch_sdcp/workspaces/<name>.py and exported by ``torch_sdcp`` and
     ``torch_sdcp.workspaces`` (``load()`` imports it). ``params``: what its
@@ -42,7 +45,7 @@ class Family:
     ops whose schema takes ``int workspace`` (they publish into peers'
     memory: the compiler must never drop them). ``integration``: the key of
     the engine faces' boundary table that builds its workspace
-    (torch_sdcp/integrations/_core.py ``BOUNDARIES``), None if no face does.
+    (torch_sdcp/integrations/_boundaries.py ``BOUNDARIES``), None if no face does.
     """
 
     name: str

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_sdcp_plugins.settings import SGLANG, VLLM, EngineSettings
+from torch_sdcp_settings import SGLANG, VLLM, EngineSettings
 
 __all__ = ["main", "report"]
 
@@ -177,7 +177,7 @@ def report(argv: Sequence[str]) -> tuple[int, str]:
             if off is None:
                 plan.decide(seam, True, "peer memory (if the node's gate passes)")
             else:
-                plan.decide(seam, False, off, *vllm._enable_hint(seam, off))
+                plan.decide(seam, False, off, *vllm.enable_hint(seam, off))
         if plan.seams["combine"][0]:
             sizes["Output/LSE"] = _bytes("OUTPUT_LSE", [rows, heads, args.kv_lora_rank, _element(dtype)], world)
         if plan.seams["query"][0]:
@@ -192,7 +192,7 @@ def report(argv: Sequence[str]) -> tuple[int, str]:
 
         parallel = SimpleNamespace(dcp_comm_backend=args.dcp_comm_backend,
                                    dcp_replicate_q_proj=args.dcp_replicate_q_proj)
-        plan = sglang._plan(parallel, SimpleNamespace(unique_name="dcp", world_size=world))
+        plan = sglang.seam_plan(parallel, SimpleNamespace(unique_name="dcp", world_size=world))
         for seam in SGLANG.all_seams:
             if seam in plan.seams:
                 continue

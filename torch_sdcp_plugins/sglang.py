@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Any
 
-from torch_sdcp_plugins.settings import MODES, SGLANG, parse_positive
+from torch_sdcp_settings import MODES, SGLANG, parse_positive
 
 ENV_ENABLE = SGLANG.ENABLE
 _REGISTRY = "sglang.srt.plugins.hook_registry"

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 
-from torch_sdcp_plugins.settings import VLLM
+from torch_sdcp_settings import VLLM
 
 __all__ = ["ENV_ENABLE", "ENV_MAX_ROWS", "ENV_SEAMS", "ENV_TIMEOUT_S", "SEAMS", "enabled", "register", "seams",
            "validate_settings"]

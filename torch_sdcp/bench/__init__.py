@@ -6,7 +6,10 @@ competitors and torch_sdcp, plus a synthetic MLA decode step.
     boundaries   one timing function per boundary
     decode       the synthetic decode step (DecodeStep)
     timing       Timer (CUDA graphs or the wall clock) and guarded paths
-    one_gpu      --one-gpu N: N virtual ranks on one GPU against each other, world 1 beside them
+    presets      the model geometries (--preset)
+    one_gpu      --one-gpu N: N virtual ranks on one GPU against each other, world 1 beside them,
+                 with one_gpu_boundaries (inputs, calls, grids, reference checks), one_gpu_timing
+                 (the two methods), one_gpu_report (the table) and virtual_ranks (their memory)
     report       the paths, their legend, the tables and the plot
 """
 

@@ -45,13 +45,10 @@ import torch.distributed as dist
 
 from torch_sdcp.bench import one_gpu
 from torch_sdcp.bench.boundaries import bench_decode, bench_output_lse, bench_query, bench_signal, bench_topk
+from torch_sdcp.bench.presets import PRESETS
 from torch_sdcp.bench.report import plot, tables
 from torch_sdcp.bench.timing import Timer
 
-PRESETS = {
-    "glm-5": dict(heads=64, head_dim=512, rope_dim=64, k=2048),
-    "deepseek-v3.2": dict(heads=128, head_dim=512, rope_dim=64, k=2048),
-}
 BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
 
 

@@ -11,11 +11,12 @@ engines use today, over workspaces cached per group and geometry.
 See docs/INTEGRATION.md and :mod:`torch_sdcp.integrations.dcp`. Every engine
 face (these adapters, the vLLM plugin :mod:`torch_sdcp.integrations.vllm`,
 the SGLang plugin :mod:`torch_sdcp.integrations.sglang`) runs over one core,
-:mod:`torch_sdcp.integrations._core`; :func:`counters` reads every face's
+:mod:`torch_sdcp.integrations._face` (the table of boundaries:
+:mod:`torch_sdcp.integrations._boundaries`); :func:`counters` reads every face's
 calls per seam (on peer memory, fallbacks by reason, void calls, timeouts).
 """
 
-from torch_sdcp.integrations._core import counters
+from torch_sdcp.integrations._cache import counters
 from torch_sdcp.integrations.dcp import (
     DEFAULT_MAX_ROWS,
     MLADCPWorkspaces,

@@ -1,6 +1,7 @@
 """What the two engine plugins (vLLM: :mod:`.vllm`, SGLang: :mod:`.sglang`)
-share beyond the core (:mod:`._core`): their logger, the options of the
-workspaces they create, the query boundary of an already-roped query, the
+share beyond the core (:mod:`._face`): their logger, the options of the
+workspaces they create, what their calls read from the engine
+(:class:`EngineHooks`), the query boundary of an already-roped query, the
 version policy, the start-up line per DCP group and the ``require`` mode.
 A face keeps only what differs between engines. Nothing here imports an
 engine."""
@@ -11,14 +12,33 @@ import importlib
 import logging
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from torch_sdcp_plugins.settings import EngineSettings
+from torch_sdcp_settings import EngineSettings
 
-__all__ = ["SeamPlan", "accepted_version", "engine_logger", "query_geometry", "workspace_options"]
+__all__ = ["EngineHooks", "SeamPlan", "accepted_version", "engine_logger", "query_geometry", "workspace_options"]
+
+
+class EngineHooks:
+    """What a face's calls read from its engine, set by the face's install()
+    or configure(): the engine's own functions by name (the fallbacks) and
+    the engine's DCP group (a callable returning it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.originals: dict[str, Callable] = {}
+        self.dcp_group: Callable[[], Any] | None = None
+
+    def configure(self, dcp_group: Callable[[], Any] | None, originals: dict[str, Callable] | None) -> None:
+        with self.lock:
+            if dcp_group is not None:
+                self.dcp_group = dcp_group
+            if originals:
+                self.originals.update(originals)
 
 
 def query_geometry(local_heads: int, width: int, dtype: torch.dtype) -> dict:

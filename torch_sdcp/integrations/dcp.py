@@ -2,7 +2,7 @@
 
 Each adapter has the call shape of the collective it replaces and resolves its
 workspace from the group and the geometry of its inputs through the process-local
-cache of the integration core (:mod:`torch_sdcp.integrations._core`; this
+cache of the integration core (:mod:`torch_sdcp.integrations._face`; this
 module is its engine-agnostic face):
 
 - ``all_gather(x, group, dim)``: ``dcp_group.all_gather(x, dim)``
@@ -50,7 +50,10 @@ from torch import Tensor
 
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, call_tag, check_bool, check_dim, check_dtype, check_int, check_tensor
-from torch_sdcp.integrations._core import DEFAULT_MAX_ROWS, OUTPUT_DTYPES, Entry, Face, Seam, Site, normalise_device
+from torch_sdcp.integrations._boundaries import DEFAULT_MAX_ROWS, OUTPUT_DTYPES
+from torch_sdcp.integrations._cache import Entry
+from torch_sdcp.integrations._face import Face, Seam, Site
+from torch_sdcp.integrations._groups import normalise_device
 
 __all__ = [
     "DEFAULT_MAX_ROWS",
@@ -171,8 +174,12 @@ def all_gather(input_: Tensor, group: GroupLike, dim: int = -1, *, tag: int | No
         # Raw bytes: gloo has no float8 (and not every build has bf16).
         return collective.all_gather_stack(x.view(torch.uint8), g.pg).view(x.dtype)
 
-    stacked = _face.call(_ALL_GATHER, Site(g, {"row_shape": row_shape, "dtype": x.dtype}, x.device), x.shape[0],
-                         lambda ws: ws.all_gather(x, tag=tag), collective_path)  # [N, *x.shape]
+    ws = _face.workspace_for(_ALL_GATHER, Site(g, {"row_shape": row_shape, "dtype": x.dtype}, x.device), x.shape[0])
+    if ws is None:
+        stacked = collective_path()  # [N, *x.shape]
+    else:
+        with _face.counted(_ALL_GATHER):
+            stacked = ws.all_gather(x, tag=tag)
     n = stacked.shape[0]
     shape = list(x.shape)
     shape[d] *= n
@@ -230,8 +237,9 @@ def query_gather(ql_nope: Tensor, q_pe: Tensor, positions: Tensor, cos_sin_cache
     local_heads, nope_dim, rope_dim = ql_nope.shape[1], ql_nope.shape[2], q_pe.shape[2]
     geometry = {"local_heads": local_heads, "nope_dim": nope_dim, "rope_dim": rope_dim, "out_dtype": out_dtype,
                     "rope_style": rope_style}
-    return _face.call(_QUERY, Site(g, geometry, ql_nope.device), ql_nope.shape[0],
-                      lambda ws: ws.gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag=tag))
+    ws, on_peer = _face.workspace_of(_QUERY, Site(g, geometry, ql_nope.device), ql_nope.shape[0])
+    with _face.counted(_QUERY, on_peer):
+        return ws.gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, tag=tag)
 
 
 # ---------------------------------------------------------------------------
@@ -288,10 +296,10 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: GroupLi
                         f"shape {list(cp_attn_out.shape)}")
     dtype = cp_attn_out.dtype
     site = Site(g, {"total_heads": total_heads, "head_dim": head_dim, "dtype": dtype}, cp_attn_out.device)
-    return _face.call(_OUTPUT_LSE, site, rows,
-                      lambda ws: ws.combine(cp_attn_out.contiguous(), cp_attn_lse.contiguous(),
-                                            lse_base="e" if is_lse_base_on_e else "2", return_lse=return_lse,
-                                            tag=tag))
+    ws, on_peer = _face.workspace_of(_OUTPUT_LSE, site, rows)
+    with _face.counted(_OUTPUT_LSE, on_peer):
+        return ws.combine(cp_attn_out.contiguous(), cp_attn_lse.contiguous(), lse_base="e" if is_lse_base_on_e else "2",
+                          return_lse=return_lse, tag=tag)
 
 
 # ---------------------------------------------------------------------------
@@ -330,8 +338,10 @@ def topk_merge(scores: Tensor, ids: Tensor, group: GroupLike, k: int, *, tag: in
     candidates = scores.shape[1]
     if candidates < 1:
         raise arg_error("scores", "at least one candidate per row", f"shape {list(scores.shape)}")
-    return _face.call(_TOPK, Site(g, {"k": k, "candidates_per_rank": candidates}, scores.device), scores.shape[0],
-                      lambda ws: ws.merge(scores, ids, tag=tag))
+    ws, on_peer = _face.workspace_of(_TOPK, Site(g, {"k": k, "candidates_per_rank": candidates}, scores.device),
+                                     scores.shape[0])
+    with _face.counted(_TOPK, on_peer):
+        return ws.merge(scores, ids, tag=tag)
 
 
 # ---------------------------------------------------------------------------

@@ -40,27 +40,27 @@ sized by vLLM's DCP row bound (``MLADCPManager.max_num_tokens``, capped by
 ``SDCP_VLLM_MAX_ROWS``), waiting at most ``SDCP_VLLM_TIMEOUT_S``. More rows
 than the bound, or no peer memory, run vLLM's own function, logged once.
 The replacements are in :mod:`torch_sdcp.integrations.vllm_calls`,
-re-exported here; neither imports vLLM at import time (docs/VLLM.md).
+re-exported here, what the settings and vLLM's configuration decide in
+:mod:`torch_sdcp.integrations.vllm_config`; none imports vLLM at import time
+(docs/VLLM.md).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 from typing import Any
 
-from torch_sdcp.integrations._core import OUTPUT_DTYPES
-from torch_sdcp.integrations._engine import SeamPlan, accepted_version
+from torch_sdcp.integrations._engine import SeamPlan
 from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exported
     DEFAULT_TIMEOUT_S,
     ENV_TIMEOUT_S,
-    _face,
-    _hooks,
     configure,
     cp_lse_ag_out_rs,
     dcp_a2a_lse_reduce,
+    engine,
+    face,
     gather_heads,
     gather_query,
     mask_empty_shards,
@@ -71,8 +71,19 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
     try_prepare_topk,
     workspaces,
 )
-from torch_sdcp.integrations.vllm_step import _destroy_model_parallel, _worker_sample_tokens, check_step
-from torch_sdcp_plugins.settings import VLLM
+from torch_sdcp.integrations.vllm_config import (
+    SUPPORTED_VLLM_SERIES,
+    SUPPORTED_VLLM_VERSIONS,
+    builder_layer_index,
+    configured_off,
+    enable_hint,
+    layer_index,
+    row_bound,
+    supported_version,
+    topk_geometry,
+)
+from torch_sdcp.integrations.vllm_step import check_step, destroy_model_parallel, worker_sample_tokens
+from torch_sdcp_settings import VLLM
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -86,6 +97,7 @@ __all__ = [
     "check_step",
     "configured_off",
     "configure",
+    "enable_hint",
     "cp_lse_ag_out_rs",
     "dcp_a2a_lse_reduce",
     "gather_heads",
@@ -95,6 +107,7 @@ __all__ = [
     "layer_index",
     "mask_empty_shards",
     "merge_dcp_topk_global",
+    "row_bound",
     "supported_version",
     "teardown",
     "try_prepare_output_lse",
@@ -107,14 +120,6 @@ __all__ = [
 ENV_ENABLE = VLLM.ENABLE
 ENV_MAX_ROWS = VLLM.MAX_ROWS
 ENV_SEAMS = VLLM.SEAMS
-# vLLM's own switches of its direct (symmetric-memory) paths: set by the user, the seam stays vLLM's.
-ENV_DIRECT = {"combine": "VLLM_USE_DIRECT_DCP_A2A", "query": "VLLM_USE_DIRECT_DCP_Q_GATHER"}
-
-# Releases whose call sites docs/VLLM.md and test/test_vllm_conformance.py were
-# checked against, and the series whose patch releases are accepted (the
-# conformance suite must pass against a patch release before it is used).
-SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
-SUPPORTED_VLLM_SERIES = "0.33"
 
 _DCP = "vllm.v1.attention.ops.dcp"
 _INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
@@ -164,58 +169,6 @@ MANAGER_ATTRIBUTES = ("group", "device", "num_ubatches", "max_num_tokens", "use_
 
 
 # ---------------------------------------------------------------------------
-# Settings (validated by the entry module before install)
-# ---------------------------------------------------------------------------
-
-
-def supported_version(version: str) -> bool:
-    """Whether the plugin patches vLLM ``version``: a checked release, or a
-    patch release of the supported series (local suffixes ignored)."""
-    return accepted_version(version, SUPPORTED_VLLM_VERSIONS, SUPPORTED_VLLM_SERIES)
-
-
-def _row_bound(engine_bound: int) -> int:
-    """The rows bound of the workspaces: vLLM's DCP bound, capped by
-    ``SDCP_VLLM_MAX_ROWS`` when set."""
-    cap = VLLM.max_rows_cap()
-    bound = int(engine_bound) if cap is None else min(int(engine_bound), cap)
-    if bound < 1:
-        raise ValueError(f"torch_sdcp: the DCP rows bound must be positive, got {bound}")
-    return bound
-
-
-def configured_off(seam: str, *, world: int, use_a2a: bool = True, use_pcp: bool = False,
-                   dtype: Any = None, topk: int | None = 1) -> str | None:
-    """Why ``seam`` stays vLLM's by configuration alone (settings, vLLM's
-    switches, PCP, one rank, the output dtype, no sparse indexer), or None:
-    what the manager's hooks decide before peer memory is tried, and what
-    ``python -m torch_sdcp.plugin_check`` reports."""
-    off = _seam_off(seam, use_a2a)
-    if off is not None:
-        return off
-    if seam == "topk" and topk is None:
-        return "no sparse indexer"
-    if use_pcp and seam != "topk":
-        return "PCP" if seam == "combine" else "no query gather (PCP)"
-    if world <= 1:
-        return "single rank"
-    if seam == "combine" and dtype is not None and dtype not in OUTPUT_DTYPES:
-        return f"dtype {dtype}"
-    return None
-
-
-def _seam_off(seam: str, use_a2a: bool = True) -> str | None:
-    """Why ``seam`` stays vLLM's by setting, or None. vLLM's direct-path
-    switch of the combine matters with the a2a backend only."""
-    if seam not in VLLM.seams():
-        return f"not in {ENV_SEAMS}"
-    direct = ENV_DIRECT.get(seam)
-    if direct is not None and os.environ.get(direct, "").strip() and (seam != "combine" or use_a2a):
-        return f"{direct}={os.environ[direct]} set by the user"
-    return None
-
-
-# ---------------------------------------------------------------------------
 # Process state
 # ---------------------------------------------------------------------------
 
@@ -234,26 +187,12 @@ class _State:
 
 
 _state = _State()
-_log_once = _face.log_once  # once per reason, in vLLM's logger when vLLM is loaded
+_log_once = face.log_once  # once per reason, in vLLM's logger when vLLM is loaded
 
 
 # ---------------------------------------------------------------------------
 # The patches
 # ---------------------------------------------------------------------------
-
-
-def _topk_geometry(vllm_config: Any) -> int | None:
-    """``index_topk`` of the model in the units the merge runs in (pool ids
-    for index_kpool models), or None for a model without a sparse indexer."""
-    try:
-        hf = vllm_config.model_config.hf_text_config
-    except AttributeError:
-        return None
-    topk = getattr(hf, "index_topk", None)
-    if not isinstance(topk, int) or topk <= 0:
-        return None
-    kpool = getattr(hf, "index_kpool", None) or 1
-    return topk // kpool if kpool > 1 else topk
 
 
 def _building() -> dict:
@@ -266,37 +205,16 @@ def _decide(seam: str, on: bool, why: str) -> None:
     _building()["seams"][seam] = (on, why)
 
 
-def layer_index(name: object) -> int | None:
-    """The layer index in a vLLM layer name (``model.layers.3.self_attn.attn``
-    -> 3): its one integer part, as vLLM's ``extract_layer_index`` reads it;
-    None for anything else (no integer part, or several)."""
-    if not isinstance(name, str):
-        return None
-    found = [int(part) for part in name.split(".") if part.isdigit()]
-    return found[0] if len(found) == 1 else None
-
-
-def _builder_layer_index(frame: Any) -> int | None:
-    """The index of the layer whose constructor (``frame``) builds the
-    manager: its ``prefix`` argument (every vLLM layer takes its name so),
-    else its ``self.layer_name``. Read once per manager, at model load."""
-    if frame is None:
-        return None
-    names = frame.f_locals
-    index = layer_index(names.get("prefix"))
-    return index if index is not None else layer_index(getattr(names.get("self"), "layer_name", None))
-
-
 def _manager_init(self, *args, **kwargs):
     """Wraps MLADCPManager.__init__: lets the patched _init_* see the
     vllm_config, prepares the top-K workspaces of a sparse-indexer model
     (every layer shares them) and logs the seams once per DCP group."""
-    original = _hooks.originals["MLADCPManager.__init__"]
+    original = engine.originals["MLADCPManager.__init__"]
     vllm_config = kwargs.get("vllm_config", args[0] if args else None)
     stack = getattr(_state.config, "stack", None)
     if stack is None:
         stack = _state.config.stack = []
-    building = {"config": vllm_config, "seams": {}, "tag": _builder_layer_index(sys._getframe(1))}
+    building = {"config": vllm_config, "seams": {}, "tag": builder_layer_index(sys._getframe(1))}
     stack.append(building)
     try:
         _install_step_check()
@@ -309,34 +227,17 @@ def _manager_init(self, *args, **kwargs):
     name = str(getattr(self.group, "unique_name", id(self.group)))
     plan = SeamPlan(VLLM, name, self.group.world_size)
     for seam, (on, why) in seams.items():
-        plan.decide(seam, on, why, *_enable_hint(seam, why))
+        plan.decide(seam, on, why, *enable_hint(seam, why))
     plan.emit(lambda level, text: _log_once(level, ("seams", name), "%s", text))
 
 
-def _enable_hint(seam: str, why: str) -> tuple[str, bool]:
-    """(what turns ``seam`` on, whether it applies to the model at all) for a seam off for ``why``."""
-    if why.startswith("not in "):
-        return f"add {seam} to {ENV_SEAMS}", True
-    if why.endswith("set by the user"):
-        return f"unset {why.split('=')[0]}", True
-    if why == "no sparse indexer":
-        return "", False  # a model without DSA: nothing to take
-    if "PCP" in why:
-        return "run without prefill context parallelism", seam != "query"
-    if why == "single rank":
-        return "--decode-context-parallel-size 2 or more", True
-    if why == "peer memory unavailable":
-        return "a DCP group inside one node whose GPUs map each other's memory", True
-    return "", True
-
-
 def _prepare_topk(self, vllm_config: Any) -> None:
-    k = _topk_geometry(vllm_config)
+    k = topk_geometry(vllm_config)
     off = _state.step_check or configured_off("topk", world=self.group.world_size, topk=k)
     if off is not None or k is None:
         _decide("topk", False, off or "")
         return
-    bound = _row_bound(self.max_num_tokens)
+    bound = row_bound(self.max_num_tokens)
     if try_prepare_topk(self.group, max_rows=bound, k=k, device=self.device, num_ubatches=self.num_ubatches):
         _decide("topk", True, f"peer memory, k={k}, {bound} rows, {self.num_ubatches} micro-batch(es)")
     else:
@@ -347,11 +248,11 @@ def _manager_init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, us
     """Replaces MLADCPManager._init_combine: the same partial vLLM builds,
     over this module's functions. PCP, a single rank, an unsupported dtype,
     a setting or no peer memory keep vLLM's own choice."""
-    original = _hooks.originals["MLADCPManager._init_combine"]
+    original = engine.originals["MLADCPManager._init_combine"]
     world = self.group.world_size
     off = _state.step_check or configured_off("combine", world=world, use_a2a=self.use_a2a, use_pcp=use_pcp,
                                               dtype=dtype)
-    bound = _row_bound(self.max_num_tokens)
+    bound = row_bound(self.max_num_tokens)
     if off is None and not try_prepare_output_lse(self.group, max_rows=bound, total_heads=num_heads * world,
                                                   head_dim=head_dim, dtype=dtype, device=self.device,
                                                   num_ubatches=self.num_ubatches):
@@ -372,9 +273,9 @@ def _manager_init_query_gather(self, num_heads, head_dim, dtype):
     Prepared for every manager: whether the model gathers is the attention
     class's choice (GLM-5's DeepseekV32Attention always does; deepseek_v2
     models follow VLLM_DCP_Q_REPLICATE over the config), not the config's."""
-    original = _hooks.originals["MLADCPManager._init_query_gather"]
+    original = engine.originals["MLADCPManager._init_query_gather"]
     off = _state.step_check or configured_off("query", world=self.group.world_size)
-    bound = _row_bound(self.max_num_tokens)
+    bound = row_bound(self.max_num_tokens)
     if off is None and not try_prepare_query_gather(self.group, max_rows=bound, local_heads=num_heads,
                                                     width=head_dim, dtype=dtype, device=self.device,
                                                     num_ubatches=self.num_ubatches):
@@ -409,9 +310,9 @@ def _install_step_check() -> None:
             _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
                       "stays vLLM's", _GPU_WORKER, _state.step_check)
             return
-        _hooks.originals["Worker.sample_tokens"] = value
-        setattr(owner, name, _worker_sample_tokens)
-        _state.patches.append((owner, name, value, _worker_sample_tokens))
+        engine.originals["Worker.sample_tokens"] = value
+        setattr(owner, name, worker_sample_tokens)
+        _state.patches.append((owner, name, value, worker_sample_tokens))
         _state.step_check = ""
 
 
@@ -446,7 +347,7 @@ _REPLACEMENTS = {
     "MLADCPManager._init_combine": _manager_init_combine,
     "MLADCPManager._init_query_gather": _manager_init_query_gather,
     "_merge_dcp_topk_global": merge_dcp_topk_global,
-    "destroy_model_parallel": _destroy_model_parallel,
+    "destroy_model_parallel": destroy_model_parallel,
 }
 
 

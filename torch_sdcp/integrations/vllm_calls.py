@@ -1,5 +1,5 @@
 """vLLM's DCP call shapes on peer memory: the vLLM face over the integration
-core (:mod:`torch_sdcp.integrations._core`).
+core (:mod:`torch_sdcp.integrations._face`).
 
 Each function has the signature and semantics of the vLLM function it
 replaces and falls back to that function (or, without vLLM, to torch_sdcp's
@@ -21,10 +21,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from torch_sdcp._checks import check_mask_args as _check_mask_args
-from torch_sdcp.integrations._core import EngineHooks, Face, Seam, Site, normalise_device
-from torch_sdcp.integrations._engine import engine_logger, query_geometry, workspace_options
+from torch_sdcp.integrations._engine import EngineHooks, engine_logger, query_geometry, workspace_options
+from torch_sdcp.integrations._face import Face, Seam, Site
+from torch_sdcp.integrations._groups import normalise_device
 from torch_sdcp.semantics import mask_empty_shards
-from torch_sdcp_plugins.settings import VLLM
+from torch_sdcp_settings import VLLM
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "gather_heads",
@@ -39,11 +40,12 @@ _OWN_PATH = "vLLM's own"
 
 
 # Bootstraps over a coordinator's cpu_group (gloo); a call without a workspace takes vLLM's own function.
-_face = Face("vllm", via="cpu_group", create_missing=False, make_logger=engine_logger("vllm", "vllm.logger"),
-             options=workspace_options(VLLM))
+face = Face("vllm", via="cpu_group", create_missing=False, make_logger=engine_logger("vllm", "vllm.logger"),
+            options=workspace_options(VLLM))
 
 
-_hooks = EngineHooks()  # what the calls read from vLLM (set by install() or configure())
+#: What the calls read from vLLM (set by install() or configure()).
+engine = EngineHooks()
 
 
 def configure(*, ubatch_id: Callable[[], int] | None = None, dcp_group: Callable[[], Any] | None = None,
@@ -53,21 +55,21 @@ def configure(*, ubatch_id: Callable[[], int] | None = None, dcp_group: Callable
     (``get_dcp_group``) and the fallback functions by name
     (``cp_lse_ag_out_rs``, ``dcp_a2a_lse_reduce``, ``_merge_dcp_topk_global``).
     For engines that call the boundary functions themselves."""
-    with _hooks.lock:
+    with engine.lock:
         if ubatch_id is not None:
-            _face.ubatch_id = ubatch_id
-        _hooks.configure(dcp_group, originals)
+            face.ubatch_id = ubatch_id
+        engine.configure(dcp_group, originals)
 
 
 def workspaces() -> list[Any]:
     """Every workspace this face prepared in this process."""
-    return _face.workspaces()
+    return face.workspaces()
 
 
 def teardown() -> None:
     """Close every prepared workspace (collective: every rank calls it, at
     shutdown, outside capture) and forget them."""
-    _face.teardown()
+    face.teardown()
 
 
 # ---------------------------------------------------------------------------
@@ -80,7 +82,7 @@ def try_prepare_output_lse(group: Any, *, max_rows: int, total_heads: int, head_
     """Prepare the Output/LSE workspaces (one per micro-batch) for partial
     outputs ``[T <= max_rows, total_heads, head_dim]`` of ``dtype``. False
     when the group cannot use peer memory (then vLLM keeps its own path)."""
-    return _face.try_prepare("output_lse", _face.group(group, "cp_group"),
+    return face.try_prepare("output_lse", face.group(group, "cp_group"),
                              {"total_heads": total_heads, "head_dim": head_dim, "dtype": dtype},
                              normalise_device(device), max_rows, num_ubatches, _OWN_PATH)
 
@@ -92,7 +94,7 @@ def try_prepare_query_gather(group: Any, *, max_rows: int, local_heads: int, wid
     (gather-only, no RoPE part), or ``ExchangeWorkspace`` where the dtype or
     width rules it out (see :func:`gather_heads`). False when the group
     cannot use peer memory."""
-    return _face.try_prepare("query", _face.group(group, "cp_group"), query_geometry(local_heads, width, dtype),
+    return face.try_prepare("query", face.group(group, "cp_group"), query_geometry(local_heads, width, dtype),
                              normalise_device(device), max_rows, num_ubatches, _OWN_PATH)
 
 
@@ -102,7 +104,7 @@ def try_prepare_topk(group: Any, *, max_rows: int, k: int, candidates_per_rank: 
     candidates_per_rank]`` local candidates (default ``k``) selecting ``k``.
     False when the group cannot use peer memory."""
     c = k if candidates_per_rank is None else candidates_per_rank
-    return _face.try_prepare("topk", _face.group(group, "cp_group"), {"k": k, "candidates_per_rank": c},
+    return face.try_prepare("topk", face.group(group, "cp_group"), {"k": k, "candidates_per_rank": c},
                              normalise_device(device), max_rows, num_ubatches, _OWN_PATH)
 
 
@@ -153,21 +155,22 @@ def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_gr
              return_lse: bool, is_lse_base_on_e: bool, seq_lens: Tensor | None,
              query_start_loc: Tensor | None, tag: int | None):
     args = (cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e, seq_lens, query_start_loc)
-    fallback = _hooks.originals.get(fallback_name, _collective_combine)
-    group = _face.group(cp_group, "cp_group")
+    fallback = engine.originals.get(fallback_name, _collective_combine)
+    group = face.group(cp_group, "cp_group")
     if group.world == 1:
         return fallback(*args)
     _check_mask_args(seq_lens, query_start_loc)
     out, lse = _squeeze_inputs(cp_attn_out, cp_attn_lse)
     rows, heads, dim = out.shape
 
-    def peer(workspace):  # the mask runs inside the combine kernel
-        return workspace.combine(out.contiguous(), lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
-                                 return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc,
-                                 tag=tag)
-
-    site = Site(group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device)
-    return _face.call(_SEAMS[fallback_name], site, rows, peer, lambda: fallback(*args))
+    seam = _SEAMS[fallback_name]
+    ws = face.workspace_for(seam, Site(group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device),
+                            rows)
+    if ws is None:
+        return fallback(*args)
+    with face.counted(seam):  # the mask runs inside the combine kernel
+        return ws.combine(out.contiguous(), lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
+                          return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
 
 
 def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
@@ -267,22 +270,17 @@ def gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None = No
     manager's partial binds its layer's index)."""
     if query.dim() != 3:
         raise ValueError(f"torch_sdcp: argument 'query': expected [T, H_loc, W], got shape {list(query.shape)}")
-
-    def slow():
+    group = face.group(cp_group, "cp_group")
+    rows, local_heads, width = query.shape
+    ws = face.workspace_for(_QUERY, Site(group, query_geometry(local_heads, width, query.dtype), query.device), rows)
+    if ws is None:
         if fallback is not None:
             return fallback(query)
         return _collective_gather_query(query, cp_group, padded_num_heads)
-
-    group = _face.group(cp_group, "cp_group")
-    rows, local_heads, width = query.shape
-
-    def peer(workspace):
+    with face.counted(_QUERY):
         if rows == 0:
             return _storage(0, group.world * local_heads, width, padded_num_heads, query)
-        return gather_heads(workspace, query, padded_num_heads, tag=tag)
-
-    return _face.call(_QUERY, Site(group, query_geometry(local_heads, width, query.dtype), query.device), rows, peer,
-                      slow)
+        return gather_heads(ws, query, padded_num_heads, tag=tag)
 
 
 # ---------------------------------------------------------------------------
@@ -317,10 +315,10 @@ def _collective_merge(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_siz
                       row_starts=None) -> None:
     from torch_sdcp import collective
 
-    if _hooks.dcp_group is None:
+    if engine.dcp_group is None:
         raise RuntimeError("torch_sdcp: merge_dcp_topk_global has no DCP group: install() the plugin in vLLM, or "
                            "configure(dcp_group=...) first")
-    group = _hooks.dcp_group()
+    group = engine.dcp_group()
     scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
     pg = getattr(group, "device_group", group)
     topk_indices.copy_(collective.topk_all_gather_merge(scores, ids, topk_tokens, group=pg))
@@ -340,11 +338,11 @@ def merge_dcp_topk_global(logits: Tensor, topk_indices: Tensor, topk_tokens: int
     (vLLM's selector leaves the order within the set unspecified)."""
     if dcp_world_size <= 1:
         return
-    fallback = _hooks.originals.get("_merge_dcp_topk_global", _collective_merge)
+    fallback = engine.originals.get("_merge_dcp_topk_global", _collective_merge)
     args = (logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave, row_starts)
-    if _hooks.dcp_group is None:
+    if engine.dcp_group is None:
         return fallback(*args)
-    group = _face.group(_hooks.dcp_group(), "cp_group")
+    group = face.group(engine.dcp_group(), "cp_group")
     if (group.world, group.rank) != (dcp_world_size, dcp_rank):
         raise ValueError(f"torch_sdcp: arguments 'dcp_rank'/'dcp_world_size': expected the DCP group's "
                          f"{group.rank}/{group.world}, got {dcp_rank}/{dcp_world_size}")
@@ -355,13 +353,12 @@ def merge_dcp_topk_global(logits: Tensor, topk_indices: Tensor, topk_tokens: int
         raise ValueError(f"torch_sdcp: argument 'logits': expected a 2-D float32 tensor, got shape "
                          f"{list(logits.shape)} of {logits.dtype}")
     rows, c = topk_indices.shape
-
-    def peer(workspace):
+    ws = face.workspace_for(_TOPK, Site(group, {"k": topk_tokens, "candidates_per_rank": c}, topk_indices.device), rows)
+    if ws is None:
+        return fallback(*args)
+    with face.counted(_TOPK):
         if rows == 0:
-            return
+            return None
         scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
-        topk_indices.copy_(workspace.merge(scores, ids))
-        return
-
-    site = Site(group, {"k": topk_tokens, "candidates_per_rank": c}, topk_indices.device)
-    return _face.call(_TOPK, site, rows, peer, lambda: fallback(*args))
+        topk_indices.copy_(ws.merge(scores, ids))
+    return None

@@ -6,14 +6,12 @@ virtual range, rank-major, so kernels take one pointer and one stride. Creation 
 and so is every failure of it; every blocking wait is bounded by ``timeout_s``.
 
 Modules: ``arena`` (PeerArena, its views and close), ``plan`` (argument checks, backend choice),
-``backend`` (the MemoryBackend interface) with ``cuda_vmm`` (CUDA VMM) and ``host_shm``
+``backend`` (the MemoryBackend interface) with ``cuda_vmm`` (CUDA VMM, through ``cuda_driver``) and ``host_shm``
 (memfd shared memory), ``collectives`` (the creation agreements and barriers on the group's c10d store, collective
 failures, :class:`GroupOutOfStepError`, the one order of the collective-path sections of a group:
 ``GroupOrder``),
 ``fd_exchange`` (SCM_RIGHTS over private AF_UNIX sockets, SO_PEERCRED checks), ``lifetime``
-(reference counting, interpreter exit), ``dlpack`` (tensors with an explicit device) and
-``virtual_ranks`` (N virtual ranks of one workspace in one process on one GPU, for the bench's
-``--one-gpu``).
+(reference counting, interpreter exit) and ``dlpack`` (tensors with an explicit device).
 
 The contract (descriptor exchange, credentials, view lifetime, teardown) is described in
 docs/DESIGN.md, section "Peer-addressable objects".

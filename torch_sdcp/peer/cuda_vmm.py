@@ -15,46 +15,10 @@ from typing import Any
 import torch
 
 from .backend import MemoryBackend, _round_up
+from .cuda_driver import cu as _cu
+from .cuda_driver import driver as _driver
 
 logger = logging.getLogger("torch_sdcp")
-
-# The CUDA driver through cuda-python, imported lazily: the host backend does not need it.
-
-def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as e:  # pragma: no cover - depends on the installation
-        raise RuntimeError(
-            "torch_sdcp: the 'cuda' backend of PeerArena needs cuda-python "
-            f"(`from cuda.bindings import driver` failed: {e})") from e
-    return driver
-
-
-def _cu_error_string(err) -> str:
-    name = getattr(err, "name", str(err))
-    try:
-        e2, desc = _driver().cuGetErrorString(err)
-        text = desc.decode() if isinstance(desc, (bytes, bytearray)) and int(e2) == 0 else "?"
-    except Exception:
-        text = "?"
-    return f"{name} ({int(err)}): {text}"
-
-
-def _cu(name: str, *args):
-    """Call driver.<name>(*args), raise RuntimeError naming the call on any error, return the
-    outputs (None, one value, or a tuple)."""
-    drv = _driver()
-    out = getattr(drv, name)(*args)
-    if not isinstance(out, tuple):
-        out = (out,)
-    err = out[0]
-    if int(err) != int(drv.CUresult.CUDA_SUCCESS):
-        raise RuntimeError(f"torch_sdcp: {name} failed: {_cu_error_string(err)}")
-    if len(out) == 1:
-        return None
-    if len(out) == 2:
-        return out[1]
-    return out[1:]
 
 
 def _cuda_alloc_prop(device_index: int):

@@ -28,22 +28,25 @@ hooks), ``_call`` (CallState, the owner of a workspace's calls: the call
 guard, the path of a call, failing, voiding, poisoning), one per family
 (``exchange``, ``output_lse``, ``topk``, ``query``; a family is its record in
 torch_sdcp/families.py plus csrc/<family>.*,
-torch_sdcp/workspaces/<family>.py and test/test_<family>.py), ``_layout``
+torch_sdcp/workspaces/<family>.py and test/test_<family>*.py), ``_layout``
 (WorkspaceLayout), ``_policy`` (timeouts, size bounds, the group, the rows
 of a void call), ``_collective_path`` (the ranks' agreement on a collective-path
 call) and ``_lifetime`` (the finalizer, the fork handler).
 """
 
-from torch_sdcp.families import FAMILIES
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._policy import DEFAULT_TIMEOUT_S, MAX_REGION_BYTES, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_ENV
 from torch_sdcp.workspaces.base import PeerWorkspace, VoidedCallError
 
-# Every family's workspace class, by its record (torch_sdcp/families.py).
-globals().update({family.workspace: family.load() for family in FAMILIES})
+# Every family's workspace class, one per record of torch_sdcp/families.py, written out so that type
+# checkers see them (test_family_table.py holds them equal to the records).
+from torch_sdcp.workspaces.exchange import ExchangeWorkspace
+from torch_sdcp.workspaces.output_lse import OutputLSEWorkspace
+from torch_sdcp.workspaces.query import QueryWorkspace
+from torch_sdcp.workspaces.topk import TopKWorkspace
 
 __all__ = [
     "DEFAULT_TIMEOUT_S", "MAX_REGION_BYTES", "MAX_TIMEOUT_S", "MIN_TIMEOUT_S", "TIMEOUT_ENV",
     "PeerWorkspace", "VoidedCallError", "WorkspaceKind", "WorkspaceLayout", "workspace_layout",
-    *(family.workspace for family in FAMILIES),
+    "ExchangeWorkspace", "OutputLSEWorkspace", "TopKWorkspace", "QueryWorkspace",
 ]

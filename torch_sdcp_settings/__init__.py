@@ -3,8 +3,9 @@ how it is parsed and validated, its default and the message of a bad value.
 
 The entry shims (:mod:`torch_sdcp_plugins.vllm`, :mod:`torch_sdcp_plugins.sglang`)
 and the library's engine faces (:mod:`torch_sdcp.integrations`) both read the
-settings here. This module imports nothing but ``os``: a shim runs in every
-engine process and must not load torch or torch_sdcp while its switch is off.
+settings here, so it is a package of its own, below both. It imports nothing
+but the standard library: a shim runs in every engine process and must not
+load torch or torch_sdcp while its switch is off.
 
 Per engine (``SDCP_VLLM``, ``SDCP_SGLANG``):
 

@@ -29,10 +29,8 @@ import torch
 
 from torch_sdcp import _registry
 from torch_sdcp.families import FAMILIES, WorkspaceKind
-from torch_sdcp.workspaces._layout import WorkspaceLayout, workspace_layout
-
-from .backend import _round_up
-from .cuda_vmm import _cu, _driver
+from torch_sdcp.peer.cuda_driver import cu, driver
+from torch_sdcp.workspaces import PeerWorkspace, WorkspaceLayout, workspace_layout
 
 __all__ = ["VirtualRanks"]
 
@@ -88,14 +86,14 @@ class VirtualRanks:
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
         """The device's primary context (the one torch's runtime uses) is current inside."""
-        _cu("cuCtxPushCurrent", self._context_handle)
+        cu("cuCtxPushCurrent", self._context_handle)
         try:
             yield
         finally:
-            _cu("cuCtxPopCurrent")
+            cu("cuCtxPopCurrent")
 
     def _allocation_prop(self):
-        drv = _driver()
+        drv = driver()
         prop = drv.CUmemAllocationProp()
         prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -103,45 +101,45 @@ class VirtualRanks:
         return prop  # no shareable handle type: nothing leaves this process
 
     def _create(self) -> None:
-        drv = _driver()
+        drv = driver()
         if self.device.type != "cuda" or self.device.index is None:
             raise ValueError(f"torch_sdcp: argument 'device': expected a cuda device with an index, got {self.device}")
-        _cu("cuInit", 0)
-        self._cu_device = _cu("cuDeviceGet", self.device.index)
-        self._context_handle = _cu("cuDevicePrimaryCtxRetain", self._cu_device)
+        cu("cuInit", 0)
+        self._cu_device = cu("cuDeviceGet", self.device.index)
+        self._context_handle = cu("cuDevicePrimaryCtxRetain", self._cu_device)
         self._context_retained = True
-        if not _cu("cuDeviceGetAttribute",
+        if not cu("cuDeviceGetAttribute",
                    drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, self._cu_device):
             raise RuntimeError(f"torch_sdcp: {self.device} does not support CUDA virtual memory management")
         prop = self._allocation_prop()
         n = self.world_size
         with self._context():
-            granularity = int(_cu("cuMemGetAllocationGranularity", prop,
+            granularity = int(cu("cuMemGetAllocationGranularity", prop,
                                   drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
-            self.stride = stride = _round_up(self.layout.region_bytes, granularity)
+            self.stride = stride = -(-self.layout.region_bytes // granularity) * granularity  # rounded up
             for _ in range(n):
-                self._allocations.append(_cu("cuMemCreate", stride, prop, 0))
+                self._allocations.append(cu("cuMemCreate", stride, prop, 0))
             access = drv.CUmemAccessDesc()
             access.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
             access.location.id = int(self.device.index)
             access.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             for _ in range(n):  # rank r's range: every allocation, rank-major
-                base = int(_cu("cuMemAddressReserve", n * stride, granularity, 0, 0))
+                base = int(cu("cuMemAddressReserve", n * stride, granularity, 0, 0))
                 self._ranges.append((base, n * stride))
                 self.bases.append(base)
                 for p, allocation in enumerate(self._allocations):
-                    _cu("cuMemMap", base + p * stride, stride, 0, allocation, 0)
+                    cu("cuMemMap", base + p * stride, stride, 0, allocation, 0)
                     self._mappings.append((base + p * stride, stride))
-                _cu("cuMemSetAccess", base, n * stride, [access], 1)
+                cu("cuMemSetAccess", base, n * stride, [access], 1)
             for r in range(n):  # PeerArena: each rank zeroes its own region
-                _cu("cuMemsetD8", self.region(r, r), 0, stride)
-            _cu("cuCtxSynchronize")
+                cu("cuMemsetD8", self.region(r, r), 0, stride)
+            cu("cuCtxSynchronize")
             self._probe()
             if self._sentinel_filled():
                 for r in range(n):
-                    _cu("cuMemsetD8", self.region(r, r) + self.layout.data_offset, 0xFF,
+                    cu("cuMemsetD8", self.region(r, r) + self.layout.data_offset, 0xFF,
                         self.layout.slots * self.layout.slot_bytes)
-            _cu("cuCtxSynchronize")
+            cu("cuCtxSynchronize")
         for r in range(n):
             handle = _registry.new_handle()
             torch.ops.sdcp.workspace_register(handle, int(self.kind), self.params, self.bases[r], stride, r, n,
@@ -151,8 +149,6 @@ class VirtualRanks:
     def _sentinel_filled(self) -> bool:
         """Whether the family's buffers start as the sentinel (its workspace
         class says; PeerWorkspace._fill_sentinel fills them)."""
-        from torch_sdcp.workspaces.base import PeerWorkspace
-
         cls: type[PeerWorkspace] = FAMILIES[int(self.kind)].load()
         return cls.SENTINEL_FILLED
 
@@ -168,15 +164,15 @@ class VirtualRanks:
         n = self.world_size
         for src in range(n):
             for dst in range(n):
-                _cu("cuMemsetD32", self.region(src, dst) + 4 * src, _probe_word(src, dst), 1)
-        _cu("cuCtxSynchronize")
+                cu("cuMemsetD32", self.region(src, dst) + 4 * src, _probe_word(src, dst), 1)
+        cu("cuCtxSynchronize")
         bad = []
         for dst in range(n):
             words = (ctypes.c_uint32 * n)()
-            _cu("cuMemcpyDtoH", ctypes.addressof(words), self.region(dst, dst), 4 * n)
+            cu("cuMemcpyDtoH", ctypes.addressof(words), self.region(dst, dst), 4 * n)
             bad += [f"rank {src}'s word in rank {dst}'s region: got 0x{words[src]:08x}, expected "
                     f"0x{_probe_word(src, dst):08x}" for src in range(n) if words[src] != _probe_word(src, dst)]
-            _cu("cuMemsetD8", self.region(dst, dst), 0, 4 * n)
+            cu("cuMemsetD8", self.region(dst, dst), 0, 4 * n)
         if bad:
             raise RuntimeError("torch_sdcp: virtual ranks: write-and-verify probe: stores through one rank's "
                                "mapping did not reach the owner's (" + "; ".join(bad) + ")")
@@ -200,26 +196,26 @@ class VirtualRanks:
 
         pushed = False
         if self._context_retained:
-            pushed = attempt("cuCtxPushCurrent", _cu, "cuCtxPushCurrent", self._context_handle)
+            pushed = attempt("cuCtxPushCurrent", cu, "cuCtxPushCurrent", self._context_handle)
             # A kernel still in flight must not fault on memory about to go.
-            attempt("cuCtxSynchronize", _cu, "cuCtxSynchronize")
+            attempt("cuCtxSynchronize", cu, "cuCtxSynchronize")
         for handle in self.handles:
             attempt(f"workspace_unregister({handle})", torch.ops.sdcp.workspace_unregister, handle)
         self.handles = []
         for address, size in self._mappings:
-            attempt(f"cuMemUnmap(0x{address:x})", _cu, "cuMemUnmap", address, size)
+            attempt(f"cuMemUnmap(0x{address:x})", cu, "cuMemUnmap", address, size)
         self._mappings = []
         for address, size in self._ranges:
-            attempt(f"cuMemAddressFree(0x{address:x})", _cu, "cuMemAddressFree", address, size)
+            attempt(f"cuMemAddressFree(0x{address:x})", cu, "cuMemAddressFree", address, size)
         self._ranges, self.bases = [], []
         for allocation in self._allocations:
-            attempt("cuMemRelease", _cu, "cuMemRelease", allocation)
+            attempt("cuMemRelease", cu, "cuMemRelease", allocation)
         self._allocations = []
         if pushed:
-            attempt("cuCtxPopCurrent", _cu, "cuCtxPopCurrent")
+            attempt("cuCtxPopCurrent", cu, "cuCtxPopCurrent")
         if self._context_retained:
             self._context_retained = False
-            attempt("cuDevicePrimaryCtxRelease", _cu, "cuDevicePrimaryCtxRelease", self._cu_device)
+            attempt("cuDevicePrimaryCtxRelease", cu, "cuDevicePrimaryCtxRelease", self._cu_device)
         if failures:
             raise RuntimeError(f"torch_sdcp: virtual ranks of {FAMILIES[int(self.kind)].name}: teardown: "
                                + "; ".join(failures))

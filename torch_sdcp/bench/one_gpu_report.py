@@ -1,0 +1,97 @@
+"""The one-GPU run's table (``--one-gpu N``): per boundary and row count, world
+1 (the floor) beside world N, with the lines that say how the figures were
+made, the co-residency rule and the legend."""
+
+from __future__ import annotations
+
+from torch_sdcp.bench.one_gpu_boundaries import BOUNDARY_CLASSES
+from torch_sdcp.bench.one_gpu_timing import ONE_GRAPH_KS, OneGraph
+
+
+def _us(cell: dict, k: str) -> str:
+    v = cell.get(k)
+    return f"{v:.1f}" if isinstance(v, (int, float)) else "n/a"
+
+
+def pdl_line(meta: dict) -> str:
+    """The table's line on programmatic dependent launch and what the co-residency rule counts for it."""
+    if meta.get("pdl"):
+        return ("PDL on (SDCP_PDL not 0): a rank's next kernel may hold SM slots while its current one runs, so "
+                "every rank counts twice its grid (SDCP_PDL=0 turns PDL off and counts it once)")
+    return "PDL off (SDCP_PDL=0 or before compute capability 9.0): every rank counts its grid once"
+
+
+def method_lines(meta: dict) -> list[str]:
+    """The table's lines on how the figure was made (a run before --one-gpu-method: one-graph)."""
+    n = meta["one_gpu"]
+    head = (f"{meta['date']}: {meta['device']}, torch {meta['torch']}; us per step (one boundary call of every "
+            "virtual rank, each on its own stream)")
+    if meta.get("method", OneGraph.name) == OneGraph.name:
+        return [f"{head}, k8 / k1; method one-graph: k8, 8 steps in ONE CUDA graph, every rank's call a branch of "
+                "it (k1: one step per graph), the bench's Timer",
+                "a graph does not promise that its branches run concurrently: at N = 4 and 8 some cells whose grids "
+                "fit time out at the first replay with this method (docs/NOTES.md)"]
+    steps = meta["steps_per_graph"]
+    return [f"{head}, k{steps}; method graph-per-rank: each rank's {steps} steps in a CUDA graph of its own, the "
+            f"{n} graphs launched on {n} streams forked from rank 0's and joined back; CUDA events on rank 0's "
+            f"stream over {meta['replays']} replays, every launch queued first (a spin as head start), median of "
+            f"{meta['trials']} trials",
+            f"a rank that starts late is waited for by its peers at its first step only: that skew, and the fork, "
+            f"join and {n} graph launches of a replay, count 1/{steps} each in a step's figure"]
+
+
+def tables(data: dict) -> str:
+    """The one-GPU run's table: per boundary and row count, world 1 (the
+    floor) beside world N, us per step by the method the run used."""
+    meta = data["meta"]
+    n = meta["one_gpu"]
+    worlds = meta["worlds"]
+    keys = meta.get("figure_keys", [f"k{k}" for k in ONE_GRAPH_KS])
+    lines = [f"torch_sdcp bench: {meta['note']}",
+             *method_lines(meta),
+             "world 1 is the floor: one virtual rank, the same kernels with no peer, timed the same way",
+             f"co-residency: {meta['sms']} SMs; blocks per SM "
+             + ("assumed" if meta["blocks_per_sm_assumed"] else "given (--blocks-per-sm)") + ": "
+             + ", ".join(f"{b} {v}" for b, v in meta["blocks_per_sm"].items())
+             + f"; a row whose {n} grids cannot all be resident is skipped; waits give up after "
+               f"{meta['timeout_s']:g} s",
+             pdl_line(meta)]
+    for name, rows in data["results"].items():
+        lines.append(f"\n{name}")
+        for row in rows:
+            cells, notes = [], []
+            for world in worlds:
+                cell = row.get(f"world{world}", {})
+                if "skipped" in cell:
+                    cells.append(f"world {world} skipped")
+                    notes.append(f"world {world}: {cell['skipped']}")
+                elif "error" in cell:
+                    cells.append(f"world {world} {'MISMATCH' if cell.get('check') == 'MISMATCH' else 'failed'}")
+                    notes.append(f"world {world}: {cell['error']}")
+                else:
+                    cells.append(f"world {world} " + " / ".join(_us(cell, k) for k in keys))
+                    if cell.get("host_late_trials"):
+                        notes.append(f"world {world}: the host was still launching when the timed replays began in "
+                                     f"{cell['host_late_trials']} of {meta.get('trials', '?')} trials (host "
+                                     f"{cell.get('host_us_per_step', float('nan')):.2f} us per step): the figure "
+                                     "may include host time")
+            floor, top = row.get("world1", {}), row.get(f"world{worlds[-1]}", {})
+            first = keys[0]
+            if len(worlds) > 1 and all(isinstance(c.get(first), (int, float)) for c in (floor, top)):
+                cells.append(f"world {worlds[-1]} - world 1 {top[first] - floor[first]:+.1f} us ({first})")
+            grids = ", ".join(f"world {w} {row.get(f'world{w}', {}).get('grid_blocks', '?')}" for w in worlds)
+            ran = [c for c in (row.get(f"world{w}", {}) for w in worlds) if "skipped" not in c]
+            checked = ("FAILED" if any(c.get("check") == "MISMATCH" for c in ran)
+                       else "ok" if all(c.get("check") == "ok" for c in ran)
+                       else "not completed (an error, below)")
+            lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells)
+                         + f"   (blocks per rank: {grids}; reference check {checked})")
+            lines += [f"           {note}" for note in notes]
+    lines.append("\nlegend (what each virtual rank runs; every rank's region is its own allocation on this GPU, "
+                 "so a store into a peer's buffer goes to this GPU's HBM, and the ranks' grids share its SMs)")
+    for name in data["results"]:
+        lines.append(f"  {name}: {BOUNDARY_CLASSES[name].runs}")
+    if meta.get("failures"):
+        lines.append(f"\n{meta['failures']} cell(s) FAILED (mismatch against the reference, or an error)")
+    return "\n".join(lines)
+
