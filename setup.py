@@ -278,6 +278,10 @@ if __name__ == "__main__":
         version=read_version(),
         description="Shared-DCP: peer-addressable decode data paths for Decode Context Parallelism",
         packages=find_packages(include=["torch_sdcp", "torch_sdcp.*", "torch_sdcp_plugins"]),
+        # The packages' root, named: an editable install then puts this folder on sys.path (a .pth file)
+        # rather than adding an import hook behind every sys.path entry, which a folder named torch_sdcp
+        # in the working directory (a clone, run from the folder above it) shadowed as a namespace package.
+        package_dir={"": "."},
         ext_modules=[extension()],
         cmdclass={"build_ext": BuildExtension},
         python_requires=">=3.10",

@@ -194,3 +194,24 @@ def test_without_a_gpu_the_install_builds_the_cpu_kernels_and_says_so():
     assert res.returncode == 0 and res.stdout.strip() == "torch_sdcp", res.stdout + res.stderr
     lines = [line for line in res.stderr.splitlines() if line.startswith("torch_sdcp:")]
     assert len(lines) == 1 and "building the CPU kernels only" in lines[0], res.stderr
+
+
+def test_a_clone_folder_named_torch_sdcp_does_not_shadow_the_install(tmp_path):
+    """`git clone` makes a folder torch_sdcp (no __init__.py); run from the folder
+    above it, the installed package must still be the one imported, not that
+    folder as an empty namespace package."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    find = "import importlib.util as u; s = u.find_spec('torch_sdcp'); print(s.origin if s else None)"
+    (tmp_path / "elsewhere").mkdir()
+    res = subprocess.run([sys.executable, "-c", find], cwd=tmp_path / "elsewhere", env=env, capture_output=True,
+                         text=True, timeout=120)
+    installed = res.stdout.strip()
+    ours = os.path.join(ROOT, "torch_sdcp", "__init__.py")
+    if installed == "None" or os.path.realpath(installed) != os.path.realpath(ours):
+        pytest.skip(f"the torch_sdcp installed is not this checkout's (found {installed}): `{REBUILD}` here first")
+    (tmp_path / "torch_sdcp" / "docs").mkdir(parents=True)  # the clone, as the folder above it sees it
+    res = subprocess.run([sys.executable, "-c", "import torch_sdcp; torch_sdcp.OutputLSEWorkspace; "
+                          "print(torch_sdcp.__file__)"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert os.path.realpath(res.stdout.strip()) == os.path.realpath(ours), res.stdout
