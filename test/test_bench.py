@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from torch_sdcp.bench import parse_args, tables
+from torch_sdcp.bench import main, parse_args, tables
 
 
 def run_bench(*args, timeout=300):
@@ -81,6 +81,12 @@ def test_a_bad_option_is_a_usage_error_naming_it(option, value, says, capsys):
     assert f"error: argument {option}: {says}" in err and err.startswith("usage: python -m torch_sdcp.bench"), err
 
 
+def test_an_unknown_option_is_reported_as_unknown(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--backend", "host", "--ranks", "2", "--batch", "8"])
+    assert e.value.code == 2 and "error: unrecognized arguments: --ranks 2 --batch 8" in capsys.readouterr().err
+
+
 def test_out_must_not_be_a_file(tmp_path, capsys):
     (tmp_path / "f").write_text("")
     with pytest.raises(SystemExit) as e:
@@ -92,6 +98,25 @@ def test_a_bad_option_from_the_command_line_exits_2_without_a_traceback(tmp_path
     res = run_bench("--rows", "1,x", "--out", str(tmp_path / "x"), timeout=120)
     assert res.returncode == 2 and "argument --rows: expected comma-separated" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("out, says", [
+    ("/proc/sdcp-bench", "got '/proc/sdcp-bench': cannot make it"),
+    ("/proc", "got '/proc': cannot write a file in it"),
+    ("/dev/null/sdcp-bench", "got '/dev/null/sdcp-bench': cannot make it (Not a directory)"),
+])
+def test_out_that_cannot_be_written_is_a_usage_error(out, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--backend", "host", "--out", out])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --out: expected a folder it can write to, {says}" in err, err
+
+
+def test_unwritable_out_from_the_command_line_exits_2_without_a_traceback():
+    res = run_bench("--backend", "host", "--out", "/proc/sdcp-bench", timeout=120)
+    assert res.returncode == 2 and "argument --out: expected a folder it can write to" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "torch_sdcp bench:" not in res.stdout
 
 
 def test_tables_give_ratios_against_the_strongest_baseline():
