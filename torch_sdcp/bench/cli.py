@@ -12,7 +12,10 @@ each path's kernels and communication (LEGEND below).
 Launches its own local ranks (or runs under torchrun), picks the CUDA backend
 when there is one GPU per rank and the CUDA kernels are built, the host
 (shared-memory) backend otherwise. Prints one table per boundary, writes the
-raw numbers (bench.json) and a plot (latency.png) into the output folder.
+raw numbers (bench.json), the tables (tables.txt) and a plot (latency.png)
+into the output folder, and ends with one verdict per boundary (CUDA:
+torch_sdcp's k8 against the strongest baseline of each row) and the files it
+wrote.
 
 Method (docs/DESIGN.md section 6). CUDA: K calls captured back to back in one CUDA
 graph (k8: K = 8; k1: one call per graph), `--replays` replays per trial,
@@ -45,7 +48,7 @@ import torch.distributed as dist
 
 from torch_sdcp.bench import one_gpu
 from torch_sdcp.bench.boundaries import bench_decode, bench_output_lse, bench_query, bench_signal, bench_topk
-from torch_sdcp.bench.report import plot, tables
+from torch_sdcp.bench.report import plot, tables, verdicts
 from torch_sdcp.bench.timing import Timer
 
 PRESETS = {
@@ -335,6 +338,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "tables.txt"), "w") as f:
         f.write(text + "\n")
     note = plot(data, os.path.join(args.out, "latency.png"))
-    print(f"\n{note}" if note else f"\nplot: {os.path.join(args.out, 'latency.png')}")
+    print("\n" + "\n".join(verdicts(data)))
+    print(f"\nwrote {args.out}:\ntables: {os.path.join(args.out, 'tables.txt')}")
+    print(f"plot: {note}" if note else f"plot: {os.path.join(args.out, 'latency.png')}")
     print(f"raw numbers: {os.path.join(args.out, 'bench.json')}")
     return 0
