@@ -300,8 +300,8 @@ def run_ninja_with_progress(build_directory: str, verbose: bool, error_prefix: s
         raise RuntimeError(f"{error_prefix}: {b''.join(tail).decode(errors='replace')}")
     if stale != 0:
         elapsed = int(time.monotonic() - started)
-        report(f"torch_sdcp: compiled {'the' if stale is None else stale} sources in "
-               f"{elapsed // 60}:{elapsed % 60:02d}")
+        count = "the sources" if stale is None else f"{stale} source{'s' if stale > 1 else ''}"
+        report(f"torch_sdcp: compiled {count} in {elapsed // 60}:{elapsed % 60:02d}")
 
 
 class BuildExtension(cpp_extension.BuildExtension):
