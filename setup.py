@@ -283,7 +283,7 @@ def run_ninja_with_progress(build_directory: str, verbose: bool, error_prefix: s
     stale = objects_out_of_date(build_directory)
     report(start_line(stale, total, what, os.path.relpath(build_directory, HERE)))
     command = ["ninja", "-v"]
-    workers = cpp_extension._get_num_workers(verbose)
+    workers = getattr(cpp_extension, "_get_num_workers", lambda verbose: None)(verbose)  # MAX_JOBS, as torch reads it
     if workers is not None:
         command += ["-j", str(workers)]
     started, tail = time.monotonic(), []
@@ -322,7 +322,10 @@ class BuildExtension(cpp_extension.BuildExtension):
         what = f"CUDA for {cuda_targets()}" if cuda else "C++ only"
         # torch's ninja run, with the lines that say what is compiled and how far it is (torch looks the
         # function up when it calls it; were that to change, the build would run as before, silent).
-        original = cpp_extension._run_ninja_build
+        original = getattr(cpp_extension, "_run_ninja_build", None)
+        if original is None or sys.platform == "win32":  # torch runs ninja otherwise there
+            super().build_extensions()
+            return
         cpp_extension._run_ninja_build = functools.partial(run_ninja_with_progress, what=what,
                                                            total=len(ext.sources))
         try:
