@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 from setuptools import find_packages, setup
 
@@ -102,12 +103,13 @@ def visible_gpus() -> int:
 
 
 @functools.cache
+def build_choice() -> tuple:
+    """The rule for this build, asked once (the GPU probe): (CUDA kernels?, why)."""
+    return cuda_build_rule(os.environ, torch.version.cuda, cpp_extension.CUDA_HOME, visible_gpus())
+
+
 def want_cuda() -> bool:
-    """The rule for this build (asked once: the GPU probe and the line it may print)."""
-    cuda, why = cuda_build_rule(os.environ, torch.version.cuda, cpp_extension.CUDA_HOME, visible_gpus())
-    if why == NO_GPU_LINE:
-        report(NO_GPU_LINE)
-    return cuda
+    return build_choice()[0]
 
 
 def build_folder(kind: str, torch_version: str = str(torch.__version__), prefix: str = sys.prefix,
@@ -216,17 +218,90 @@ def describe_torch() -> str:
     return f"torch {torch.__version__} / " + (f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA")
 
 
-def report(line: str) -> None:
-    """pip shows a build's output only with -v or when the build fails: the
-    line also goes to the terminal, when there is one."""
-    print(line, file=sys.stderr, flush=True)
-    if sys.stderr.isatty():
-        return
+def report(line: str, terminal_only: bool = False) -> None:
+    """pip keeps a build's output (stdout and stderr) to itself unless -v or the
+    build fails: a line goes to the terminal when there is one (once, whatever
+    pip's verbosity), else to stderr (shown with -v, in CI's log); with
+    `terminal_only`, nowhere without a terminal (ninja's own lines carry it)."""
+    if not sys.stderr.isatty():
+        try:
+            with open("/dev/tty", "w") as tty:
+                # The first line below pip's status line; each later one over pip's spinner character.
+                tty.write(("\r" if TERMINAL_LINES else "\n") + f"{line}\n")
+            TERMINAL_LINES.append(line)
+            return
+        except OSError:  # no terminal (CI, a pipe)
+            pass
+    if not terminal_only or sys.stderr.isatty():
+        print(line, file=sys.stderr, flush=True)
+
+
+TERMINAL_LINES: list = []  # the lines this process wrote to the terminal
+NINJA_STEP = re.compile(rb"^\[(\d+)/(\d+)\] ")
+SOURCE = re.compile(rb"(\S+\.(?:cpp|cu))(?=\s|$)")
+
+
+def objects_out_of_date(build_directory: str) -> int | None:
+    """How many objects ninja would compile in `build_directory` (a dry run:
+    -n), or None when the dry run fails (the build then says less)."""
     try:
-        with open("/dev/tty", "w") as tty:
-            tty.write(f"\n{line}\n")
-    except OSError:  # no terminal (CI, a pipe): stderr is all there is
-        pass
+        out = subprocess.run(["ninja", "-n"], cwd=build_directory, capture_output=True, timeout=120,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(1 for line in out.splitlines() if NINJA_STEP.match(line))
+
+
+def start_line(stale: int | None, total: int, what: str, folder: str) -> str:
+    """What the build is about to compile, and where, or that nothing needs it."""
+    if stale == 0:
+        return f"torch_sdcp: nothing to compile: the {total} objects in {folder} are up to date (linking only)"
+    jobs = os.environ.get("MAX_JOBS") or "unset (ninja's default)"
+    count = f"{stale} of {total}" if stale is not None else f"up to {total}"
+    return (f"torch_sdcp: compiling {count} sources ({what}) against {describe_torch()}, "
+            f"MAX_JOBS={jobs}, in {folder}")
+
+
+def step_line(line: bytes, started: float) -> str | None:
+    """A progress line for one of ninja's `[k/N] command` lines: the step, the
+    source it compiled and the time since the compile started."""
+    m = NINJA_STEP.match(line)
+    if m is None:
+        return None
+    source = SOURCE.search(line)
+    name = os.path.relpath(source.group(1).decode(), HERE) if source else "a step"
+    elapsed = int(time.monotonic() - started)
+    return f"torch_sdcp: [{int(m.group(1))}/{int(m.group(2))}] {name} ({elapsed // 60}:{elapsed % 60:02d})"
+
+
+def run_ninja_with_progress(build_directory: str, verbose: bool, error_prefix: str, what: str = "",
+                            total: int = 0) -> None:
+    """torch's ninja run (the same command, its output on stdout as before),
+    with one line before it (what is compiled, or that nothing is) and, on a
+    terminal, one line per compiled source, so that the build shows how far it
+    is without pip's -v."""
+    stale = objects_out_of_date(build_directory)
+    report(start_line(stale, total, what, os.path.relpath(build_directory, HERE)))
+    command = ["ninja", "-v"]
+    workers = getattr(cpp_extension, "_get_num_workers", lambda verbose: None)(verbose)  # MAX_JOBS, as torch reads it
+    if workers is not None:
+        command += ["-j", str(workers)]
+    started, tail = time.monotonic(), []
+    sys.stdout.flush()
+    with subprocess.Popen(command, cwd=build_directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            os.write(1, line)  # fd 1, as torch writes it (setuptools may detach sys.stdout)
+            tail = (tail + [line])[-200:]
+            step = step_line(line, started)
+            if step is not None:
+                report(step, terminal_only=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{error_prefix}: {b''.join(tail).decode(errors='replace')}")
+    if stale != 0:
+        elapsed = int(time.monotonic() - started)
+        count = "the sources" if stale is None else f"{stale} source{'s' if stale > 1 else ''}"
+        report(f"torch_sdcp: compiled {count} in {elapsed // 60}:{elapsed % 60:02d}")
 
 
 class BuildExtension(cpp_extension.BuildExtension):
@@ -240,12 +315,23 @@ class BuildExtension(cpp_extension.BuildExtension):
         self.build_temp = build_folder("cuda" if want_cuda() else "cpu")
 
     def build_extensions(self) -> None:
-        for ext in self.extensions:
-            what = f"CUDA for {cuda_targets()}" if any(s.endswith(".cu") for s in ext.sources) else "C++ only"
-            jobs = os.environ.get("MAX_JOBS") or "unset (ninja's default)"
-            report(f"torch_sdcp: compiling {len(ext.sources)} sources ({what}) against {describe_torch()}, "
-                   f"MAX_JOBS={jobs}, in {os.path.relpath(self.build_temp, HERE)} (only what changed is compiled)")
-        super().build_extensions()
+        cuda, why = build_choice()
+        if why == NO_GPU_LINE:  # said by the build alone: pip runs setup.py once more for the metadata
+            report(NO_GPU_LINE)
+        ext = self.extensions[0]
+        what = f"CUDA for {cuda_targets()}" if cuda else "C++ only"
+        # torch's ninja run, with the lines that say what is compiled and how far it is (torch looks the
+        # function up when it calls it; were that to change, the build would run as before, silent).
+        original = getattr(cpp_extension, "_run_ninja_build", None)
+        if original is None or sys.platform == "win32":  # torch runs ninja otherwise there
+            super().build_extensions()
+            return
+        cpp_extension._run_ninja_build = functools.partial(run_ninja_with_progress, what=what,
+                                                           total=len(ext.sources))
+        try:
+            super().build_extensions()
+        finally:
+            cpp_extension._run_ninja_build = original
 
     def run(self) -> None:
         super().run()
@@ -278,6 +364,10 @@ if __name__ == "__main__":
         version=read_version(),
         description="Shared-DCP: peer-addressable decode data paths for Decode Context Parallelism",
         packages=find_packages(include=["torch_sdcp", "torch_sdcp.*", "torch_sdcp_plugins", "torch_sdcp_settings"]),
+        # The packages' root, named: an editable install then puts this folder on sys.path (a .pth file)
+        # rather than adding an import hook behind every sys.path entry, which a folder named torch_sdcp
+        # in the working directory (a clone, run from the folder above it) shadowed as a namespace package.
+        package_dir={"": "."},
         ext_modules=[extension()],
         cmdclass={"build_ext": BuildExtension},
         python_requires=">=3.10",

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from torch_sdcp.bench import parse_args, tables
+from torch_sdcp.bench import main, parse_args, plot, tables
+from torch_sdcp.bench.report import verdicts
 
 
 def run_bench(*args, timeout=300):
@@ -48,6 +49,20 @@ def test_bench_runs_every_boundary_on_the_host_backend(tmp_path):
     assert (out / "latency.png").stat().st_size > 1000
     assert "decode" in (out / "tables.txt").read_text() and "torch_sdcp" in res.stdout
     assert tables(data) in res.stdout
+    # The closing lines: a verdict per boundary (none about speed on the host), then every file written.
+    closing = res.stdout.rstrip("\n").split("\n")[-11:]
+    assert closing == [
+        "verdict (host backend: not performance, so no speed verdict)",
+        "  signal: ran at row 1 (host backend: a protocol check, no speed verdict)",
+        *(f"  {name}: ran at rows 1, 3 (host backend: a protocol check, no speed verdict)"
+          for name in ("query", "topk", "output_lse")),
+        "  decode: outputs agree: True (host backend: no speed verdict)",
+        "",
+        f"wrote {out}:",
+        f"tables: {out / 'tables.txt'}",
+        f"plot: {out / 'latency.png'}",
+        f"raw numbers: {out / 'bench.json'}",
+    ], closing
 
 
 def test_bench_rejects_unknown_boundaries(tmp_path):
@@ -81,6 +96,12 @@ def test_a_bad_option_is_a_usage_error_naming_it(option, value, says, capsys):
     assert f"error: argument {option}: {says}" in err and err.startswith("usage: python -m torch_sdcp.bench"), err
 
 
+def test_an_unknown_option_is_reported_as_unknown(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--backend", "host", "--ranks", "2", "--batch", "8"])
+    assert e.value.code == 2 and "error: unrecognized arguments: --ranks 2 --batch 8" in capsys.readouterr().err
+
+
 def test_out_must_not_be_a_file(tmp_path, capsys):
     (tmp_path / "f").write_text("")
     with pytest.raises(SystemExit) as e:
@@ -92,6 +113,66 @@ def test_a_bad_option_from_the_command_line_exits_2_without_a_traceback(tmp_path
     res = run_bench("--rows", "1,x", "--out", str(tmp_path / "x"), timeout=120)
     assert res.returncode == 2 and "argument --rows: expected comma-separated" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize("out, says", [
+    ("/proc/sdcp-bench", "got '/proc/sdcp-bench': cannot make it"),
+    ("/proc", "got '/proc': cannot write a file in it"),
+    ("/dev/null/sdcp-bench", "got '/dev/null/sdcp-bench': cannot make it (Not a directory)"),
+])
+def test_out_that_cannot_be_written_is_a_usage_error(out, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--backend", "host", "--out", out])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument --out: expected a folder it can write to, {says}" in err, err
+
+
+def test_unwritable_out_from_the_command_line_exits_2_without_a_traceback():
+    res = run_bench("--backend", "host", "--out", "/proc/sdcp-bench", timeout=120)
+    assert res.returncode == 2 and "argument --out: expected a folder it can write to" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "torch_sdcp bench:" not in res.stdout
+
+
+def cuda_row(rows: int, ours: float, baselines: dict) -> dict:
+    return {"rows": rows, "sdcp": {"k8": ours, "k1": ours}, **{p: {"k8": v, "k1": v} for p, v in baselines.items()}}
+
+
+def test_verdict_per_boundary_against_the_strongest_baseline_of_each_row():
+    data = {"meta": {"backend": "cuda"}, "results": {
+        "query": [cuda_row(1, 10.0, {"collective": 20.0}), cuda_row(128, 20.0, {"collective": 24.0})],
+        "topk": [cuda_row(1, 10.0, {"collective": 20.0}), cuda_row(4096, 40.0, {"collective": 30.0})],
+        "output_lse": [cuda_row(8, 20.0, {"collective": 30.0, "symm_mem": 10.0})],
+        "signal": [{"error": "RuntimeError: no peer memory"}],
+        "decode": [{"requests": 32, "agree": True, "collective": {"k1": 100.0}, "sdcp": {"k1": 80.0}}],
+    }}
+    assert verdicts(data) == [
+        "verdict (k8: torch_sdcp against the strongest baseline of each row; > 1x: torch_sdcp faster)",
+        "  query: torch_sdcp faster than the strongest baseline at every row timed (rows 1-128, 1.20x-2.00x)",
+        "  topk: torch_sdcp faster at row 1, 2.00x; slower at row 4096, 0.75x",
+        "  output_lse: torch_sdcp slower than the strongest baseline at every row timed (row 8, 0.50x)",
+        "  signal: could not run (RuntimeError: no peer memory)",
+        "  decode: torch_sdcp's step 80.0 us against the collective path's 100.0 us, 20% lower; outputs agree: True",
+    ]
+
+
+def test_plot_ticks_at_measured_rows_and_says_what_k8_is(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.append(fig), close(fig)))
+    data = {"meta": {"backend": "cuda", "world_size": 2, "device": "gpu", "date": "2026-12-07 10:00:00"},
+            "results": {"query": [cuda_row(1, 10.0, {"collective": 20.0}), cuda_row(96, 20.0, {"collective": 24.0}),
+                                  cuda_row(4096, 40.0, {"collective": 30.0})]}}
+    assert plot(data, str(tmp_path / "latency.png")) is None and (tmp_path / "latency.png").exists()
+    ax = drawn[0].axes[0]
+    assert list(ax.get_xticks()) == [1, 96, 4096]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "96", "4096"]
+    assert list(ax.xaxis.get_minorticklocs()) == []
+    title = ax.get_legend().get_title().get_text()
+    assert "k8: 8 calls captured back to back" in title and "in one CUDA graph" in title, title
 
 
 def test_tables_give_ratios_against_the_strongest_baseline():

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -144,7 +146,10 @@ def test_build_rule(setup_py):
 def test_build_folder_per_torch_version_and_kind(setup_py):
     folder = setup_py.build_folder
     assert folder("cpu", "2.14.1+cu130") == folder("cpu", "2.14.1+cu130")  # that torch comes back: the same folder
-    assert os.path.basename(folder("cpu", "2.14.1+cu130")) == f"{sys.implementation.cache_tag}-torch2.14.1+cu130-cpu"
+    # The base Python's name (the suite may run in a venv: its folder has a suffix, checked below).
+    base_name = os.path.basename(folder("cpu", "2.14.1+cu130", prefix="/usr", base_prefix="/usr"))
+    assert base_name == f"{sys.implementation.cache_tag}-torch2.14.1+cu130-cpu"
+    assert folder("cpu") == folder("cpu", str(torch.__version__), prefix=sys.prefix, base_prefix=sys.base_prefix)
     assert folder("cpu", "2.11.0+cu128") != folder("cpu", "2.14.1+cu130")
     assert folder("cuda", "2.14.1+cu130") != folder("cpu", "2.14.1+cu130")
     assert os.path.dirname(folder("cpu")) == os.path.join(ROOT, "build")
@@ -180,14 +185,86 @@ def test_build_ext_keeps_objects_per_torch(setup_py, monkeypatch):
     assert cmd.build_temp == setup_py.build_folder("cpu")
 
 
-def test_without_a_gpu_the_install_builds_the_cpu_kernels_and_says_so():
+def test_without_a_gpu_the_install_builds_the_cpu_kernels_and_says_so_once():
     """setup.py as the README's install runs it, with no GPU visible and no
-    TORCH_CUDA_ARCH_LIST: it chooses the CPU kernels and prints the line (no compile: `--name`)."""
+    TORCH_CUDA_ARCH_LIST: it chooses the CPU kernels, and says so in the build
+    alone (pip runs setup.py for the metadata too: `--name` says nothing)."""
     if torch.cuda.device_count() > 0:
         pytest.skip("a GPU is visible: the install builds the CUDA kernels for it")
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_CUDA_ARCH_LIST", "SDCP_NO_CUDA")}
     res = subprocess.run([sys.executable, os.path.join(ROOT, "setup.py"), "--name"], capture_output=True, text=True,
-                         env=env, timeout=300, start_new_session=True)  # no terminal for the line to go to
+                         env=env, timeout=300, start_new_session=True)  # no terminal for a line to go to
     assert res.returncode == 0 and res.stdout.strip() == "torch_sdcp", res.stdout + res.stderr
-    lines = [line for line in res.stderr.splitlines() if line.startswith("torch_sdcp:")]
-    assert len(lines) == 1 and "building the CPU kernels only" in lines[0], res.stderr
+    assert "torch_sdcp:" not in res.stderr, res.stderr
+    choose = ("import importlib.util as u; s = u.spec_from_file_location('s', 'setup.py'); m = u.module_from_spec(s); "
+              "s.loader.exec_module(m); print(m.build_choice())")
+    res = subprocess.run([sys.executable, "-c", choose], cwd=ROOT, capture_output=True, text=True, env=env,
+                         timeout=300, start_new_session=True)
+    assert res.returncode == 0, res.stderr
+    if torch.version.cuda is not None:
+        assert res.stdout.startswith("(False, 'torch_sdcp: no GPU visible") and "CPU kernels only" in res.stdout
+    else:
+        assert res.stdout.strip() == "(False, 'a CPU build of torch')", res.stdout
+
+
+def test_build_lines_say_what_is_compiled_and_how_far(setup_py):
+    start = setup_py.start_line(3, 12, "C++ only", "build/x-cpu")
+    assert start.startswith("torch_sdcp: compiling 3 of 12 sources (C++ only) against torch "), start
+    assert start.endswith("in build/x-cpu"), start
+    assert setup_py.start_line(0, 12, "C++ only", "build/x-cpu") == (
+        "torch_sdcp: nothing to compile: the 12 objects in build/x-cpu are up to date (linking only)")
+    assert "compiling up to 12 sources" in setup_py.start_line(None, 12, "C++ only", "build/x-cpu")
+    line = f"[2/3] c++ -MMD -MF build/a.o.d -c -c {ROOT}/csrc/checks.cpp -o build/checks.o -O3".encode()
+    assert setup_py.step_line(line, time.monotonic() - 65) == "torch_sdcp: [2/3] csrc/checks.cpp (1:05)"
+    assert setup_py.step_line(b"ninja: no work to do.", 0.0) is None
+
+
+def test_ninja_run_reports_once_then_nothing_to_compile(setup_py, tmp_path, capfd):
+    """torch's ninja run as the build wraps it, on a build.ninja of two steps,
+    without a terminal: the start line and the last one on stderr (the steps
+    are ninja's own lines on stdout); the second run compiles nothing, and
+    says so."""
+    if shutil.which("ninja") is None:
+        pytest.skip("no ninja")
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.cpp").write_text(name)
+    (tmp_path / "build.ninja").write_text("rule cp\n  command = cp $in $out\n"
+                                          f"build a.o: cp {tmp_path}/a.cpp\nbuild b.o: cp {tmp_path}/b.cpp\n")
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(setup_py, "report", lambda line, terminal_only=False: None if terminal_only else
+                   print(line, file=sys.stderr))
+    try:
+        setup_py.run_ninja_with_progress(str(tmp_path), True, "error", what="C++ only", total=2)
+        first = capfd.readouterr()
+        setup_py.run_ninja_with_progress(str(tmp_path), True, "error", what="C++ only", total=2)
+        second = capfd.readouterr()
+    finally:
+        monkey.undo()
+    lines = first.err.splitlines()
+    assert len(lines) == 2 and "compiling 2 of 2 sources (C++ only)" in lines[0], first.err
+    assert lines[1].startswith("torch_sdcp: compiled 2 sources in 0:0"), first.err
+    assert "[2/2] cp " in first.out  # ninja's -v lines, on stdout as torch's run leaves them
+    assert second.err.splitlines() == [f"torch_sdcp: nothing to compile: the 2 objects in "
+                                       f"{os.path.relpath(tmp_path, ROOT)} are up to date (linking only)"]
+
+
+
+def test_a_clone_folder_named_torch_sdcp_does_not_shadow_the_install(tmp_path):
+    """`git clone` makes a folder torch_sdcp (no __init__.py); run from the folder
+    above it, the installed package must still be the one imported, not that
+    folder as an empty namespace package."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    find = "import importlib.util as u; s = u.find_spec('torch_sdcp'); print(s.origin if s else None)"
+    (tmp_path / "elsewhere").mkdir()
+    res = subprocess.run([sys.executable, "-c", find], cwd=tmp_path / "elsewhere", env=env, capture_output=True,
+                         text=True, timeout=120)
+    installed = res.stdout.strip()
+    ours = os.path.join(ROOT, "torch_sdcp", "__init__.py")
+    if installed == "None" or os.path.realpath(installed) != os.path.realpath(ours):
+        pytest.skip(f"the torch_sdcp installed is not this checkout's (found {installed}): `{REBUILD}` here first")
+    (tmp_path / "torch_sdcp" / "docs").mkdir(parents=True)  # the clone, as the folder above it sees it
+    res = subprocess.run([sys.executable, "-c", "import torch_sdcp; torch_sdcp.OutputLSEWorkspace; "
+                          "print(torch_sdcp.__file__)"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert os.path.realpath(res.stdout.strip()) == os.path.realpath(ours), res.stdout

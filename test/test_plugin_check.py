@@ -1,12 +1,15 @@
 """``python -m torch_sdcp.plugin_check --gate``: the peer-memory gate run on
 this node as start-up would run it (here on the host backend, which has no
-GPU to need), bounded, and a failed gate turning every seam off."""
+GPU to need), bounded, and a failed gate turning every seam off; every bad
+option a usage error naming it (exit 2, no traceback)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+
+import pytest
 
 from torch_sdcp import plugin_check
 
@@ -47,3 +50,43 @@ def test_gate_from_the_command_line():
     out = subprocess.run([sys.executable, "-m", "torch_sdcp.plugin_check", *ARGS, "--gate", "--gate-backend", "host"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "peer-memory gate: passed on 2 host ranks" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--engine", "vllm", "--rows", "0"], "argument --rows: expected an integer >= 1, got 0"),
+    (["--engine", "vllm", "--rows", "-1"], "argument --rows: expected an integer >= 1, got -1"),
+    (["--rows", "0"], "argument --rows: expected an integer >= 1, got 0"),
+    (["--engine", "vllm", "-dcp", "0"],
+     "argument --decode-context-parallel-size/--dcp-size/-dcp: expected an integer >= 1, got 0"),
+    (["--engine", "sglang", "--dcp-size", "-2"],
+     "argument --decode-context-parallel-size/--dcp-size/-dcp: expected an integer >= 1, got -2"),
+    (["--engine", "vllm", "--num-heads", "0"], "argument --num-heads: expected an integer >= 1, got 0"),
+    (["--engine", "vllm", "-dcp", "3", "--num-heads", "64"],
+     "argument --num-heads: expected a multiple of the DCP size 3 (--decode-context-parallel-size), got 64"),
+    (["--engine", "vllm", "--num-ubatches", "0"], "argument --num-ubatches: expected an integer >= 1, got 0"),
+    (["--engine", "vllm", "--kv-lora-rank", "x"], "argument --kv-lora-rank: expected an integer >= 1, got 'x'"),
+    (["--engine", "vllm", "--index-topk", "0"], "argument --index-topk: expected an integer >= 1, got 0"),
+    (["--engine", "vllm", "--dcp-comm-backend", "fi_a2a"],
+     "argument --dcp-comm-backend: expected one of ag_rs, a2a with --engine vllm, got 'fi_a2a'"),
+    (["--engine", "vllm", "--gate-timeout-s", "nan"], "argument --gate-timeout-s: expected a number of seconds > 0"),
+    (["--engine", "tgi"], "argument --engine: invalid choice: 'tgi'"),
+    (["--rows-bound", "8"],
+     "unrecognized arguments: --rows-bound 8 (and the required --engine vllm|sglang is missing)"),
+    (["--engine", "vllm", "--nope"], "unrecognized arguments: --nope"),
+    ([], "argument --engine: expected vllm or sglang, got none"),
+    (["--gate"], "argument --engine: expected vllm or sglang, got none (--gate runs the peer-memory gate of that "
+                 "engine's DCP group: it needs --engine)"),
+])
+def test_a_bad_option_is_a_usage_error_naming_it(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        plugin_check.report(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m torch_sdcp.plugin_check") and f"error: {says}" in err, err
+
+
+def test_a_bad_option_from_the_command_line_exits_2_without_a_traceback():
+    out = subprocess.run([sys.executable, "-m", "torch_sdcp.plugin_check", "--engine", "vllm", "--rows", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "argument --rows: expected an integer >= 1, got 0" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""

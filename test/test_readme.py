@@ -58,6 +58,22 @@ def test_readme_commands_are_the_install_then_one_step_and_ci_runs_the_tests_ver
     assert f"| `{INSTALL}` |" in text, "the set-up table's command is not the commands' install"
 
 
+def test_ci_runs_the_test_command_in_a_fresh_venv_too():
+    """A newcomer runs the test command inside a virtual environment (its own
+    build folder, its own site-packages): CI runs it there as well, after
+    TORCH_CUDA_ARCH_LIST is unset, in a venv that reuses the installed torch."""
+    tests = readme_commands()[1]
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    where = [i for i, line in enumerate(ci) if line == tests]
+    assert len(where) == 2, f"expected the test command twice in .ci/run, got {len(where)}"
+    before = [line for line in ci[where[0] + 1:where[1]] if line and not line.startswith("#")]
+    assert "unset TORCH_CUDA_ARCH_LIST" in before, before
+    made = [line for line in before if "python -m venv" in line]
+    assert len(made) == 1 and "--system-site-packages" in made[0], made
+    venv = made[0].split()[-1].strip('"')
+    assert f'source "{venv}/bin/activate"' in before, before
+
+
 def test_readme_main_job_runs_as_written_on_the_host_backend(tmp_path):
     """`python -m torch_sdcp.bench`, no option, as the README's main job ends (the
     install is the one this test suite runs on): a folder sdcp-bench-<date>-<time>/

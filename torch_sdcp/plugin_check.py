@@ -23,6 +23,7 @@ turns every seam off, with its reason.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import queue
@@ -41,30 +42,81 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
            "float8_e4m3fn": torch.float8_e4m3fn}
 
 
+#: The DCP communication backends each engine knows (its --dcp-comm-backend).
+_COMM_BACKENDS = {"vllm": ("ag_rs", "a2a"), "sglang": ("ag_rs", "a2a", "fi_a2a")}
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (argparse names the option in its usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torch_sdcp.plugin_check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=("vllm", "sglang"), required=True)
-    p.add_argument("--decode-context-parallel-size", "--dcp-size", "-dcp", dest="world", type=int, default=2,
-                   help="ranks of the DCP group (default 2)")
+    # Required, but checked after the parse: an unknown option, or --gate alone, is then reported as such.
+    p.add_argument("--engine", choices=tuple(_COMM_BACKENDS), default=None, help="required: vllm or sglang")
+    p.add_argument("--decode-context-parallel-size", "--dcp-size", "-dcp", dest="world", type=_positive_int,
+                   default=2, help="ranks of the DCP group (default 2)")
     p.add_argument("--dcp-comm-backend", default="ag_rs", help="vLLM: ag_rs or a2a; SGLang: ag_rs, a2a or fi_a2a")
     p.add_argument("--dcp-replicate-q-proj", action="store_true", help="SGLang: the query projection is replicated")
     p.add_argument("--prefill-context-parallel", action="store_true", help="vLLM: PCP is on")
-    p.add_argument("--num-heads", type=int, default=128, help="attention heads of the model (all ranks)")
-    p.add_argument("--kv-lora-rank", type=int, default=512)
-    p.add_argument("--qk-rope-head-dim", type=int, default=64)
-    p.add_argument("--index-topk", type=int, default=None, help="the sparse indexer's top-K (DSA models)")
+    p.add_argument("--num-heads", type=_positive_int, default=128, help="attention heads of the model (all ranks)")
+    p.add_argument("--kv-lora-rank", type=_positive_int, default=512)
+    p.add_argument("--qk-rope-head-dim", type=_positive_int, default=64)
+    p.add_argument("--index-topk", type=_positive_int, default=None, help="the sparse indexer's top-K (DSA models)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="the attention output's dtype")
     p.add_argument("--query-dtype", choices=tuple(_DTYPES), default=None,
                    help="vLLM: the gathered query's dtype (default: --dtype)")
-    p.add_argument("--rows", type=int, default=1024, help="the engine's DCP rows bound (widest decode batch)")
-    p.add_argument("--num-ubatches", type=int, default=1, help="vLLM: micro-batches (dual-batch overlap: 2)")
+    p.add_argument("--rows", type=_positive_int, default=1024,
+                   help="the engine's DCP rows bound (widest decode batch)")
+    p.add_argument("--num-ubatches", type=_positive_int, default=1, help="vLLM: micro-batches (dual-batch overlap: 2)")
     p.add_argument("--gate", action="store_true",
                    help="run the peer-memory gate on this node's GPUs 0..N-1 (N: the DCP size), as start-up would")
     p.add_argument("--gate-backend", choices=("cuda", "host"), default="cuda",
                    help="host: the shared-memory backend (the gate's plumbing on a machine without GPUs)")
-    p.add_argument("--gate-timeout-s", type=float, default=120.0, help="bound of the whole gate run")
+    p.add_argument("--gate-timeout-s", type=_positive_seconds, default=120.0, help="bound of the whole gate run")
     return p
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The options, every bad one a usage error naming it (exit 2): unknown
+    options first, then a missing --engine, then the values that depend on
+    each other."""
+    p = _parser()
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}"
+                + ("" if args.engine else " (and the required --engine vllm|sglang is missing)"))
+    if args.engine is None:
+        p.error("argument --engine: expected vllm or sglang, got none"
+                + (" (--gate runs the peer-memory gate of that engine's DCP group: it needs --engine)"
+                   if args.gate else ""))
+    known = _COMM_BACKENDS[args.engine]
+    if args.dcp_comm_backend not in known:
+        p.error(f"argument --dcp-comm-backend: expected one of {', '.join(known)} with --engine {args.engine}, "
+                f"got {args.dcp_comm_backend!r}")
+    if args.num_heads % args.world:
+        p.error(f"argument --num-heads: expected a multiple of the DCP size {args.world} "
+                f"(--decode-context-parallel-size), got {args.num_heads}")
+    return args
 
 
 def _gate_rank(rank: int, world: int, store_path: str, backend: str, timeout_s: float, results: object) -> None:
@@ -142,7 +194,7 @@ def _element(dtype: torch.dtype) -> int:
 
 def report(argv: Sequence[str]) -> tuple[int, str]:
     """(exit status, the report's text) for the command line ``argv``."""
-    args = _parser().parse_args(list(argv))
+    args = _parse(list(argv))
     settings: EngineSettings = VLLM if args.engine == "vllm" else SGLANG
     lines = []
     try:
@@ -155,8 +207,6 @@ def report(argv: Sequence[str]) -> tuple[int, str]:
                  f"{settings.MAX_ROWS}={settings.max_rows_cap() or 'unset'}; "
                  f"{settings.TIMEOUT_S}={settings.timeout_s():g} s")
     world, heads = args.world, args.num_heads
-    if world < 1 or heads % world:
-        return 1, f"torch_sdcp: argument '--num-heads': expected a multiple of the DCP size {world}, got {heads}"
     cap = settings.max_rows_cap()
     rows = min(args.rows, cap) if cap else args.rows
     dtype = _DTYPES[args.dtype]
@@ -184,7 +234,7 @@ def report(argv: Sequence[str]) -> tuple[int, str]:
             sizes["query"] = _bytes("QUERY", [rows, local, width, _element(qdtype)], world)
         if plan.seams["topk"][0] and topk is not None:
             sizes["top-K"] = _bytes("TOPK", [rows, topk, topk], world)
-        ubatches = max(args.num_ubatches, 1)
+        ubatches = args.num_ubatches
     else:
         from types import SimpleNamespace
 

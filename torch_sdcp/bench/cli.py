@@ -12,7 +12,10 @@ each path's kernels and communication (LEGEND below).
 Launches its own local ranks (or runs under torchrun), picks the CUDA backend
 when there is one GPU per rank and the CUDA kernels are built, the host
 (shared-memory) backend otherwise. Prints one table per boundary, writes the
-raw numbers (bench.json) and a plot (latency.png) into the output folder.
+raw numbers (bench.json), the tables (tables.txt) and a plot (latency.png)
+into the output folder, and ends with one verdict per boundary (CUDA:
+torch_sdcp's k8 against the strongest baseline of each row) and the files it
+wrote.
 
 Method (docs/DESIGN.md section 6). CUDA: K calls captured back to back in one CUDA
 graph (k8: K = 8; k1: one call per graph), `--replays` replays per trial,
@@ -46,7 +49,7 @@ import torch.distributed as dist
 from torch_sdcp.bench import one_gpu
 from torch_sdcp.bench.boundaries import bench_decode, bench_output_lse, bench_query, bench_signal, bench_topk
 from torch_sdcp.bench.presets import PRESETS
-from torch_sdcp.bench.report import plot, tables
+from torch_sdcp.bench.report import plot, tables, verdicts
 from torch_sdcp.bench.timing import Timer
 
 BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
@@ -148,10 +151,9 @@ def row_list(text: str) -> str:
     return text
 
 
-def parse_args(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torch_sdcp.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     p.add_argument("--world-size", type=positive_int, default=None,
                    help="local ranks, one GPU each (default: the visible GPUs when there are 2 or more, else 2)")
     p.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
@@ -204,6 +206,12 @@ def parse_args(argv=None):
     one.add_argument("--one-gpu-steps", type=positive_int, default=None, metavar="S",
                      help="graph-per-rank: steps per rank graph, so that a replay's launches and a late rank's "
                           f"start count 1/S per step (default {one_gpu.DEFAULT_STEPS_PER_GRAPH})")
+    return p
+
+
+def parse_args(argv=None):
+    p = parser()
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     args = p.parse_args(argv)
     if args.one_gpu is not None:
         return one_gpu_args(p, args)
@@ -287,10 +295,24 @@ def one_gpu_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argpar
     return args
 
 
+def make_out_folder(out: str) -> str:
+    """The output folder made (the last check of the options: nothing is made
+    for a bad one), its absolute path; one that cannot be made or written to
+    is a usage error naming --out."""
+    step = "cannot make it"
+    try:
+        os.makedirs(out, exist_ok=True)
+        step = "cannot write a file in it"
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        parser().error(f"argument --out: expected a folder it can write to, got {out!r}: {step} ({e.strerror or e})")
+    return os.path.abspath(out)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    args.out = os.path.abspath(args.out)
+    args.out = make_out_folder(args.out)
     if args.one_gpu is not None:
         return one_gpu.run(args)
     backend = choose_backend(args.backend, args.world_size)
@@ -313,6 +335,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "tables.txt"), "w") as f:
         f.write(text + "\n")
     note = plot(data, os.path.join(args.out, "latency.png"))
-    print(f"\n{note}" if note else f"\nplot: {os.path.join(args.out, 'latency.png')}")
+    print("\n" + "\n".join(verdicts(data)))
+    print(f"\nwrote {args.out}:\ntables: {os.path.join(args.out, 'tables.txt')}")
+    print(f"plot: {note}" if note else f"plot: {os.path.join(args.out, 'latency.png')}")
     print(f"raw numbers: {os.path.join(args.out, 'bench.json')}")
     return 0

@@ -227,6 +227,65 @@ def tables(data: dict) -> str:
     return "\n".join(lines)
 
 
+def _span(pairs: list) -> str:
+    """(rows, ratio) pairs as "rows 1-128, 1.20x-1.85x"."""
+    rows = [r for r, _ in pairs]
+    ratios = sorted(x for _, x in pairs)
+    where = f"row {rows[0]}" if len(rows) == 1 else f"rows {rows[0]}-{rows[-1]}"
+    return where + (f", {ratios[0]:.2f}x" if len(ratios) == 1 else f", {ratios[0]:.2f}x-{ratios[-1]:.2f}x")
+
+
+def verdict(name: str, rows: list, cuda: bool) -> str:
+    """One line for a boundary: on CUDA, torch_sdcp's k8 against the strongest
+    baseline of each row (the tables' ratio: > 1x, torch_sdcp is faster); on
+    the host backend, what ran, and no speed verdict."""
+    failed = [r["error"] for r in rows if "error" in r and len(r) == 1]
+    if failed:
+        return f"  {name}: could not run ({failed[0]})"
+    step = next((r for r in rows if "requests" in r), None)
+    if step is not None:
+        c, s = step.get("collective", {}).get("k1"), step.get("sdcp", {}).get("k1")
+        if not cuda or not (c and s):
+            return f"  {name}: outputs agree: {step['agree']} (host backend: no speed verdict)" if not cuda else \
+                f"  {name}: outputs agree: {step['agree']}; no step time to compare"
+        return (f"  {name}: torch_sdcp's step {s:.1f} us against the collective path's {c:.1f} us, "
+                f"{abs(1 - s / c):.0%} {'lower' if s < c else 'higher'}; outputs agree: {step['agree']}")
+    timed = [r for r in rows if "rows" in r]
+    if not timed:
+        return f"  {name}: nothing timed"
+    if not cuda:
+        where = f"row{'s' if len(timed) > 1 else ''} {', '.join(str(r['rows']) for r in timed)}"
+        return f"  {name}: ran at {where} (host backend: a protocol check, no speed verdict)"
+    faster: list[tuple[int, float]] = []
+    slower: list[tuple[int, float]] = []
+    missing: list[int] = []
+    for r in timed:
+        best = strongest_baseline(r)
+        ours = r.get("sdcp", {}).get("k8") if "error" not in r.get("sdcp", {}) else None
+        if best is None or not isinstance(ours, (int, float)) or ours <= 0:
+            missing.append(r["rows"])
+        else:
+            (faster if best[1] / ours >= 1 else slower).append((r["rows"], best[1] / ours))
+    parts = []
+    if faster and not slower:
+        parts.append(f"torch_sdcp faster than the strongest baseline at every row timed ({_span(faster)})")
+    elif slower and not faster:
+        parts.append(f"torch_sdcp slower than the strongest baseline at every row timed ({_span(slower)})")
+    elif faster:
+        parts.append(f"torch_sdcp faster at {_span(faster)}; slower at {_span(slower)}")
+    if missing:
+        parts.append(f"no ratio at rows {', '.join(map(str, missing))} (a path did not run)")
+    return f"  {name}: " + "; ".join(parts)
+
+
+def verdicts(data: dict) -> list:
+    """The closing summary: one verdict line per boundary of the run."""
+    cuda = data["meta"]["backend"] == "cuda"
+    head = ("verdict (k8: torch_sdcp against the strongest baseline of each row; > 1x: torch_sdcp faster)" if cuda
+            else "verdict (host backend: not performance, so no speed verdict)")
+    return [head] + [verdict(name, rows, cuda) for name, rows in data["results"].items()]
+
+
 def host_plot_header(meta: dict, width: float) -> tuple:
     """The host figure's title and note lines, wrapped to a figure `width`
     inches wide, and the height they take above the panels, in inches."""
@@ -237,17 +296,23 @@ def host_plot_header(meta: dict, width: float) -> tuple:
     return title, note, 0.25 * len(title) + 0.19 * len(note) + 0.1
 
 
+#: What k8 is, in the plot's legends.
+K8_LEGEND = "k8: 8 calls captured back to back\nin one CUDA graph, us per call"
+K8_LEGEND_HOST = "k8: 8 calls back to back,\nwall clock per call"
+
+
 def plot(data: dict, path: str) -> str | None:
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import NullLocator
     except ImportError:
         return "matplotlib is not installed: no plot"
     boundaries = [b for b, rows in data["results"].items()
                   if b != "signal" and any("rows" in r for r in rows)]
     if not boundaries:
-        return None
+        return "no boundary with timed rows: no plot"
     meta = data["meta"]
     cuda = meta["backend"] == "cuda"
     names = PATH_NAMES if cuda else HOST_PATH_NAMES
@@ -262,11 +327,14 @@ def plot(data: dict, path: str) -> str | None:
             if pts:
                 ax.plot(*zip(*pts, strict=False), marker="o", label=names[p])
         ax.set_xscale("log", base=2)
+        measured = sorted({r["rows"] for r in rows})
+        ax.set_xticks(measured, [str(r) for r in measured])  # ticks at the measured rows only
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("rows (decode tokens)")
         ax.set_ylabel("us per call (k8)" if cuda else "CPU wall clock us per call (k8)")
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(title=K8_LEGEND if cuda else K8_LEGEND_HOST, title_fontsize="small", fontsize="small")
         if not cuda:  # on every panel, so that no panel cropped out of the figure reads as speed
             ax.text(0.5, 0.5, "protocol check\nnot performance", transform=ax.transAxes, ha="center",
                     va="center", fontsize=22, color="0.6", alpha=0.35, rotation=20, zorder=0)
