@@ -469,6 +469,14 @@ inline bool dataflag_pdl(int device) {
   return c == 2;
 }
 
+// A kernel design that is off until a GPU run has checked and measured it:
+// on when the environment variable `name` is "1" (read once per process by
+// each caller, at its first launch).
+inline bool kernel_opt_in(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::string(env) == "1";
+}
+
 // Launches a data-as-flag kernel with `shared_bytes` of dynamic shared memory
 // (the kernel's first step is pdl_wait_and_release: it waits for the previous
 // kernel where the launch is programmatic).

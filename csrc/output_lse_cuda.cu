@@ -230,7 +230,13 @@ __device__ __forceinline__ bool warp_row_empty(const RowMask& m, int t, LookupRo
 // int32 metadata (or none), the lookup's load widths fixed at compile time.
 // At one rank this warp's own first inputs, the lookup's first round and the
 // call index are all in flight together.
-template <typename scalar_t, int kN, bool kNarrowMask>
+//
+// kAllPeers (SDCP_OLSE_ALL_PEERS=1, DCP4 and DCP8; off until a GPU run has
+// checked it): each lane loads every peer's vectors of a chunk at once, one
+// round trip for all peers instead of one per peer, in 2 x 16 registers a
+// peer (ptxas, DCP8: 128 registers and 40 bytes of spills -> 191 and none;
+// DCP4: 128 and 8 -> 156 and none).
+template <typename scalar_t, int kN, bool kNarrowMask, bool kAllPeers = false>
 __global__ void __launch_bounds__(kThreads)
     output_lse_kernel(const __grid_constant__ DeviceWorkspace ws, OutputLSEGeometry g, const scalar_t* po,
                       const float* pl, int rows, bool base2, scalar_t* out, float* out_lse,
@@ -324,6 +330,7 @@ __global__ void __launch_bounds__(kThreads)
   //    payload vectors in shard order, each polled, re-filled and weighed.
   const uint4 sentinel4 = make_uint4(kSentinel, kSentinel, kSentinel, kSentinel);
   const int first_peer = me == 0 ? 1 : 0;
+  static_assert(!kAllPeers || kN >= 4, "at 2 ranks the first peer is every peer; any size keeps one peer ahead");
   // This rank's own shard of an item (chunk 0) and its own LSE are loaded one
   // item ahead: a warp keeps two items' loads in flight, which is what the
   // large-row regime needs (the grid is capped near 2 blocks per SM).
@@ -358,10 +365,21 @@ __global__ void __launch_bounds__(kThreads)
     uint4* const header_at = header(me, lane);
     const uint4 header_word = checks_header ? ld_volatile_v4(header_at) : sentinel4;
     uint32_t lse_word = polls_lse ? ld_volatile_u32(lse_at) : 0u;
-    // Chunk 0's vectors: this rank's own (loaded one item ahead) and the first peer's.
+    // Chunk 0's vectors: this rank's own (loaded one item ahead) and the first
+    // peer's, or with kAllPeers every peer's, so that the peers' round trips
+    // overlap instead of following each other.
     uint4 a0 = sentinel4, a1 = sentinel4;
-    if (first_peer < n && lane < nvec) a0 = ld_volatile_v4(peer_vec(first_peer, lane));
-    if (first_peer < n && two0) a1 = ld_volatile_v4(peer_vec(first_peer, lane + 32));
+    uint4 pa0[kAllPeers ? kShards : 1], pa1[kAllPeers ? kShards : 1];
+    if constexpr (kAllPeers) {
+#pragma unroll
+      for (int s = 0; s < kShards; ++s) {
+        if (s != me && lane < nvec) pa0[s] = ld_volatile_v4(peer_vec(s, lane));
+        if (s != me && two0) pa1[s] = ld_volatile_v4(peer_vec(s, lane + 32));
+      }
+    } else {
+      if (first_peer < n && lane < nvec) a0 = ld_volatile_v4(peer_vec(first_peer, lane));
+      if (first_peer < n && two0) a1 = ld_volatile_v4(peer_vec(first_peer, lane + 32));
+    }
     if (i + kWarps < end) load_own(i + kWarps);
     const bool empty = row_empty(t);  // the whole warp, after its loads are in flight
     float mine = lane != me ? 0.0f : empty ? -INFINITY : own_raw_lse;
@@ -383,7 +401,14 @@ __global__ void __launch_bounds__(kThreads)
       if (v0 != lane) {  // later chunks: load this rank's and the first peer's vectors now
         own0 = own[v0];
         if (second) own1 = own[v0 + 32];
-        if (first_peer < n) {
+        if constexpr (kAllPeers) {
+#pragma unroll
+          for (int s = 0; s < kShards; ++s) {
+            if (s == me) continue;
+            pa0[s] = ld_volatile_v4(peer_vec(s, v0));
+            if (second) pa1[s] = ld_volatile_v4(peer_vec(s, v0 + 32));
+          }
+        } else if (first_peer < n) {
           a0 = ld_volatile_v4(peer_vec(first_peer, v0));
           if (second) a1 = ld_volatile_v4(peer_vec(first_peer, v0 + 32));
         }
@@ -398,6 +423,15 @@ __global__ void __launch_bounds__(kThreads)
         if (s == me) {
           x0.raw = own0;
           x1.raw = own1;
+        } else if constexpr (kAllPeers) {
+          // Every vector is waited for, even at weight 0: the buffer is re-filled here.
+          uint4* p = peer_vec(s, v0);
+          x0.raw = has_sentinel(pa0[s]) ? poll_vector(ws, p, s, call) : pa0[s];
+          *p = sentinel4;
+          if (second) {
+            x1.raw = has_sentinel(pa1[s]) ? poll_vector(ws, p + 32, s, call) : pa1[s];
+            p[32] = sentinel4;
+          }
         } else {
           // a0/a1 hold peer s's vectors (loaded earlier); wait until they landed.
           // Every vector is waited for, even at weight 0: the buffer is re-filled here.
@@ -469,13 +503,20 @@ void launch_combine(const CombineCall& c, int grid, cudaStream_t stream, bool na
                     partial_out.data_ptr<scalar_t>(), partial_lse.data_ptr<float>(), static_cast<int>(c.rows), base2,
                     out.data_ptr<scalar_t>(), out_lse.data_ptr<float>(), c.header, c.mask);
   };
+  static const bool all_peers = kernel_opt_in("SDCP_OLSE_ALL_PEERS");
   auto by_world = [&](auto narrow) {
     constexpr bool kNarrow = decltype(narrow)::value;
     switch (c.ws->world_size) {  // one rank, DCP2, 4 and 8 keep their weights in registers
       case 1: launch(output_lse_kernel<scalar_t, 1, kNarrow>); break;
       case 2: launch(output_lse_kernel<scalar_t, 2, kNarrow>); break;
-      case 4: launch(output_lse_kernel<scalar_t, 4, kNarrow>); break;
-      case 8: launch(output_lse_kernel<scalar_t, 8, kNarrow>); break;
+      case 4:
+        if (all_peers) launch(output_lse_kernel<scalar_t, 4, kNarrow, true>);
+        else launch(output_lse_kernel<scalar_t, 4, kNarrow>);
+        break;
+      case 8:
+        if (all_peers) launch(output_lse_kernel<scalar_t, 8, kNarrow, true>);
+        else launch(output_lse_kernel<scalar_t, 8, kNarrow>);
+        break;
       default: launch(output_lse_kernel<scalar_t, 0, kNarrow>);
     }
   };

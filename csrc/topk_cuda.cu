@@ -59,6 +59,23 @@ SmemPlan plan_smem(int64_t m, int64_t keep, int64_t acc_keys, int64_t stage_keys
   return p;
 }
 
+// The peer merge as a tree (topk_merge_kernel<kRowLoop, true>): the own list
+// stays in acc; every peer's list is staged at once into its own slot, and
+// log2 of the list count (rounded up to a power of two, the missing lists
+// empty) levels of pairwise merges follow, each level's merges side by side.
+// Slots of k keys: [0, world - 1) the staged lists, then tree_outputs(world)
+// for the odd levels' outputs; the even levels write over the staged lists,
+// read by then. The slots start at tmp and lie over chunk_out and the sort,
+// which are free once the own list is in acc.
+constexpr int next_pow2(int n) { return n <= 1 ? 1 : 2 * next_pow2((n + 1) / 2); }
+constexpr int tree_outputs(int world) { return next_pow2(world) / 2; }
+
+SmemPlan tree_plan(int64_t candidates, int64_t keep, int64_t k, int world) {
+  SmemPlan p = plan_smem(candidates, keep, k, 0);
+  p.total = std::max<int64_t>(p.total, p.tmp + align16((world - 1 + tree_outputs(world)) * k * 8));
+  return p;
+}
+
 // The best min(m, keep) keys of (scores[j], ids[j]), j < m, in order, sorted by chunks of
 // kChunk that are merged one at a time. Returns where they are (acc or tmp);
 // with ids_out, a last merge (m > kChunk) writes their ids there instead and
@@ -209,31 +226,148 @@ __device__ __forceinline__ void check_headers(const DeviceWorkspace& ws, int64_t
   }
 }
 
+// ---------------------------------------------------------------------------
+// The merge tree (topk_merge_kernel<kRowLoop, true>, tree_plan).
+// ---------------------------------------------------------------------------
+
+constexpr int kThreadBits = 10;
+static_assert(kThreads == 1 << kThreadBits, "the tree splits the block into power-of-two groups");
+
+// List i of tree level `level`: level 0's are this rank's (acc) and the staged
+// peer lists, empty past the world; level l's list i merges lists
+// [i * 2^l, (i + 1) * 2^l) of level 0 into slot world - 1 + i (odd l) or
+// slot i (even l, over staged lists that level l - 1 has read).
+__device__ __forceinline__ uint64_t* tree_list(uint64_t* slots, uint64_t* acc, int level, int i, int n, int k) {
+  if (level == 0) return i == 0 ? acc : slots + static_cast<int64_t>(i - 1) * k;
+  return slots + static_cast<int64_t>((level & 1) ? n - 1 + i : i) * k;
+}
+
+__device__ __forceinline__ int tree_len(int level, int i, int n, int kk, int k) {
+  const int lists = min(max(n - (i << level), 0), 1 << level);
+  return min(k, lists * kk);
+}
+
+// Row t's peer merge as a tree: acc holds this rank's kk keys; the row's k ids
+// go to o. Every peer's list is staged into its slot (each thread's vectors
+// of kBatch peers loaded before it waits for any, so that their round trips
+// overlap: 4 registers a peer), the call headers
+// checked in parallel (block 0's first row), then log2 next_pow2(world)
+// levels of pairwise merges, each level's merges side by side in groups of
+// kThreads / merges threads; the last level writes the ids.
+template <int kBatch>
+__device__ __forceinline__ void tree_merge(const DeviceWorkspace& ws, const TopKGeometry& g, const SmemPlan& p,
+                                           uint8_t* smem, uint64_t* acc, int32_t* o, int t, int k, uint64_t call,
+                                           const CallHeader& hdr, bool checks_header, const ReportLater& fail) {
+  const int n = ws.world, me = ws.rank;
+  const int kk = static_cast<int>(g.keys_per_row);
+  uint64_t* slots = reinterpret_cast<uint64_t*>(smem + p.tmp);  // tree_plan
+  // Row t of this rank's inbox from the peer `step` ranks on (peer_slot(me + step, me) = step - 1).
+  uint64_t* const inbox = reinterpret_cast<uint64_t*>(ws.buffer(me, call) + g.inbox_offset) + static_cast<int64_t>(t) * kk;
+  const int64_t peer_stride = g.max_rows * kk;
+  // Lane s of warp 0 checks peer me + s + 1's header, loaded before the staging's loads.
+  const bool header_lane = checks_header && static_cast<int>(threadIdx.x) < n - 1;
+  uint4* hp = nullptr;
+  uint4 hv = make_uint4(0, 0, 0, 0);
+  int hsrc = 0;
+  if (header_lane) {
+    hsrc = me + 1 + static_cast<int>(threadIdx.x);
+    if (hsrc >= n) hsrc -= n;
+    hp = topk_header(ws, g.header_offset, call, me, hsrc);
+    hv = ld_volatile_v4(hp);
+  }
+  // 3. Staging: polled from the local buffer, the sentinel written back at once.
+  if (kk % 2 == 0) {
+    for (int s0 = 1; s0 < n; s0 += kBatch) {
+      for (int v = threadIdx.x; v < kk / 2; v += kThreads) {
+        ulonglong2 x[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i)
+          if (s0 + i < n) x[i] = ld_volatile_keys(reinterpret_cast<const ulonglong2*>(inbox + (s0 + i - 1) * peer_stride) + v);
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (s0 + i < n) {
+            const int src = me + s0 + i < n ? me + s0 + i : me + s0 + i - n;
+            ulonglong2* q = reinterpret_cast<ulonglong2*>(inbox + (s0 + i - 1) * peer_stride) + v;
+            if (x[i].x == kTopKSentinel || x[i].y == kTopKSentinel) x[i] = poll_keys(ws, q, src, call, fail);
+            reinterpret_cast<ulonglong2*>(slots + static_cast<int64_t>(s0 + i - 1) * k)[v] = x[i];
+            *q = make_ulonglong2(kTopKSentinel, kTopKSentinel);
+          }
+        }
+      }
+    }
+  } else {
+    for (int step = 1; step < n; ++step) {
+      const int src = me + step < n ? me + step : me + step - n;
+      uint64_t* in = inbox + (step - 1) * peer_stride;
+      uint64_t* dst = slots + static_cast<int64_t>(step - 1) * k;
+      for (int i = threadIdx.x; i < kk; i += kThreads) {
+        dst[i] = poll_key(ws, in + i, src, call, fail);
+        in[i] = kTopKSentinel;
+      }
+    }
+  }
+  if (header_lane) {
+    if (has_sentinel(hv)) hv = poll_vector(ws, hp, hsrc, call, kWaitHeader, fail);
+    if (has_sentinel(hv)) hv = ld_volatile_v4(hp);  // gave up on an abort: the header may have landed since
+  }
+  __syncthreads();  // every list staged, every poll of the row done: no give_up runs while a mismatch is kept
+  if (header_lane) {
+    *hp = sentinel_vector();
+    if (!has_sentinel(hv)) header_matches(hv, hdr, hsrc, call, fail);
+  }
+  // 4. The merges. The last level's one merge writes the ids (k <= world * kk:
+  // every position holds a key, invalid ones are 0: id -1).
+  const int levels = 32 - __clz(n - 1);  // log2 next_pow2(n), n >= 2
+  for (int l = 1; l <= levels; ++l) {
+    const int group_bits = kThreadBits - (levels - l);  // 2^(levels - l) merges of 2^group_bits threads
+    const int j = static_cast<int>(threadIdx.x) >> group_bits;
+    const int lane = static_cast<int>(threadIdx.x) & ((1 << group_bits) - 1);
+    const uint64_t* a = tree_list(slots, acc, l - 1, 2 * j, n, k);
+    const uint64_t* b = tree_list(slots, acc, l - 1, 2 * j + 1, n, k);
+    const int la = tree_len(l - 1, 2 * j, n, kk, k), lb = tree_len(l - 1, 2 * j + 1, n, kk, k);
+    if (l == levels) {
+      merge_path(a, la, b, lb, k, [o](int pos, uint64_t key) { o[pos] = topk_key_id(key); }, lane, 1 << group_bits);
+    } else {
+      uint64_t* dst = tree_list(slots, acc, l, j, n, k);
+      merge_path(a, la, b, lb, min(k, la + lb), [dst](int pos, uint64_t key) { dst[pos] = key; }, lane,
+                 1 << group_bits);
+      __syncthreads();
+    }
+  }
+}
+
 // Grid: one block per row, at most one per SM. kRowLoop: block b handles
 // rows b, b + gridDim.x, ...; without it the grid is the row count and block
 // b handles row b alone: a loop around the sort lets the compiler hoist the
 // sort's per-thread addresses out of it and keep them, spilled, across the
 // sort (at 128 rows, 2 us above the sort alone: NOTES.md, Version 13). For
 // each row: sort the own candidates, push the best kk keys into every peer's
-// buffer (16-byte stores when kk is even), then merge each peer's list
+// buffer (16-byte stores when kk is even), then merge the peers' lists
 // (polled from the local buffer, the sentinel written back at once) into the
-// result, nearest peer first. A block waits only for the same rows of its
-// peers, which every block pushes before it waits, so the grid need not be
-// co-resident.
+// result. kTree (tree_plan): every peer's list is staged at once and merged
+// in a tree of log2 N levels; otherwise (one rank, or a tree that does not
+// fit in shared memory) each peer's list in turn, nearest peer first. A
+// block waits only for the same rows of its peers, which every block pushes
+// before it waits, so the grid need not be co-resident.
 //
 // Call headers (dataflag.cuh): thread 0 of block 0 stores this rank's header
 // into every peer's buffer as soon as it knows the call (after its first
-// sort, before the keys), and checks every peer's header once its first row's
-// keys are merged: both ranks have that row (a call without rows runs
-// topk_headers_kernel instead), so the check is reached whatever the peer's
-// row count, and a mismatch aborts the blocks that wait for rows the peer
-// does not have. Checked outside the poll loop, the header costs the sort and
-// the merge no registers. One thread stores and checks, so that its fence
+// sort, before the keys), and block 0 checks every peer's header once its
+// first row's keys have landed: both ranks have that row (a call without
+// rows runs topk_headers_kernel instead), so the check is reached whatever
+// the peer's row count, and a mismatch aborts the blocks that wait for rows
+// the peer does not have. Checked outside the poll loop, the header costs the
+// sort and the merge no registers. One thread stores, so that its fence
 // before an abort word (dataflag_record) also orders its headers: a peer that
-// meets the abort still finds this rank's header and names both sides.
+// meets the abort still finds this rank's header and names both sides. The
+// tree checks the headers in parallel (lane s of warp 0: peer me + s + 1),
+// each loaded before the staging polls so that its round trip overlaps
+// theirs, and compared after the barrier that ends every poll of the row, so
+// that no give_up writes the block's pending failure while a mismatch does;
+// the sequential merge's thread 0 checks them in turn after the merges.
 // The workspace is a grid constant: the failure paths take its address, which
 // would otherwise make every thread copy it into local memory at entry.
-template <bool kRowLoop>
+template <bool kRowLoop, bool kTree>
 __global__ void __launch_bounds__(kThreads, 1)
     topk_merge_kernel(const __grid_constant__ DeviceWorkspace ws, TopKGeometry g, SmemPlan p, const float* scores,
                       const int32_t* ids, int64_t s0, int64_t i0, int rows, int c, int k, int32_t* out,
@@ -261,9 +395,8 @@ __global__ void __launch_bounds__(kThreads, 1)
            (static_cast<int64_t>(ws.peer_slot(src, d)) * g.max_rows + t) * kk;
   };
   const bool header_thread = blockIdx.x == 0 && threadIdx.x == 0;
-  uint64_t* stage = reinterpret_cast<uint64_t*>(smem + p.stage);
   for (int t = blockIdx.x; t < rows; t += gridDim.x) {
-    const bool checks_header = header_thread && t == 0;  // block 0's first row
+    const bool checks_header = blockIdx.x == 0 && t == 0;  // block 0's first row
     // 1. Owner: the best kk keys of the row, in order.
     uint64_t* acc = block_select(smem, p, scores + t * s0, ids + t * i0, c, kk);
     if (t == static_cast<int>(blockIdx.x)) {  // the block's first row
@@ -272,6 +405,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (header_thread) store_headers(ws, g.header_offset, call, hdr);  // before the keys
     } else {
       call = block_call;
+    }
+    if constexpr (kTree) {
+      // The tree's slots lie over tmp: a selection of several chunks may end there.
+      uint64_t* own = reinterpret_cast<uint64_t*>(smem + p.acc);
+      if (acc != own) {
+        for (int i = threadIdx.x; i < kk; i += kThreads) own[i] = acc[i];
+        __syncthreads();
+        acc = own;
+      }
     }
     // 2. Push them into every peer's buffer (plain stores: the keys are their
     //    own flag), one peer after the other, nearest first: the destination
@@ -287,43 +429,51 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int i = threadIdx.x; i < kk; i += kThreads) dst[i] = acc[i];
       }
     }
-    // 3. Consumer: merge each peer's list as it lands; the last merge writes the ids.
-    uint64_t* tmp = reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
     int32_t* o = out + static_cast<int64_t>(t) * k;
-    int len = kk;
-    for (int step = 1; step < n; ++step) {
-      const int src = (me + step) % n;
-      uint64_t* in = inbox(me, src, t);
-      if (kk % 2 == 0) {
-        for (int v = threadIdx.x; v < kk / 2; v += kThreads) {
-          ulonglong2* q = reinterpret_cast<ulonglong2*>(in) + v;
-          reinterpret_cast<ulonglong2*>(stage)[v] = poll_keys(ws, q, src, call, fail);
-          *q = make_ulonglong2(kTopKSentinel, kTopKSentinel);
+    if constexpr (kTree) {
+      // Two peers' vectors in flight per thread fit the one-row kernel's
+      // registers; the row loop's spill at two (ptxas: 36 -> 140 bytes).
+      tree_merge<kRowLoop ? 1 : 2>(ws, g, p, smem, acc, o, t, k, call, hdr, checks_header, fail);
+    } else {
+      // 3. Consumer: merge each peer's list as it lands; the last merge writes the ids.
+      uint64_t* stage = reinterpret_cast<uint64_t*>(smem + p.stage);
+      uint64_t* tmp =
+          reinterpret_cast<uint64_t*>(smem + (acc == reinterpret_cast<uint64_t*>(smem + p.acc) ? p.tmp : p.acc));
+      int len = kk;
+      for (int step = 1; step < n; ++step) {
+        const int src = (me + step) % n;
+        uint64_t* in = inbox(me, src, t);
+        if (kk % 2 == 0) {
+          for (int v = threadIdx.x; v < kk / 2; v += kThreads) {
+            ulonglong2* q = reinterpret_cast<ulonglong2*>(in) + v;
+            reinterpret_cast<ulonglong2*>(stage)[v] = poll_keys(ws, q, src, call, fail);
+            *q = make_ulonglong2(kTopKSentinel, kTopKSentinel);
+          }
+        } else {
+          for (int i = threadIdx.x; i < kk; i += kThreads) {
+            stage[i] = poll_key(ws, in + i, src, call, fail);
+            in[i] = kTopKSentinel;
+          }
         }
-      } else {
-        for (int i = threadIdx.x; i < kk; i += kThreads) {
-          stage[i] = poll_key(ws, in + i, src, call, fail);
-          in[i] = kTopKSentinel;
-        }
-      }
-      __syncthreads();
-      const int nout = min(k, len + kk);
-      if (step == n - 1) {
-        // The last list: the merge writes the ids (nout = k, as k <= N * kk:
-        // every position holds a key, invalid ones are 0: id -1).
-        merge_path(acc, len, stage, kk, nout, [o](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
-      } else {
-        merge_two(acc, len, stage, kk, tmp, nout);
         __syncthreads();
-        uint64_t* x = acc;
-        acc = tmp;
-        tmp = x;
-        len = nout;
+        const int nout = min(k, len + kk);
+        if (step == n - 1) {
+          // The last list: the merge writes the ids (nout = k, as k <= N * kk:
+          // every position holds a key, invalid ones are 0: id -1).
+          merge_path(acc, len, stage, kk, nout, [o](int pos, uint64_t key) { o[pos] = topk_key_id(key); });
+        } else {
+          merge_two(acc, len, stage, kk, tmp, nout);
+          __syncthreads();
+          uint64_t* x = acc;
+          acc = tmp;
+          tmp = x;
+          len = nout;
+        }
       }
-    }
-    if (checks_header) check_headers(ws, g.header_offset, call, hdr, fail);
-    if (n == 1) {
-      for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
+      if (checks_header && threadIdx.x == 0) check_headers(ws, g.header_offset, call, hdr, fail);
+      if (n == 1) {
+        for (int pos = threadIdx.x; pos < k; pos += kThreads) o[pos] = topk_key_id(acc[pos]);
+      }
     }
     __syncthreads();  // the next row reuses the shared memory
     if constexpr (!kRowLoop) break;
@@ -355,14 +505,19 @@ int64_t max_smem_optin(int device) {
   return value;
 }
 
+// The dynamic shared memory a kernel can opt into beside its static shared memory.
+int64_t smem_limit(const void* kernel, int device) {
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  return max_smem_optin(device) - static_cast<int64_t>(attr.sharedSizeBytes);
+}
+
 // Checks that `bytes` of dynamic shared memory fit next to the kernel's static
 // shared memory, and opts the kernel in (the attribute call is made only when
 // a larger size is first needed on the device).
 void set_smem(const void* kernel, int64_t bytes, std::array<std::atomic<int64_t>, 64>& current, int device,
               const char* arg, const char* what) {
-  cudaFuncAttributes attr{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  const int64_t limit = max_smem_optin(device) - static_cast<int64_t>(attr.sharedSizeBytes);
+  const int64_t limit = smem_limit(kernel, device);
   SDCP_CHECK_ARG(bytes <= limit, arg, "a row that fits in shared memory (" << limit << " bytes of dynamic shared "
                  "memory on this device)", bytes << " bytes for " << what);
   auto& cur = current[device & 63];
@@ -410,8 +565,18 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   SDCP_CHECK_ARG(cand <= kMaxSortKeys, "scores", "at most " << kMaxSortKeys << " candidates per rank on CUDA", cand);
   const c10::cuda::CUDAGuard guard(scores.device());
   const int device = scores.get_device();
-  // acc and tmp hold up to k keys (the merged result), stage one peer's kk.
-  const SmemPlan p = plan_smem(cand, kk, k, kk);
+  const int world = static_cast<int>(ws.world_size);
+  // With SDCP_TOPK_TREE=1, the tree where its slots fit (every peer's list
+  // and the odd levels' outputs: DCP8 at k = 2,048 takes 192 KiB); else, and
+  // at one rank, one peer's list at a time: acc and tmp hold up to k keys
+  // (the merged result), stage one peer's kk.
+  const SmemPlan tree = tree_plan(cand, kk, k, world);
+  static std::array<std::atomic<int64_t>, 64> tree_limit{};  // per device, 0 until asked
+  auto& limit = tree_limit[device & 63];
+  if (limit.load() == 0) limit.store(smem_limit(reinterpret_cast<const void*>(topk_merge_kernel<true, true>), device));
+  static const bool tree_on = kernel_opt_in("SDCP_TOPK_TREE");  // off until a GPU run has checked the tree
+  const bool use_tree = tree_on && world > 1 && tree.total <= limit.load();
+  const SmemPlan p = use_tree ? tree : plan_smem(cand, kk, k, kk);
   // One block per row of this call, at most one per SM: up to one row per SM
   // the kernel without the row loop. Programmatic launch: the kernel waits
   // for the previous one in pdl_wait_and_release before it loads anything.
@@ -425,9 +590,14 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
                    static_cast<int>(c.rows), static_cast<int>(cand), static_cast<int>(k), c.out.data_ptr<int32_t>(),
                    c.header);
   };
-  static std::array<std::atomic<int64_t>, 64> current_one_row{}, current_row_loop{};
-  if (c.rows <= sms) launch(topk_merge_kernel<false>, current_one_row);
-  else launch(topk_merge_kernel<true>, current_row_loop);
+  static std::array<std::atomic<int64_t>, 64> current[4]{};
+  if (use_tree) {
+    if (c.rows <= sms) launch(topk_merge_kernel<false, true>, current[0]);
+    else launch(topk_merge_kernel<true, true>, current[1]);
+  } else {
+    if (c.rows <= sms) launch(topk_merge_kernel<false, false>, current[2]);
+    else launch(topk_merge_kernel<true, false>, current[3]);
+  }
 }
 
 }  // namespace

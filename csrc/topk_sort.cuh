@@ -483,12 +483,14 @@ __device__ __forceinline__ void rank_sort(const SortSmem m, const float* scores,
 // Merge path: the first nout keys of the merge of a[0..la) and b[0..lb), both
 // descending, handed to store(position, key) (a wins ties). Each thread finds
 // its diagonal by binary search and stores its run of outputs. The caller
-// synchronises after.
+// synchronises after. By default the whole block merges; the top-K merge
+// tree gives each of its merges a group of `group` threads (lane < group).
 template <typename Store>
 __device__ __forceinline__ void merge_path(const uint64_t* a, int la, const uint64_t* b, int lb, int nout,
-                                           Store store) {
-  const int per = max(kMergePer, (nout + kThreads - 1) / kThreads);
-  const int q = static_cast<int>(threadIdx.x) * per;
+                                           Store store, int lane = static_cast<int>(threadIdx.x),
+                                           int group = kThreads) {
+  const int per = max(kMergePer, (nout + group - 1) / group);
+  const int q = lane * per;
   if (q >= nout) return;
   int lo = max(0, q - lb), hi = min(q, la);
   while (lo < hi) {

@@ -241,7 +241,9 @@ SHARED_GPU_CASES = [(1, 32, 128, False, True), (17, 32, 256, True, False), (64, 
 
 @requires_gpus(1)
 @pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
-def test_peer_combine_cuda_shared_gpu(world):
+@pytest.mark.parametrize("all_peers", ["0", "1"])  # SDCP_OLSE_ALL_PEERS: every peer's vectors loaded at once
+def test_peer_combine_cuda_shared_gpu(world, all_peers, monkeypatch):
+    monkeypatch.setenv("SDCP_OLSE_ALL_PEERS", all_peers)  # read by the ranks' processes at their first launch
     steps = ((_peer_combine_worker, ("cuda", SHARED_GPU_CASES, 64, True)), (_sentinel_worker, ("cuda_shared",)))
     assert run_workers(in_turn, world, args=steps, timeout=240) == [[len(SHARED_GPU_CASES), True]] * world
 

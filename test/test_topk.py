@@ -247,8 +247,15 @@ SHARED_GPU_CASES = [(1, 2048, 2048, False), (17, 1024, 1024, True), (3, 77, 77, 
                     (0, 2048, 2048, False), (2, 2048, 2048, False, "tied80"), (2, 2048, 2048, False, "equal")]
 
 
+# SDCP_TOPK_TREE: "1" merges the peers' lists in a tree (csrc/topk_cuda.cu, tree_merge), "0" one after the
+# other; the ranks' processes read it at their first launch.
+TREE = pytest.mark.parametrize("tree", ["0", "1"])
+
+
 @requires_gpus(1)
-def test_peer_merge_cuda_two_ranks_on_one_gpu():
+@TREE
+def test_peer_merge_cuda_two_ranks_on_one_gpu(tree, monkeypatch):
+    monkeypatch.setenv("SDCP_TOPK_TREE", tree)
     picked = run_workers(_peer_merge_worker, 2, args=("cuda", SHARED_GPU_CASES, 32, True), timeout=300)
     assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[1], strict=False))
     assert len(picked[0]) == len(SHARED_GPU_CASES)
@@ -256,22 +263,45 @@ def test_peer_merge_cuda_two_ranks_on_one_gpu():
 
 # DCP4 and DCP8 with every rank on GPU 0 (time-sliced, correctness only): rows
 # 0, 1 and max_rows, ties, NaN / +-inf scores, invalid ids, owners with fewer
-# than k or no valid candidates, odd shard rows.
+# than k or no valid candidates, odd shard rows. k = 4,096: with the tree on,
+# the tree at DCP4 (k-key slots) and the one-list-at-a-time merge at DCP8,
+# whose tree would not fit in shared memory.
 SHARED_GPU_WORLD_CASES = [(1, 512, 512, True), (32, 1024, 1024, True), (0, 512, 512, False), (3, 77, 77, True),
-                          (2, 2048, 2048, False, "tied80"), (2, 2048, 2048, False, "equal_nonfinite")]
+                          (2, 2048, 2048, False, "tied80"), (2, 2048, 2048, False, "equal_nonfinite"),
+                          (2, 4096, 4096, True)]
 
 
 @requires_gpus(1)
 @pytest.mark.parametrize("world", SHARED_GPU_WORLDS)
-def test_peer_merge_cuda_shared_gpu(world):
+@TREE
+def test_peer_merge_cuda_shared_gpu(world, tree, monkeypatch):
+    monkeypatch.setenv("SDCP_TOPK_TREE", tree)
     picked = run_workers(_peer_merge_worker, world, args=("cuda", SHARED_GPU_WORLD_CASES, 32, True), timeout=240)
     assert len(picked[0]) == len(SHARED_GPU_WORLD_CASES)
     for r in range(1, world):
         assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r], strict=False))
 
 
+# World sizes that are not a power of two: with the tree on, its last lists
+# are empty (3: one level merges a list with nothing; 6: two).
+ODD_WORLD_CASES = [(1, 2048, 2048, True), (3, 77, 77, True), (5, 512, 1024, False), (2, 2048, 2048, False, "tied80")]
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("world", [3, 6])
+@TREE
+def test_peer_merge_cuda_shared_gpu_worlds_not_a_power_of_two(world, tree, monkeypatch):
+    monkeypatch.setenv("SDCP_TOPK_TREE", tree)
+    picked = run_workers(_peer_merge_worker, world, args=("cuda", ODD_WORLD_CASES, 8, True), timeout=240)
+    assert len(picked[0]) == len(ODD_WORLD_CASES)
+    for r in range(1, world):
+        assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r], strict=False))
+
+
 @requires_gpus(GPU_WORLD)
-def test_peer_merge_cuda():
+@TREE
+def test_peer_merge_cuda(tree, monkeypatch):
+    monkeypatch.setenv("SDCP_TOPK_TREE", tree)
     picked = run_workers(_peer_merge_worker, GPU_WORLD, args=("cuda", GPU_CASES, 256), timeout=400)
     for r in range(1, GPU_WORLD):
         assert all(torch.equal(a, b) for a, b in zip(picked[0], picked[r], strict=False))
