@@ -79,6 +79,7 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
     workspaces,
 )
 from torch_sdcp.integrations.vllm_config import (
+    SUPPORTED_VLLM_SERIES,
     SUPPORTED_VLLM_VERSIONS,
     builder_layer_index,
     configured_off,
@@ -104,12 +105,12 @@ from torch_sdcp.integrations.vllm_versions import (
 from torch_sdcp_settings import VLLM
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "ENV_ENABLE", "ENV_MAX_ROWS", "ENV_SEAMS", "ENV_TIMEOUT_S", "PATCHED",
-    "SUPPORTED_VLLM_VERSIONS", "VLLM_SIGNATURES", "VLLM_SIGNATURES_BY_SERIES", "check_step", "configure",
-    "configured_off", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "dcp_a2a_v_up_proj_lse_reduce", "enable_hint",
-    "gather_heads", "gather_query", "install", "is_installed", "layer_index", "mask_empty_shards",
-    "merge_dcp_topk_global", "row_bound", "series_of", "supported_version", "teardown", "try_prepare_output_lse",
-    "try_prepare_query_gather", "try_prepare_topk", "uninstall", "workspaces",
+    "DEFAULT_TIMEOUT_S", "ENV_ENABLE", "ENV_MAX_ROWS", "ENV_SEAMS", "ENV_TIMEOUT_S", "MANAGER_ATTRIBUTES_BY_SERIES",
+    "PATCHED", "SUPPORTED_VLLM_SERIES", "SUPPORTED_VLLM_VERSIONS", "VLLM_SIGNATURES", "VLLM_SIGNATURES_BY_SERIES",
+    "check_step", "configure", "configured_off", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce",
+    "dcp_a2a_v_up_proj_lse_reduce", "enable_hint", "gather_heads", "gather_query", "install", "is_installed",
+    "layer_index", "mask_empty_shards", "merge_dcp_topk_global", "row_bound", "series_of", "supported_version",
+    "teardown", "try_prepare_output_lse", "try_prepare_query_gather", "try_prepare_topk", "uninstall", "workspaces",
 ]
 
 ENV_ENABLE = VLLM.ENABLE
