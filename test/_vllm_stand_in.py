@@ -1,10 +1,14 @@
-"""A stand-in for the parts of vLLM 0.33.0 the vLLM plugin touches (module
+"""A stand-in for the parts of vLLM 0.33.0 and 0.34.0 the vLLM plugin touches (module
 paths, signatures, the by-name imports of the top-K merge, the DCP manager,
 the worker's step, the shutdown call), whose DCP functions are vLLM's own in
 plain torch over gloo: the reference the plugin's results are compared with.
 Built from one small helper per vLLM module; used by test_vllm_plugin.py and
 test_vllm_lifecycle.py; holds no tests. test_vllm_conformance.py checks the
-signatures against vLLM's sources.
+signatures against vLLM's sources. ``build_fake_vllm(version)``: a 0.34
+version gives 0.34's shapes (the combine's ``out=``, the combine after the V
+up-projection, the merge's three parameters and its key, the direct top-K
+getter, the manager's ``v_up_proj_combine`` and
+``direct_query_gather_max_tokens``).
 """
 
 from __future__ import annotations
@@ -74,13 +78,14 @@ def mask_loop(lse, seq_lens, qsl):
     return lse
 
 
-def vllm_select(scores, ids, k):
+def vllm_select(scores, ids, k, score_bits=32):
     """vLLM's candidate selector as its key defines it: the fp32 score's bits
-    made monotonic (so -0.0 < +0.0, +NaN above +inf, -NaN below -inf), then
-    the lower id; ids < 0 never beat a valid candidate. vLLM leaves the order
+    made monotonic (so -0.0 < +0.0, +NaN above +inf, -NaN below -inf), of
+    which 0.34 keeps the top ``score_bits`` (16 for bf16 logits), then the
+    lower id; ids < 0 never beat a valid candidate. vLLM leaves the order
     within the selected set unspecified: this model returns it sorted."""
     bits = scores.contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    skey = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    skey = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000) >> (32 - score_bits)
     skey = torch.where(ids >= 0, skey, -1)
     order = torch.sort(ids.long(), dim=1, stable=True).indices
     order = order.gather(1, torch.sort(skey.gather(1, order), dim=1, descending=True, stable=True).indices)
@@ -89,6 +94,10 @@ def vllm_select(scores, ids, k):
     if out.shape[1] < k:
         out = torch.cat([out, out.new_full((out.shape[0], k - out.shape[1]), -1)], dim=1)
     return out
+
+
+def is_034(ns):
+    return ns.version.startswith("0.34")
 
 
 # ---------------------------------------------------------------------------
@@ -161,6 +170,37 @@ def _combines(ns, dcp):
         return combine("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse,
                        is_lse_base_on_e, seq_lens, query_start_loc)
 
+    def dcp_a2a_lse_reduce_034(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, is_lse_base_on_e=True,
+                               seq_lens=None, query_start_loc=None, out=None):
+        result = combine("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse,
+                         is_lse_base_on_e, seq_lens, query_start_loc)
+        if out is None:
+            return result
+        out.copy_(result[0] if return_lse else result)
+        return (out, result[1]) if return_lse else out
+
+    def dcp_a2a_v_up_proj_lse_reduce(cp_attn_out, cp_attn_lse, w_uv, out, cp_group, is_lse_base_on_e=True,
+                                     seq_lens=None, query_start_loc=None):
+        """0.34: below 8 rows combine then project this rank's heads, else project then combine."""
+        ns.calls.append(("dcp_a2a_v_up_proj_lse_reduce", _ubatch(ns)))
+        rows, heads, _ = cp_attn_out.shape
+        v = w_uv.shape[-1]
+        if rows < 8:
+            local = heads // cp_group.world_size
+            r = cp_group.rank_in_group
+            latent = dcp.dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e=is_lse_base_on_e,
+                                            seq_lens=seq_lens, query_start_loc=query_start_loc)
+            torch.bmm(latent.transpose(0, 1), w_uv[r * local:(r + 1) * local],
+                      out=out.view(rows, local, v).transpose(0, 1))
+            return
+        projected = cp_attn_out.new_empty((rows, heads, v))
+        torch.bmm(cp_attn_out.transpose(0, 1), w_uv, out=projected.transpose(0, 1))
+        dcp.dcp_a2a_lse_reduce(projected, cp_attn_lse, cp_group, is_lse_base_on_e=is_lse_base_on_e, seq_lens=seq_lens,
+                               query_start_loc=query_start_loc, out=out.view(rows, -1, v))
+
+    if is_034(ns):
+        dcp.dcp_a2a_v_up_proj_lse_reduce = dcp_a2a_v_up_proj_lse_reduce
+
     def reserve_query_head_storage(query, padded_num_heads):
         flat = query.new_empty((query.shape[0] * padded_num_heads * query.shape[2],))
         out = flat[: query.numel()].view(query.shape)
@@ -168,7 +208,7 @@ def _combines(ns, dcp):
         return out
 
     dcp.cp_lse_ag_out_rs = cp_lse_ag_out_rs
-    dcp.dcp_a2a_lse_reduce = dcp_a2a_lse_reduce
+    dcp.dcp_a2a_lse_reduce = dcp_a2a_lse_reduce_034 if is_034(ns) else dcp_a2a_lse_reduce
     dcp.reserve_query_head_storage = reserve_query_head_storage
 
 
@@ -186,12 +226,19 @@ def _manager(ns, dcp, get_dcp_group):
             self.max_num_tokens = vllm_config.dcp_max_num_tokens
             self.use_a2a = pc.dcp_comm_backend == "a2a"
             self.padded_num_heads = padded_num_heads
+            if is_034(ns):
+                self.v_up_proj_combine = None
             self.combine = self._init_combine(num_heads, output_head_dim, output_dtype, is_lse_base_on_e, use_pcp)
+            if is_034(ns):
+                self.direct_query_gather_max_tokens = 0
             self.query_gather = None if use_pcp else self._init_query_gather(num_heads, query_head_dim,
                                                                               query_dtype)
 
         def _init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp):
             ns.calls.append(("_init_combine", _ubatch(ns)))
+            if is_034(ns) and self.use_a2a and not use_pcp:
+                self.v_up_proj_combine = functools.partial(dcp.dcp_a2a_v_up_proj_lse_reduce, cp_group=self.group,
+                                                           is_lse_base_on_e=is_lse_base_on_e)
             fn = dcp.dcp_a2a_lse_reduce if self.use_a2a else dcp.cp_lse_ag_out_rs
             return functools.partial(fn, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e)
 
@@ -211,13 +258,11 @@ def _manager(ns, dcp, get_dcp_group):
 
 def _indexer(ns, indexer, by_name):
     """_merge_dcp_topk_global (local positions in, global ids merged in
-    place) and the decode step's call of it through the module global."""
+    place) and the decode step's call of it through the module global; on
+    0.34 its three parameters, its key, and the direct top-K getter that the
+    indexer's construction calls (``build_indexer``)."""
 
-    def _merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
-                               row_starts=None):
-        if dcp_world_size <= 1:
-            return
-        ns.calls.append(("_merge_dcp_topk_global", _ubatch(ns)))
+    def candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts):
         local = topk_indices.long()
         valid = local >= 0
         pos = local.clamp_min(0)
@@ -226,23 +271,62 @@ def _indexer(ns, indexer, by_name):
         score = logits[: local.shape[0]].gather(1, col).masked_fill(~valid, -math.inf)
         gid = (pos // cp_interleave) * (dcp_world_size * cp_interleave) + dcp_rank * cp_interleave \
             + pos % cp_interleave
-        gid = torch.where(valid, gid, -1).to(torch.int32)
-        all_s = ns.coordinator.all_gather(score.contiguous(), dim=1)
-        all_i = ns.coordinator.all_gather(gid.contiguous(), dim=1)
-        topk_indices.copy_(vllm_select(all_s, all_i, topk_tokens))
+        return score.contiguous(), torch.where(valid, gid, -1).to(torch.int32).contiguous()
+
+    def merge(name, logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave, row_starts,
+              score_bits=32):
+        ns.calls.append((name, _ubatch(ns)))
+        score, gid = candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
+        all_s = ns.coordinator.all_gather(score, dim=1)
+        all_i = ns.coordinator.all_gather(gid, dim=1)
+        topk_indices.copy_(vllm_select(all_s, all_i, topk_tokens, score_bits))
+
+    def _merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
+                               row_starts=None):
+        if dcp_world_size <= 1:
+            return
+        merge("_merge_dcp_topk_global", logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
+              row_starts)
+
+    def _merge_dcp_topk_global_034(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
+                                   row_starts=None, logits_dtype=torch.float32, num_positions=None,
+                                   direct_max_rows=0):
+        if dcp_world_size <= 1:
+            return
+        score_bits = 16 if logits_dtype == torch.bfloat16 else 32
+        name = "_merge_dcp_topk_global"
+        if 0 < topk_indices.shape[0] <= direct_max_rows:
+            workspace = indexer._get_direct_dcp_topk_workspace(topk_indices.device, direct_max_rows, topk_tokens)
+            assert workspace is not None
+            name = "direct_topk_merge"
+        merge(name, logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave, row_starts,
+              score_bits)
+
+    def _get_direct_dcp_topk_workspace(device, max_rows, topk_tokens):
+        ns.calls.append(("_get_direct_dcp_topk_workspace", 0))
+        return types.SimpleNamespace(max_rows=max_rows)
+
+    def build_indexer(device, max_rows, topk_tokens):
+        """SparseAttnIndexer.__init__'s DCP part (a2a, no DBO, CuTeDSL): its
+        dcp_direct_topk_max_rows, through the module global."""
+        return max_rows if indexer._get_direct_dcp_topk_workspace(device, max_rows, topk_tokens) is not None else 0
 
     def sparse_attn_indexer_decode(logits, topk_indices_buffer, rows, topk_tokens, dcp_rank, dcp_world_size,
-                                   cp_interleave, row_starts=None):
+                                   cp_interleave, row_starts=None, **extra):
         """The decode step's call: a view of the buffer, merged in place,
-        through the module global."""
+        through the module global (0.34: with its three parameters)."""
         topk_indices = topk_indices_buffer[:rows, :topk_tokens]
         indexer._merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size,
-                                       cp_interleave, row_starts=row_starts)
+                                       cp_interleave, row_starts=row_starts, **extra)
         return topk_indices_buffer
 
-    indexer._merge_dcp_topk_global = _merge_dcp_topk_global
+    merge_fn = _merge_dcp_topk_global_034 if is_034(ns) else _merge_dcp_topk_global
+    indexer._merge_dcp_topk_global = merge_fn
     indexer.sparse_attn_indexer_decode = sparse_attn_indexer_decode
-    by_name._merge_dcp_topk_global = _merge_dcp_topk_global
+    by_name._merge_dcp_topk_global = merge_fn
+    if is_034(ns):
+        indexer._get_direct_dcp_topk_workspace = _get_direct_dcp_topk_workspace
+        indexer.build_indexer = build_indexer
 
 
 def build_fake_vllm(version="0.33.0"):
@@ -251,7 +335,7 @@ def build_fake_vllm(version="0.33.0"):
     ``ubatch`` (a thread-local micro-batch id) and ``coordinator`` (the DCP
     group ``get_dcp_group`` returns)."""
     mods = packages(VLLM_MODULES)
-    ns = types.SimpleNamespace(mods=mods, calls=[], ubatch=threading.local(), coordinator=None)
+    ns = types.SimpleNamespace(mods=mods, calls=[], ubatch=threading.local(), coordinator=None, version=version)
     mods["vllm"].__version__ = version
     _logger(ns, mods["vllm.logger"])
     mods["vllm.v1.worker.ubatching"].dbo_current_ubatch_id = lambda: _ubatch(ns)
@@ -298,9 +382,9 @@ class FakeVllm:
         self.modules.__exit__(*exc)
 
 
-def config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, bound=BOUND):
+def config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, bound=BOUND, v_head_dim=None):
     """The part of a VllmConfig the manager and the plugin read."""
-    hf = types.SimpleNamespace(index_topk=index_topk)
+    hf = types.SimpleNamespace(index_topk=index_topk, v_head_dim=v_head_dim)
     return types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(num_ubatches=num_ubatches, dcp_comm_backend=backend,
                                               dcp_q_replicate=q_replicate),

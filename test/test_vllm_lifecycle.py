@@ -158,9 +158,9 @@ def test_seams_setting(env):
 def test_version_check():
     from torch_sdcp.integrations import vllm as plugin
 
-    for version in ("0.33.0", "0.33.1", "0.33.12", "0.33.0+cu130"):
+    for version in ("0.33.0", "0.33.1", "0.33.12", "0.33.0+cu130", "0.34.0", "0.34.1"):
         assert plugin.supported_version(version), version
-    for version in ("0.34.0", "0.33", "0.330.1", "0.33.1rc1", "1.33.0", "unknown"):
+    for version in ("0.35.0", "0.33", "0.330.1", "0.33.1rc1", "1.33.0", "unknown"):
         assert not plugin.supported_version(version), version
     with FakeVllm(version="0.33.2"):
         assert plugin.install()
@@ -490,7 +490,7 @@ def test_require_mode_fails_the_build_with_the_line(env, stubs):
 
 def test_require_mode_fails_registration_on_a_refused_version(env, collect):
     env.setenv("SDCP_VLLM", "require")
-    with FakeVllm(version="0.34.0"), pytest.raises(RuntimeError, match="SDCP_VLLM=require"):
+    with FakeVllm(version="0.35.0"), pytest.raises(RuntimeError, match="SDCP_VLLM=require"):
         vllm_entry.register()
     vllm_entry._logged.clear()
 
@@ -499,7 +499,7 @@ def test_post_releases_accepted():
     from torch_sdcp.integrations import vllm as plugin
 
     assert plugin.supported_version("0.33.0.post1") and plugin.supported_version("0.33.1.post2+cu130")
-    assert not plugin.supported_version("0.34.0.post1")
+    assert not plugin.supported_version("0.35.0.post1")
 
 
 def test_plugin_check_reports_seams_rows_and_bytes(env):

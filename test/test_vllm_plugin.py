@@ -35,7 +35,7 @@ from _vllm_stand_in import mask_loop as _mask_loop
 from _vllm_stand_in import vllm_select as _vllm_select
 
 from torch_sdcp import reference
-from torch_sdcp.integrations import vllm_calls
+from torch_sdcp.integrations import vllm_calls, vllm_topk
 from torch_sdcp.integrations._boundaries import query_direct
 from torch_sdcp_plugins import vllm as vllm_entry
 from torch_sdcp_settings import VLLM
@@ -377,7 +377,7 @@ def test_bad_setting_is_logged_and_off(plugin, monkeypatch, collect):
 
 def test_unknown_version_refused(plugin, monkeypatch, collect):
     monkeypatch.setenv("SDCP_VLLM", "1")
-    with FakeVllm(version="0.34.0") as ns:
+    with FakeVllm(version="0.35.0") as ns:
         dcp = ns.mods["vllm.v1.attention.ops.dcp"]
         indexer = ns.mods["vllm.model_executor.layers.sparse_attn_indexer"]
         before = (dict(vars(dcp.MLADCPManager)), indexer._merge_dcp_topk_global)
@@ -386,7 +386,13 @@ def test_unknown_version_refused(plugin, monkeypatch, collect):
         assert not plugin.is_installed()
         assert (dict(vars(dcp.MLADCPManager)), indexer._merge_dcp_topk_global) == before, "patched anyway"
     errors = [m for lvl, m in collect.records if lvl == "ERROR"]
-    assert len(errors) == 1 and "0.34.0" in errors[0] and "0.33.0" in errors[0], errors
+    assert len(errors) == 1 and "0.35.0" in errors[0] and "0.33.0, 0.34.0" in errors[0], errors
+
+
+def test_unknown_version_fails_start_up_with_require(plugin, monkeypatch):
+    monkeypatch.setenv("SDCP_VLLM", "require")
+    with FakeVllm(version="0.35.0"), pytest.raises(RuntimeError, match="require"):
+        vllm_entry.register()
 
 
 def test_missing_target_refused(plugin, monkeypatch, collect):
@@ -412,7 +418,7 @@ def test_install_idempotent_and_reversible(plugin):
         assert indexer._merge_dcp_topk_global is plugin.merge_dcp_topk_global
         assert glm._merge_dcp_topk_global is plugin.merge_dcp_topk_global
         # Patched at install: all but the worker's step; plus two re-exports (the merge, destroy_model_parallel).
-        assert len(plugin._state.patches) == len(plugin.PATCHED) - 1 + 2
+        assert len(plugin._state.patches) == len(plugin.PATCHED) - 2 + 2  # nor 0.34's direct top-K getter
         plugin.uninstall()
         plugin.uninstall()
         assert (dict(vars(dcp.MLADCPManager)), indexer._merge_dcp_topk_global) == before
@@ -436,20 +442,26 @@ def test_patched_signatures_match(plugin):
             p.name + ("" if p.default is inspect.Parameter.empty else "=" + repr(p.default))
             for p in s.parameters.values() if not (p.name == "tag" and p.kind is p.KEYWORD_ONLY)) + ")"
 
-    table = plugin.VLLM_SIGNATURES
     dcp, idx = "vllm.v1.attention.ops.dcp", "vllm.model_executor.layers.sparse_attn_indexer"
+    # The replacements take 0.34's parameters; 0.33's are their leading ones.
+    table = plugin.VLLM_SIGNATURES_BY_SERIES["0.34"]
     assert strip(plugin.cp_lse_ag_out_rs) == params(table[(dcp, "cp_lse_ag_out_rs")])
     assert strip(plugin.dcp_a2a_lse_reduce) == params(table[(dcp, "dcp_a2a_lse_reduce")])
+    assert strip(plugin.dcp_a2a_v_up_proj_lse_reduce) == params(table[(dcp, "dcp_a2a_v_up_proj_lse_reduce")])
     assert strip(plugin.merge_dcp_topk_global) == params(table[(idx, "_merge_dcp_topk_global")])
     assert strip(plugin._manager_init_combine) == params(table[(dcp, "MLADCPManager._init_combine")])
     assert strip(plugin._manager_init_query_gather) == params(table[(dcp, "MLADCPManager._init_query_gather")])
-    # The stand-in agrees with the table too.
-    ns = build_fake_vllm()
-    for (mod, path), text in table.items():
-        owner = ns.mods[mod]
-        for part in path.split("."):
-            owner = getattr(owner, part)
-        assert strip(owner) == params(text), (mod, path)
+    assert strip(plugin._direct_topk_workspace) == params(table[(idx, "_get_direct_dcp_topk_workspace")])
+    for (mod, path), text in plugin.VLLM_SIGNATURES_BY_SERIES["0.33"].items():
+        assert params(table[(mod, path)]).startswith(params(text)[:-1]), (mod, path)
+    # The stand-in agrees with each version's table too.
+    for version, series in (("0.33.0", "0.33"), ("0.34.0", "0.34")):
+        ns = build_fake_vllm(version)
+        for (mod, path), text in plugin.VLLM_SIGNATURES_BY_SERIES[series].items():
+            owner = ns.mods[mod]
+            for part in path.split("."):
+                owner = getattr(owner, part)
+            assert strip(owner) == params(text), (version, mod, path)
 
 
 class _NoPeer:
@@ -589,7 +601,7 @@ def test_local_candidates_mapping(plugin):
     local = torch.tensor([[0, 5, -1, 63], [1, 4, 7, 62]], dtype=torch.int32)
     starts = torch.tensor([3, 6], dtype=torch.int32)
     for r in range(world):
-        scores, ids = vllm_calls._local_candidates(logits, local, r, world, I, starts)
+        scores, ids = vllm_topk._local_candidates(logits, local, r, world, I, starts)
         want_ids = torch.where(local >= 0, table[r][local.clamp_min(0).long()], -1)
         assert torch.equal(ids, want_ids.to(torch.int32))
         col = (local.clamp_min(0).long() + starts.long().unsqueeze(1)).clamp_max(69)
@@ -622,7 +634,6 @@ def _fixed_masking(world, rows, seed):
 
 def _gpu_capture_worker(rank, world, shared=False):
     from torch_sdcp.integrations import vllm as plugin
-    from torch_sdcp.integrations import vllm_calls
 
     device = torch.device("cuda", 0 if shared else rank)
     torch.cuda.set_device(device)

@@ -6,8 +6,15 @@
 # CI.
 #   tools/vllm_env.sh [VENV]          (default /tmp/vllm033-env)
 #   VENV/bin/python -m pytest -q test/test_vllm_real.py test/test_vllm_lifecycle.py
-# VLLM_VERSION=0.33.1 builds the same for a patch release (then run
-# test/test_vllm_conformance.py against it before trusting the plugin there).
+# VLLM_VERSION picks the release (0.33.0 by default; 0.34.0 is the other
+# supported one: VLLM_VERSION=0.34.0 tools/vllm_env.sh /tmp/vllm034-env), or a
+# patch release (then run test/test_vllm_conformance.py against it before
+# trusting the plugin there).
+#
+# A pinned requirement (name==version) that the package index lacks (0.34.0
+# pins flashinfer-python==0.7.3, which the index here does not have) is
+# replaced by the newest release of that package the index has, installed
+# --no-deps; the script prints one line per such replacement.
 #
 # torch: the venv sees this Python's site-packages. When the torch there has
 # vLLM's pinned major.minor (0.33.0 pins 2.14.0), it is used as is (a patch
@@ -32,7 +39,25 @@ if [[ ${have%.*} != "${torch_pin%.*}" ]]; then
   "$py" -m pip install -q "torch==$torch_pin"
 fi
 grep -Ev '^(torch|torchaudio|torchvision)([=<>! ;]|$)' "$venv/vllm-requires.txt" > "$venv/vllm-requires-no-torch.txt"
-"$py" -m pip install -q -r "$venv/vllm-requires-no-torch.txt" pytest expecttest
+: > "$venv/vllm-requires-resolvable.txt"
+: > "$venv/vllm-requires-unresolvable.txt"
+while IFS= read -r req; do
+  spec=${req%%;*}
+  spec=${spec// /}
+  name=${spec%%==*}
+  name=${name%%[*}
+  if [[ $spec == *==* ]] && ! "$py" -m pip index versions "$name" 2>/dev/null | sed -n 's/^Available versions: //p' \
+      | tr ',' '\n' | tr -d ' ' | grep -qxF "${spec##*==}"; then
+    echo "$name" >> "$venv/vllm-requires-unresolvable.txt"
+    echo "vLLM $version pins $spec, which the package index lacks: the newest $name it has goes in --no-deps"
+  else
+    echo "$req" >> "$venv/vllm-requires-resolvable.txt"
+  fi
+done < "$venv/vllm-requires-no-torch.txt"
+"$py" -m pip install -q -r "$venv/vllm-requires-resolvable.txt" pytest expecttest
+if [[ -s "$venv/vllm-requires-unresolvable.txt" ]]; then
+  "$py" -m pip install -q --no-deps -r "$venv/vllm-requires-unresolvable.txt"
+fi
 "$py" -m pip install -q --no-deps "$wheel"
 # torch_sdcp against that torch (host backend only), with its entry points.
 (cd "$root" && SDCP_NO_CUDA=1 "$py" -m pip install --no-build-isolation --no-deps -e .)

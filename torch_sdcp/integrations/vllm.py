@@ -4,19 +4,25 @@ call sites.
 vLLM loads the entry point :func:`torch_sdcp_plugins.vllm.register` in every
 process; it imports this module only when ``SDCP_VLLM=1`` and the settings
 are valid, then calls :func:`install`, which, on a vLLM release it knows
-(:func:`supported_version`: 0.33.x), patches:
+(:func:`supported_version`: 0.33.x and 0.34.x, one table of vLLM's
+signatures per series in :mod:`torch_sdcp.integrations.vllm_versions`), patches:
 
 - ``MLADCPManager._init_combine`` (``vllm.v1.attention.ops.dcp``): the
   Output/LSE combine of both ``--dcp-comm-backend`` values (``ag_rs``:
   :func:`cp_lse_ag_out_rs`, ``a2a``: :func:`dcp_a2a_lse_reduce`, vLLM's
-  signatures and masking) on ``OutputLSEWorkspace``;
+  signatures and masking, 0.34's ``out=``) on ``OutputLSEWorkspace``, and on
+  0.34 with ``a2a`` the manager's ``v_up_proj_combine`` (the combine after
+  the V up-projection, :func:`dcp_a2a_v_up_proj_lse_reduce`);
 - ``MLADCPManager._init_query_gather``: the query gather on heads on
   ``QueryWorkspace`` (:func:`gather_query`), prepared for every manager: the
   attention class vLLM picks decides whether it gathers (GLM-5 on CUDA does,
-  whatever ``dcp_q_replicate`` says);
+  whatever ``dcp_q_replicate`` says); on 0.34 its bound is the manager's
+  ``direct_query_gather_max_tokens``, so ``prepare_mqa_query`` gathers early;
 - ``_merge_dcp_topk_global`` (``vllm.model_executor.layers.sparse_attn_indexer``
   and every module that imported it by name): the top-K merge on
-  ``TopKWorkspace`` (:func:`merge_dcp_topk_global`);
+  ``TopKWorkspace`` (:func:`merge_dcp_topk_global`; 0.34's parameters and
+  selection key included), and on 0.34 ``_get_direct_dcp_topk_workspace``,
+  so that vLLM's direct top-K is not created while the plugin's runs;
 - ``MLADCPManager.__init__``, wrapped to read the model's ``index_topk``,
   prepare the top-K workspaces and log each seam on or off, with why, once
   per DCP group, and to read the index of the layer that builds the manager
@@ -56,15 +62,16 @@ from torch_sdcp.integrations._engine import SeamPlan
 from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exported
     DEFAULT_TIMEOUT_S,
     ENV_TIMEOUT_S,
+    V_UP_PROJ_FIRST_MIN_TOKENS,
     configure,
     cp_lse_ag_out_rs,
     dcp_a2a_lse_reduce,
+    dcp_a2a_v_up_proj_lse_reduce,
     engine,
     face,
     gather_heads,
     gather_query,
     mask_empty_shards,
-    merge_dcp_topk_global,
     teardown,
     try_prepare_output_lse,
     try_prepare_query_gather,
@@ -79,56 +86,42 @@ from torch_sdcp.integrations.vllm_config import (
     enable_hint,
     layer_index,
     row_bound,
+    series_of,
     supported_version,
     topk_geometry,
+    v_head_dim,
 )
 from torch_sdcp.integrations.vllm_step import check_step, destroy_model_parallel, worker_sample_tokens
+from torch_sdcp.integrations.vllm_topk import direct_topk_workspace, merge_dcp_topk_global
+from torch_sdcp.integrations.vllm_versions import (
+    DCP,
+    GPU_WORKER,
+    INDEXER,
+    MANAGER_ATTRIBUTES_BY_SERIES,
+    PARALLEL_STATE,
+    UBATCHING,
+    VLLM_SIGNATURES_BY_SERIES,
+)
 from torch_sdcp_settings import VLLM
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "ENV_ENABLE",
-    "ENV_MAX_ROWS",
-    "ENV_SEAMS",
-    "ENV_TIMEOUT_S",
-    "PATCHED",
-    "SUPPORTED_VLLM_VERSIONS",
-    "VLLM_SIGNATURES",
-    "check_step",
-    "configured_off",
-    "configure",
-    "enable_hint",
-    "cp_lse_ag_out_rs",
-    "dcp_a2a_lse_reduce",
-    "gather_heads",
-    "gather_query",
-    "install",
-    "is_installed",
-    "layer_index",
-    "mask_empty_shards",
-    "merge_dcp_topk_global",
-    "row_bound",
-    "supported_version",
-    "teardown",
-    "try_prepare_output_lse",
-    "try_prepare_query_gather",
-    "try_prepare_topk",
-    "uninstall",
-    "workspaces",
+    "DEFAULT_TIMEOUT_S", "ENV_ENABLE", "ENV_MAX_ROWS", "ENV_SEAMS", "ENV_TIMEOUT_S", "MANAGER_ATTRIBUTES_BY_SERIES",
+    "PATCHED", "SUPPORTED_VLLM_SERIES", "SUPPORTED_VLLM_VERSIONS", "VLLM_SIGNATURES", "VLLM_SIGNATURES_BY_SERIES",
+    "check_step", "configure", "configured_off", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce",
+    "dcp_a2a_v_up_proj_lse_reduce", "enable_hint", "gather_heads", "gather_query", "install", "is_installed",
+    "layer_index", "mask_empty_shards", "merge_dcp_topk_global", "row_bound", "series_of", "supported_version",
+    "teardown", "try_prepare_output_lse", "try_prepare_query_gather", "try_prepare_topk", "uninstall", "workspaces",
 ]
 
 ENV_ENABLE = VLLM.ENABLE
 ENV_MAX_ROWS = VLLM.MAX_ROWS
 ENV_SEAMS = VLLM.SEAMS
 
-_DCP = "vllm.v1.attention.ops.dcp"
-_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
-_UBATCHING = "vllm.v1.worker.ubatching"
-_PARALLEL_STATE = "vllm.distributed.parallel_state"
-_GPU_WORKER = "vllm.v1.worker.gpu_worker"
+_DCP, _INDEXER, _UBATCHING, _PARALLEL_STATE, _GPU_WORKER = DCP, INDEXER, UBATCHING, PARALLEL_STATE, GPU_WORKER
 
 # What install() replaces: (module, attribute path). The worker's step is
-# patched when the first MLADCPManager is built (in a worker process only).
+# patched when the first MLADCPManager is built (in a worker process only);
+# vLLM 0.34's direct top-K getter only where its table has it.
 PATCHED = (
     (_DCP, "MLADCPManager.__init__"),
     (_DCP, "MLADCPManager._init_combine"),
@@ -136,36 +129,17 @@ PATCHED = (
     (_INDEXER, "_merge_dcp_topk_global"),
     (_PARALLEL_STATE, "destroy_model_parallel"),
     (_GPU_WORKER, "Worker.sample_tokens"),
+    (_INDEXER, "_get_direct_dcp_topk_workspace"),
 )
-_AT_INSTALL = PATCHED[:5]
+_AT_INSTALL = PATCHED[:5] + PATCHED[6:]
+_TOPK_PATCHES = ("_merge_dcp_topk_global", "_get_direct_dcp_topk_workspace")
 # Functions other vLLM modules import by name: their copies are patched too.
 _BY_NAME = ("_merge_dcp_topk_global", "destroy_model_parallel")
 
-# Every vLLM function this module replaces, wraps, mirrors or calls, with the
-# parameter list it was written against (annotations left out). The
-# conformance test reads the installed vLLM's sources and compares.
-VLLM_SIGNATURES = {
-    (_DCP, "cp_lse_ag_out_rs"): "(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, "
-                                "is_lse_base_on_e=True, seq_lens=None, query_start_loc=None)",
-    (_DCP, "dcp_a2a_lse_reduce"): "(cp_attn_out, cp_attn_lse, cp_group, ctx=None, return_lse=False, "
-                                  "is_lse_base_on_e=True, seq_lens=None, query_start_loc=None)",
-    (_DCP, "MLADCPManager.__init__"): "(self, vllm_config, device, num_heads, query_head_dim, output_head_dim, "
-                                      "query_dtype, output_dtype, padded_num_heads, is_lse_base_on_e, use_pcp)",
-    (_DCP, "MLADCPManager._init_combine"): "(self, num_heads, head_dim, dtype, is_lse_base_on_e, use_pcp)",
-    (_DCP, "MLADCPManager._init_query_gather"): "(self, num_heads, head_dim, dtype)",
-    (_DCP, "MLADCPManager._gather_query"): "(self, query)",
-    (_DCP, "reserve_query_head_storage"): "(query, padded_num_heads)",
-    (_INDEXER, "_merge_dcp_topk_global"): "(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, "
-                                          "cp_interleave, row_starts=None)",
-    (_UBATCHING, "dbo_current_ubatch_id"): "()",
-    (_PARALLEL_STATE, "get_dcp_group"): "()",
-    (_PARALLEL_STATE, "destroy_model_parallel"): "()",
-    (_GPU_WORKER, "Worker.sample_tokens"): "(self, grammar_output)",
-}
-
-# Attributes of MLADCPManager the patched methods read (set in its __init__
-# before _init_combine runs; the conformance test checks that too).
-MANAGER_ATTRIBUTES = ("group", "device", "num_ubatches", "max_num_tokens", "use_a2a", "padded_num_heads")
+# The functions of each release series (vllm_versions.VLLM_SIGNATURES_BY_SERIES);
+# VLLM_SIGNATURES and MANAGER_ATTRIBUTES keep the names of 0.33's.
+VLLM_SIGNATURES = VLLM_SIGNATURES_BY_SERIES["0.33"]
+MANAGER_ATTRIBUTES = MANAGER_ATTRIBUTES_BY_SERIES["0.33"]["_init_combine"]
 
 
 # ---------------------------------------------------------------------------
@@ -184,6 +158,7 @@ class _State:
         self.patches: list[tuple[Any, str, Any, Any]] = []
         self.config = threading.local()
         self.step_check: str | None = None  # None: not patched yet; "" patched; else why it could not be
+        self.series = "0.33"  # the installed vLLM's table (vllm_versions)
 
 
 _state = _State()
@@ -263,8 +238,36 @@ def _manager_init_combine(self, num_heads, head_dim, dtype, is_lse_base_on_e, us
     backend = "a2a" if self.use_a2a else "ag_rs"
     _decide("combine", True, f"peer memory in place of {backend}, {num_heads * world} heads x {head_dim}, "
             f"{bound} rows, {self.num_ubatches} micro-batch(es)")
+    if self.use_a2a and "dcp_a2a_v_up_proj_lse_reduce" in engine.originals:
+        self.v_up_proj_combine = _v_up_proj_combine(self, num_heads, dtype, is_lse_base_on_e, bound)
     fn = dcp_a2a_lse_reduce if self.use_a2a else cp_lse_ag_out_rs
     return functools.partial(fn, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e, tag=_building().get("tag"))
+
+
+def _v_up_proj_combine(self, num_heads, dtype, is_lse_base_on_e, bound):
+    """vLLM 0.34, ``a2a`` without PCP (vLLM sets ``v_up_proj_combine`` then,
+    unless its direct A2A workspace runs, which the plugin's combine replaces):
+    the combine after the V up-projection on an Output/LSE workspace of
+    head_dim ``v_head_dim``; without that dimension or peer memory, vLLM's own
+    function (NCCL), as vLLM would set it."""
+    v = v_head_dim(_building()["config"])
+    world = self.group.world_size
+    why = None if v is not None else "the model has no v_head_dim"
+    if why is None and not try_prepare_output_lse(self.group, max_rows=bound, total_heads=num_heads * world,
+                                                  head_dim=v, dtype=dtype, device=self.device,
+                                                  num_ubatches=self.num_ubatches):
+        why = "peer memory unavailable"
+    if why is not None:
+        _log_once("warning", ("v-up", why), "torch_sdcp: the combine after the V up-projection "
+                  "(MLADCPManager.v_up_proj_combine) stays vLLM's: %s", why)
+        return functools.partial(engine.originals["dcp_a2a_v_up_proj_lse_reduce"], cp_group=self.group,
+                                 is_lse_base_on_e=is_lse_base_on_e)
+    seams = _building()["seams"]
+    on, text = seams["combine"]
+    seams["combine"] = (on, f"{text}; from {V_UP_PROJ_FIRST_MIN_TOKENS} rows on after the V up-projection, "
+                        f"{num_heads * world} heads x {v}")
+    return functools.partial(dcp_a2a_v_up_proj_lse_reduce, cp_group=self.group, is_lse_base_on_e=is_lse_base_on_e,
+                             tag=_building().get("tag"))
 
 
 def _manager_init_query_gather(self, num_heads, head_dim, dtype):
@@ -283,8 +286,12 @@ def _manager_init_query_gather(self, num_heads, head_dim, dtype):
     if off is not None:
         _decide("query", False, off)
         return original(self, num_heads, head_dim, dtype)
+    early = ""
+    if hasattr(self, "direct_query_gather_max_tokens"):  # vLLM 0.34: prepare_mqa_query gathers up to it, early
+        self.direct_query_gather_max_tokens = bound
+        early = f", issued early by prepare_mqa_query up to {bound} rows"
     _decide("query", True, f"peer memory, {self.group.world_size} x {num_heads} heads x {head_dim} of {dtype}, "
-            f"{bound} rows, {self.num_ubatches} micro-batch(es); used where the attention class gathers")
+            f"{bound} rows, {self.num_ubatches} micro-batch(es); used where the attention class gathers{early}")
     return functools.partial(gather_query, cp_group=self.group, padded_num_heads=self.padded_num_heads,
                              fallback=self._gather_query, tag=_building().get("tag"))
 
@@ -342,12 +349,21 @@ def is_installed() -> bool:
     return _state.installed
 
 
+def _direct_topk_workspace(device, max_rows, topk_tokens):
+    """Replaces vLLM 0.34's ``_get_direct_dcp_topk_workspace``
+    (:func:`torch_sdcp.integrations.vllm_topk.direct_topk_workspace`), after
+    the step's health check is in place (without it the seam stays vLLM's)."""
+    _install_step_check()
+    return direct_topk_workspace(device, max_rows, topk_tokens, off=_state.step_check or None)
+
+
 _REPLACEMENTS = {
     "MLADCPManager.__init__": _manager_init,
     "MLADCPManager._init_combine": _manager_init_combine,
     "MLADCPManager._init_query_gather": _manager_init_query_gather,
     "_merge_dcp_topk_global": merge_dcp_topk_global,
     "destroy_model_parallel": destroy_model_parallel,
+    "_get_direct_dcp_topk_workspace": _direct_topk_workspace,
 }
 
 
@@ -361,22 +377,23 @@ def install() -> bool:
         if _state.installed:
             return True
         version = _vllm_version()
-        if not supported_version(version):
+        series = series_of(version)
+        if series is None:
             _log_once("error", ("version", version), "torch_sdcp: vLLM %s is not a version this plugin knows "
-                      "(supported: %s and the %s.x patch releases); nothing is patched and vLLM runs its own DCP "
+                      "(supported: %s and their patch releases); nothing is patched and vLLM runs its own DCP "
                       "paths. Check the call sites with test/test_vllm_conformance.py before adding a version.",
-                      version, ", ".join(SUPPORTED_VLLM_VERSIONS), SUPPORTED_VLLM_SERIES)
+                      version, ", ".join(SUPPORTED_VLLM_VERSIONS))
             return False
+        table = VLLM_SIGNATURES_BY_SERIES[series]
         try:
             modules = {name: importlib.import_module(name) for name in (_DCP, _INDEXER, _UBATCHING,
                                                                           _PARALLEL_STATE)}
-            wanted = [(name, path) for name, path in _AT_INSTALL
-                      if path != "_merge_dcp_topk_global" or "topk" in VLLM.seams()]
+            wanted = [(name, path) for name, path in _AT_INSTALL if (name, path) in table
+                      and (path not in _TOPK_PATCHES or "topk" in VLLM.seams())]
             targets = [(path, *_resolve(modules[name], path)) for name, path in wanted]
-            originals = {
-                "cp_lse_ag_out_rs": modules[_DCP].cp_lse_ag_out_rs,
-                "dcp_a2a_lse_reduce": modules[_DCP].dcp_a2a_lse_reduce,
-            }
+            originals = {name: getattr(modules[_DCP], name) for name in
+                         ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "dcp_a2a_v_up_proj_lse_reduce")
+                         if (_DCP, name) in table}
             ubatch_id = modules[_UBATCHING].dbo_current_ubatch_id
             dcp_group = modules[_PARALLEL_STATE].get_dcp_group
         except (ImportError, AttributeError, KeyError) as e:
@@ -399,10 +416,12 @@ def install() -> bool:
             setattr(owner, name, new)
         _state.patches = patches
         _state.step_check = None
+        _state.series = series
         configure(ubatch_id=ubatch_id, dcp_group=dcp_group, originals=originals)
         _state.installed = True
     _log_once("info", ("install", version), "torch_sdcp: installed behind vLLM %s's MLA DCP combine, query gather "
-              "and sparse-indexer top-K merge (%s=1, seams: %s)", version, ENV_ENABLE, ",".join(VLLM.seams()))
+              "and sparse-indexer top-K merge (%s=1, seams: %s; the %s table)", version, ENV_ENABLE,
+              ",".join(VLLM.seams()), series)
     return True
 
 

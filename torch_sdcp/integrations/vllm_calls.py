@@ -12,7 +12,7 @@ these into vLLM and re-exports them; this module never imports vLLM.
 
 from __future__ import annotations
 
-import math
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,8 +28,9 @@ from torch_sdcp.semantics import mask_empty_shards
 from torch_sdcp_settings import VLLM
 
 __all__ = [
-    "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "gather_heads",
-    "gather_query", "mask_empty_shards", "merge_dcp_topk_global", "teardown", "try_prepare_output_lse",
+    "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce",
+    "dcp_a2a_v_up_proj_lse_reduce", "gather_heads",
+    "gather_query", "mask_empty_shards", "teardown", "try_prepare_output_lse",
     "try_prepare_query_gather", "try_prepare_topk", "workspaces",
 ]
 
@@ -148,29 +149,44 @@ def _seam(kind: str, caller: str, what: str) -> Seam:
 
 _SEAMS = {name: _seam("output_lse", name, name) for name in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce")}
 _QUERY = _seam("query", "gather_query", "the query gather")
-_TOPK = _seam("topk", "merge_dcp_topk_global", "the top-K merge")
+_V_UP = _seam("output_lse", "dcp_a2a_v_up_proj_lse_reduce", "the combine after the V up-projection")
 
 
 def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any,
              return_lse: bool, is_lse_base_on_e: bool, seq_lens: Tensor | None,
-             query_start_loc: Tensor | None, tag: int | None):
+             query_start_loc: Tensor | None, tag: int | None, out: Tensor | None = None):
     args = (cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e, seq_lens, query_start_loc)
-    fallback = engine.originals.get(fallback_name, _collective_combine)
+    fallback = engine.originals.get(fallback_name)
+    if fallback is None:
+        fallback = functools.partial(_written_into, _collective_combine)
+    extra = {} if out is None else {"out": out}  # vLLM 0.33's functions take no out
     group = face.group(cp_group, "cp_group")
     if group.world == 1:
-        return fallback(*args)
+        return fallback(*args, **extra)
     _check_mask_args(seq_lens, query_start_loc)
-    out, lse = _squeeze_inputs(cp_attn_out, cp_attn_lse)
-    rows, heads, dim = out.shape
+    squeezed, lse = _squeeze_inputs(cp_attn_out, cp_attn_lse)
+    rows, heads, dim = squeezed.shape
 
     seam = _SEAMS[fallback_name]
-    ws = face.workspace_for(seam, Site(group, {"total_heads": heads, "head_dim": dim, "dtype": out.dtype}, out.device),
-                            rows)
+    ws = face.workspace_for(seam, Site(group, {"total_heads": heads, "head_dim": dim, "dtype": squeezed.dtype},
+                                       squeezed.device), rows)
     if ws is None:
-        return fallback(*args)
+        return fallback(*args, **extra)
     with face.counted(seam):  # the mask runs inside the combine kernel
-        return ws.combine(out.contiguous(), lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
-                          return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
+        result = ws.combine(squeezed.contiguous(), lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
+                            return_lse=return_lse, seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
+    return _written_into(lambda *_: result, *args, out=out)
+
+
+def _written_into(fn: Callable, *args: Any, out: Tensor | None = None):
+    """``fn(*args)``, its output copied into ``out`` when given (vLLM 0.34's
+    ``out=``: the result is ``out``)."""
+    result = fn(*args)
+    if out is None:
+        return result
+    combined = result[0] if isinstance(result, tuple) else result
+    out.copy_(combined.view(out.shape))
+    return (out, result[1]) if isinstance(result, tuple) else out
 
 
 def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
@@ -192,14 +208,60 @@ def cp_lse_ag_out_rs(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ct
 
 def dcp_a2a_lse_reduce(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
                        return_lse: bool = False, is_lse_base_on_e: bool = True, seq_lens: Tensor | None = None,
-                       query_start_loc: Tensor | None = None, *, tag: int | None = None):
+                       query_start_loc: Tensor | None = None, out: Tensor | None = None, *, tag: int | None = None):
     """vLLM's ``dcp_a2a_lse_reduce`` (``--dcp-comm-backend a2a``) on peer
     memory: the same inputs, masking and result as :func:`cp_lse_ag_out_rs`
     (the two backends differ in how vLLM moves data, not in what they
-    compute). Falls back to vLLM's own ``dcp_a2a_lse_reduce``. ``tag`` as
-    for :func:`cp_lse_ag_out_rs`."""
+    compute). With ``out`` (vLLM 0.34, ``[B, H/N, D]``) the result is written
+    there and ``out`` is returned. Falls back to vLLM's own
+    ``dcp_a2a_lse_reduce``. ``tag`` as for :func:`cp_lse_ag_out_rs`."""
     return _combine("dcp_a2a_lse_reduce", cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_lse_base_on_e,
-                    seq_lens, query_start_loc, tag)
+                    seq_lens, query_start_loc, tag, out)
+
+
+# vLLM 0.34's _V_UP_PROJ_FIRST_MIN_TOKENS: below it the latent is combined first.
+V_UP_PROJ_FIRST_MIN_TOKENS = 8
+
+
+def dcp_a2a_v_up_proj_lse_reduce(cp_attn_out: Tensor, cp_attn_lse: Tensor, w_uv: Tensor, out: Tensor, cp_group: Any,
+                                 is_lse_base_on_e: bool = True, seq_lens: Tensor | None = None,
+                                 query_start_loc: Tensor | None = None, *, tag: int | None = None) -> None:
+    """vLLM 0.34's ``dcp_a2a_v_up_proj_lse_reduce`` on peer memory: partial
+    latent outputs ``[B, H, L]`` of all heads and every head's up-projection
+    ``w_uv [H, L, V]`` -> this rank's heads' combined values, written into
+    ``out [B, H/N * V]``. As vLLM does: below 8 rows the latent is combined
+    (:func:`dcp_a2a_lse_reduce`) and this rank's heads projected; from 8 rows
+    on all heads are projected first and the ``V``-wide values combined (4x
+    fewer bytes than the 512-wide latent for V = 128), on an Output/LSE
+    workspace of head_dim ``V``. Rows above its bound, or no such workspace,
+    run vLLM's own function. ``tag`` as for :func:`cp_lse_ag_out_rs`."""
+    rows, heads, _ = cp_attn_out.shape
+    v = w_uv.shape[-1]
+    group = face.group(cp_group, "cp_group")
+    if rows < V_UP_PROJ_FIRST_MIN_TOKENS:
+        local = heads // group.world
+        latent = dcp_a2a_lse_reduce(cp_attn_out, cp_attn_lse, cp_group, is_lse_base_on_e=is_lse_base_on_e,
+                                    seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
+        torch.bmm(latent.transpose(0, 1), w_uv[group.rank * local:(group.rank + 1) * local],
+                  out=out.view(rows, local, v).transpose(0, 1))
+        return None
+    ws = face.workspace_for(_V_UP, Site(group, {"total_heads": heads, "head_dim": v, "dtype": cp_attn_out.dtype},
+                                        cp_attn_out.device), rows)
+    fallback = engine.originals.get("dcp_a2a_v_up_proj_lse_reduce")
+    if ws is None and fallback is not None:
+        return fallback(cp_attn_out, cp_attn_lse, w_uv, out, cp_group, is_lse_base_on_e, seq_lens, query_start_loc)
+    projected = cp_attn_out.new_empty((rows, heads, v))
+    torch.bmm(cp_attn_out.transpose(0, 1), w_uv, out=projected.transpose(0, 1))
+    if ws is None:  # without vLLM: the collective path
+        out.view(rows, -1, v).copy_(_collective_combine(projected, cp_attn_lse, cp_group, None, False,
+                                                        is_lse_base_on_e, seq_lens, query_start_loc))
+        return None
+    _check_mask_args(seq_lens, query_start_loc)
+    with face.counted(_V_UP):
+        combined = ws.combine(projected, cp_attn_lse.float().contiguous(), lse_base="e" if is_lse_base_on_e else "2",
+                              seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
+    out.view(rows, -1, v).copy_(combined)
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -281,84 +343,3 @@ def gather_query(query: Tensor, cp_group: Any, padded_num_heads: int | None = No
         if rows == 0:
             return _storage(0, group.world * local_heads, width, padded_num_heads, query)
         return gather_heads(ws, query, padded_num_heads, tag=tag)
-
-
-# ---------------------------------------------------------------------------
-# Top-K (sparse attention indexer)
-# ---------------------------------------------------------------------------
-
-
-def _local_candidates(logits: Tensor, topk_indices: Tensor, dcp_rank: int, dcp_world_size: int,
-                      cp_interleave: int, row_starts: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(scores fp32 [T, C], global ids int32 [T, C], -1 = none) of this rank's
-    local top-K positions: the score at ``row_start + position`` (column
-    clamped to the row as vLLM does), the global token through the KV
-    interleave (``torch_sdcp.semantics.token_global_index``)."""
-    from torch_sdcp import semantics
-
-    rows = topk_indices.shape[0]
-    local = topk_indices.long()
-    valid = local >= 0
-    pos = local.clamp_min(0)
-    if logits.shape[1] == 0:
-        scores = torch.full(local.shape, -math.inf, dtype=torch.float32, device=local.device)
-    else:
-        col = pos if row_starts is None else pos + row_starts[:rows].to(local.device).long().unsqueeze(1)
-        col = col.clamp(0, logits.shape[1] - 1)
-        scores = logits[:rows].gather(1, col).float().masked_fill(~valid, -math.inf)
-    ids = semantics.token_global_index(pos, dcp_rank, dcp_world_size, cp_interleave)
-    ids = torch.where(valid, ids, -1).to(torch.int32)
-    return scores.contiguous(), ids.contiguous()
-
-
-def _collective_merge(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave,
-                      row_starts=None) -> None:
-    from torch_sdcp import collective
-
-    if engine.dcp_group is None:
-        raise RuntimeError("torch_sdcp: merge_dcp_topk_global has no DCP group: install() the plugin in vLLM, or "
-                           "configure(dcp_group=...) first")
-    group = engine.dcp_group()
-    scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
-    pg = getattr(group, "device_group", group)
-    topk_indices.copy_(collective.topk_all_gather_merge(scores, ids, topk_tokens, group=pg))
-
-
-def merge_dcp_topk_global(logits: Tensor, topk_indices: Tensor, topk_tokens: int, dcp_rank: int,
-                          dcp_world_size: int, cp_interleave: int, row_starts: Tensor | None = None) -> None:
-    """vLLM's ``_merge_dcp_topk_global`` on peer memory: ``logits`` fp32 rows
-    (``row_starts`` offsets, optional), ``topk_indices [T, C]`` int32 LOCAL
-    positions in this rank's KV shard (-1 = none) -> overwritten IN PLACE with
-    the global top-``topk_tokens`` token ids of the DCP group (-1 padded),
-    the same set and order on every rank.
-
-    Selection: the same set as vLLM's merge wherever both define it (see
-    docs/VLLM.md for the cases that differ: -0.0 vs +0.0, NaN scores, ids at
-    or above 2^24); order: score descending, lower global id first on ties
-    (vLLM's selector leaves the order within the set unspecified)."""
-    if dcp_world_size <= 1:
-        return
-    fallback = engine.originals.get("_merge_dcp_topk_global", _collective_merge)
-    args = (logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size, cp_interleave, row_starts)
-    if engine.dcp_group is None:
-        return fallback(*args)
-    group = face.group(engine.dcp_group(), "cp_group")
-    if (group.world, group.rank) != (dcp_world_size, dcp_rank):
-        raise ValueError(f"torch_sdcp: arguments 'dcp_rank'/'dcp_world_size': expected the DCP group's "
-                         f"{group.rank}/{group.world}, got {dcp_rank}/{dcp_world_size}")
-    if topk_indices.dim() != 2 or topk_indices.dtype != torch.int32:
-        raise ValueError(f"torch_sdcp: argument 'topk_indices': expected a 2-D int32 tensor, got shape "
-                         f"{list(topk_indices.shape)} of {topk_indices.dtype}")
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"torch_sdcp: argument 'logits': expected a 2-D float32 tensor, got shape "
-                         f"{list(logits.shape)} of {logits.dtype}")
-    rows, c = topk_indices.shape
-    ws = face.workspace_for(_TOPK, Site(group, {"k": topk_tokens, "candidates_per_rank": c}, topk_indices.device), rows)
-    if ws is None:
-        return fallback(*args)
-    with face.counted(_TOPK):
-        if rows == 0:
-            return None
-        scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
-        topk_indices.copy_(ws.merge(scores, ids))
-    return None

@@ -11,26 +11,19 @@ import os
 from typing import Any
 
 from torch_sdcp.integrations._boundaries import OUTPUT_DTYPES
-from torch_sdcp.integrations._engine import accepted_version
+from torch_sdcp.integrations.vllm_versions import (
+    SUPPORTED_VLLM_SERIES,
+    SUPPORTED_VLLM_VERSIONS,
+    series_of,
+    supported_version,
+)
 from torch_sdcp_settings import VLLM
 
 __all__ = ["ENV_DIRECT", "SUPPORTED_VLLM_SERIES", "SUPPORTED_VLLM_VERSIONS", "builder_layer_index", "configured_off",
-           "enable_hint", "layer_index", "row_bound", "supported_version", "topk_geometry"]
+           "enable_hint", "layer_index", "row_bound", "series_of", "supported_version", "topk_geometry", "v_head_dim"]
 
 # vLLM's own switches of its direct (symmetric-memory) paths: set by the user, the seam stays vLLM's.
 ENV_DIRECT = {"combine": "VLLM_USE_DIRECT_DCP_A2A", "query": "VLLM_USE_DIRECT_DCP_Q_GATHER"}
-
-# Releases whose call sites docs/VLLM.md and test/test_vllm_conformance.py were
-# checked against, and the series whose patch releases are accepted (the
-# conformance suite must pass against a patch release before it is used).
-SUPPORTED_VLLM_VERSIONS = ("0.33.0",)
-SUPPORTED_VLLM_SERIES = "0.33"
-
-
-def supported_version(version: str) -> bool:
-    """Whether the plugin patches vLLM ``version``: a checked release, or a
-    patch release of the supported series (local suffixes ignored)."""
-    return accepted_version(version, SUPPORTED_VLLM_VERSIONS, SUPPORTED_VLLM_SERIES)
 
 
 def row_bound(engine_bound: int) -> int:
@@ -86,6 +79,16 @@ def topk_geometry(vllm_config: Any) -> int | None:
         return None
     kpool = getattr(hf, "index_kpool", None) or 1
     return topk // kpool if kpool > 1 else topk
+
+
+def v_head_dim(vllm_config: Any) -> int | None:
+    """The model's V head dimension (``v_head_dim``: the width of the values
+    after the up-projection, 128 for DeepSeek-V3 and GLM-5), or None."""
+    try:
+        v = vllm_config.model_config.hf_text_config.v_head_dim
+    except AttributeError:
+        return None
+    return v if isinstance(v, int) and v > 0 else None
 
 
 def layer_index(name: object) -> int | None:
