@@ -25,13 +25,14 @@ released locally when it is garbage-collected (no collective runs then).
 
 Modules: ``base`` (PeerWorkspace: creation, resize, close, the family
 hooks), ``_call`` (CallState, the owner of a workspace's calls: the call
-guard, the path of a call, failing, voiding, poisoning), one per family
+guard, the path of a call, failing, poisoning), ``_guard`` (the
+guard of a call method, the arguments it keeps), ``_void`` (void calls), one per family
 (``exchange``, ``output_lse``, ``topk``, ``query``; a family is its record in
 torch_sdcp/families.py plus csrc/<family>.*,
 torch_sdcp/workspaces/<family>.py and test/test_<family>.py), ``_layout``
 (WorkspaceLayout), ``_policy`` (timeouts, size bounds, the group, the rows
-of a void call), ``_collective_path`` (the ranks' agreement on a collective-path
-call) and ``_lifetime`` (the finalizer, the fork handler).
+of a void call), ``_collective_path`` (the ranks' agreement on a call over max_rows, and
+its void when the peers took the peer path) and ``_lifetime`` (the finalizer, the fork handler).
 """
 
 from torch_sdcp.families import FAMILIES

@@ -1,19 +1,25 @@
 """The agreement of the ranks on the collective path of a call with more rows
 than ``max_rows``: every rank says on the group's store that it takes that
 path, with which call and how many rows, before any rank enters a collective
-(docs/PROTOCOL.md "Failure behaviour")."""
+(docs/PROTOCOL.md "Failure behaviour"); a call whose peers took the peer path
+of it instead (their rows within the bound) is voided with their rows
+(``agree_over_rows``)."""
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
+from torch_sdcp._checks import arg_error
 from torch_sdcp.peer.collectives import AgreementAbandoned
 
 if TYPE_CHECKING:
     from torch_sdcp.peer import PeerArena
+    from torch_sdcp.peer.collectives import Turn
 
 #: Calls whose collective paths run the same collectives: alike for the agreement on that path.
 _SAME_COLLECTIVES = {"combine_out": "combine", "gather_view": "gather"}
@@ -119,3 +125,105 @@ def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: i
         sides = ", ".join(f"rank {r}: {g.decode()}" for r, g in enumerate(got))
         raise RuntimeError(f"torch_sdcp: {name} on rank {rank}: call mismatch on the collective "
                            f"path (more rows than max_rows = {max_rows}): {sides}; no rank entered a collective")
+
+
+class OverRowsHost(Protocol):
+    """What the agreement of a call over max_rows reads of its workspace."""
+
+    handle: int | None
+    rank: int
+    world_size: int
+    timeout_s: float
+    arena: PeerArena | None
+    device: torch.device
+
+    @property
+    def max_rows(self) -> int: ...
+
+
+class RowsDiffer(NamedTuple):
+    """A call over max_rows on this rank whose peers took the peer path of it: the rows of its
+    void placeholder (the peers' rows) and the argument error the call raises."""
+
+    peer_rows: int
+    error: ValueError
+
+
+def _peer_failure(handle: int | None) -> str | None:
+    """Why the peers of the workspace ``handle`` will not come (a peer aborted
+    it, or exited), or None."""
+    if handle is None:
+        return None
+    try:
+        torch.ops.sdcp.workspace_check(handle)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def agree_over_rows(host: OverRowsHost, name: str, what: str, rows: int, arg: str, index: int,
+                    tag: int | None, hold: Callable[[Turn], None]) -> RowsDiffer | None:
+    """The collective path of the call ``what`` of ``rows`` rows > max_rows (the ``index``-th
+    call of the workspace ``host``, named ``name``): its turn in the group's order (handed to
+    ``hold``, which keeps it until the call ends), then the agreement of every rank
+    (``agree_collective_path``). None when every rank agreed (or there is no peer to agree
+    with); a ``RowsDiffer`` when the peers took the peer path of the call instead."""
+    arena = host.arena
+    if arena is None or host.world_size == 1 or torch.compiler.is_compiling():
+        return None  # no peer to agree with (under tracing, no call to agree on)
+    handle = host.handle
+    peer_failure = functools.partial(_peer_failure, handle)
+    give_up: Callable[[], str | None] = peer_failure
+    view = what in VIEW_CALLS
+    capturing = host.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if handle is not None and not capturing:
+        # A peer within the bound takes the peer path of this call: its header lands here,
+        # for this rank's next call, whose index is exact once no call of this rank runs.
+        if host.device.type == "cuda":
+            torch.cuda.current_stream(host.device).synchronize()
+        give_up = peer_path_probe(handle, host.rank, view, peer_failure)
+    try:
+        # One order of these sections per group in this process (two workspaces of one group
+        # on two threads), held from the agreement until the call ends.
+        hold(arena.collective_turn(f"collective{index}", host.timeout_s, give_up))
+        agree_collective_path(arena, name=name, rank=host.rank, max_rows=host.max_rows,
+                              timeout_s=host.timeout_s, what=what, rows=rows, index=index,
+                              peer_failure=give_up, tag=tag)
+    except AgreementAbandoned as e:  # the turn's
+        if not took_peer_path(e):
+            raise
+        return rows_differ(host, name, rows, arg, view, peer_failure)
+    except PeerPathTaken:
+        return rows_differ(host, name, rows, arg, view, peer_failure)
+    return None
+
+
+def rows_differ(host: OverRowsHost, name: str, rows: int, arg: str, view: bool,
+                peer_failure: Callable[[], str | None]) -> RowsDiffer:
+    """A call of ``rows`` rows, over max_rows on this rank, whose peers (some of them) took the
+    peer path of the same call with rows within the bound: no rank entered a collective, so
+    the call is voided (its placeholder takes the peers' rows, every peer's call raises
+    VoidedCallError naming this error) and the workspace stays usable. The rows mismatch is
+    this call's argument error, once the peers' rows are known (their headers landed here:
+    bounded by timeout_s)."""
+    assert host.handle is not None
+    start = time.monotonic()
+    landed = peer_rows(host.handle, host.rank, view)
+    while not landed:
+        failure = peer_failure()
+        waited = time.monotonic() - start
+        if failure is not None or waited >= host.timeout_s:
+            raise RuntimeError(
+                f"torch_sdcp: {name} on rank {host.rank}: {rows} rows > max_rows = {host.max_rows} "
+                f"on this rank, and a peer took the peer path of the call, but no peer's call header came "
+                f"within {waited:.3g} s" + (f": {failure}" if failure is not None else ""))
+        time.sleep(1e-3)
+        landed = peer_rows(host.handle, host.rank, view)
+    theirs = landed[min(landed)]
+    if theirs > host.max_rows:  # no peer sends a header over the bound: the header is not this call's
+        raise RuntimeError(f"torch_sdcp: {name} on rank {host.rank}: a peer's call header of "
+                           f"{theirs} rows > max_rows = {host.max_rows} ({describe_peer_rows(landed)})")
+    return RowsDiffer(theirs, arg_error(
+        arg, f"{theirs} rows ({describe_peer_rows(landed)}, the peer path)",
+        f"{rows} rows (over max_rows = {host.max_rows} on this rank only): every rank must call "
+        "with the same rows; the call is void on every rank, and the workspace stays usable"))

@@ -21,10 +21,12 @@ from torch_sdcp.peer import PeerArena, liveness
 from torch_sdcp.peer.arena import creation_errors_posted, post_creation_error
 from torch_sdcp.peer.collectives import arena_count
 from torch_sdcp.peer.plan import RankMismatchError
-from torch_sdcp.workspaces._call import CallRefused, CallState, VoidedCallError, _Call
+from torch_sdcp.workspaces._call import CallRefused, CallState
+from torch_sdcp.workspaces._guard import _Call
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._lifetime import _Built, _owned, _release_dropped, _tell_exited
 from torch_sdcp.workspaces._policy import default_timeout_s, resolve_group, validate_size_param, validate_timeout
+from torch_sdcp.workspaces._void import VoidedCallError
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -95,7 +97,7 @@ class PeerWorkspace:
         self._init_kwargs: dict[str, Any] = {"backend": backend, "device": device,
                                              "allow_shared_device": allow_shared_device, "fallback": fallback}
         self._adopt(self._build([int(p) for p in params], fallback))
-        self._calls.closed = False
+        self._calls.open()
 
     # -- creation -------------------------------------------------------------------------------
 
@@ -175,7 +177,8 @@ class PeerWorkspace:
     def _forget_inherited(self) -> None:
         """In a forked child (``_lifetime``): nothing of the parent's rank is
         released here."""
-        finalizer, self._finalizer, self._calls.watch = self._finalizer, None, None
+        finalizer, self._finalizer = self._finalizer, None
+        self._calls.take_watch()
         if finalizer is not None:
             finalizer.detach()
 
@@ -334,7 +337,7 @@ class PeerWorkspace:
                 raise
             self._release(barrier=self._calls.poisoned is None)
             self._adopt(built)
-            self._calls.poisoned = None
+            self._calls.recreated()
 
     def _release(self, barrier: bool) -> None:
         """Synchronise, unregister, unmap and free this rank's current arena
@@ -342,21 +345,22 @@ class PeerWorkspace:
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
             finalizer.detach()
-        calls = self._calls
-        watch, calls.watch = calls.watch, None
+        watch = self._calls.take_watch()
         if watch is not None:
             watch.cancel()
         if self.handle is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            with calls.abort_lock:  # no abort() stores into memory about to be unmapped
-                calls.void_word = None  # its memory goes with the registration
-                torch.ops.sdcp.workspace_unregister(self.handle)
-                _registry.remove(self.handle)
-                self.handle = None
+            self._calls.detach(self._unregister)  # no abort() stores into memory about to be unmapped
         if self.arena is not None:
             arena, self.arena = self.arena, None
             arena.close(barrier=barrier)
+
+    def _unregister(self) -> None:
+        assert self.handle is not None
+        torch.ops.sdcp.workspace_unregister(self.handle)
+        _registry.remove(self.handle)
+        self.handle = None
 
     def close(self) -> None:
         """Synchronise, barrier, unregister, unmap and free. Idempotent; local

@@ -13,7 +13,7 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check, check_bool, check_dim, check_mask_args
 from torch_sdcp.families import OUTPUT_LSE
 from torch_sdcp.semantics import mask_empty_shards
-from torch_sdcp.workspaces._call import call_method
+from torch_sdcp.workspaces._guard import call_method
 from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, resolve_group, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 

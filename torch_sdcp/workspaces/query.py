@@ -10,7 +10,7 @@ from torch import Tensor
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check, check_dim
 from torch_sdcp.families import QUERY
-from torch_sdcp.workspaces._call import call_method
+from torch_sdcp.workspaces._guard import call_method
 from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, validate_size_param
 from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace, VoidedCallError
 
