@@ -25,7 +25,8 @@ from _helpers import requires_gpus
 
 from torch_sdcp import peer as peer_mod
 from torch_sdcp.peer import PeerArena, fd_exchange
-from torch_sdcp.peer.collectives import AgreementAbandoned, GroupOutOfStepError, StoreSync, group_store
+from torch_sdcp.peer.groups import GroupOutOfStepError, group_store
+from torch_sdcp.peer.store_sync import AgreementAbandoned, StoreSync
 
 LEAK_CYCLES = 1000
 

@@ -30,14 +30,15 @@ guard of a call method, the arguments it keeps), ``_void`` (void calls), one per
 (``exchange``, ``output_lse``, ``topk``, ``query``; a family is its record in
 torch_sdcp/families.py plus csrc/<family>.*,
 torch_sdcp/workspaces/<family>.py and test/test_<family>.py), ``_layout``
-(WorkspaceLayout), ``_policy`` (timeouts, size bounds, the group, the rows
+(WorkspaceLayout), ``_policy`` (size bounds, the group, the rows
 of a void call), ``_collective_path`` (the ranks' agreement on a call over max_rows, and
 its void when the peers took the peer path) and ``_lifetime`` (the finalizer, the fork handler).
 """
 
 from torch_sdcp.families import FAMILIES
+from torch_sdcp.peer.timeout import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_ENV
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
-from torch_sdcp.workspaces._policy import DEFAULT_TIMEOUT_S, MAX_REGION_BYTES, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_ENV
+from torch_sdcp.workspaces._policy import MAX_REGION_BYTES
 from torch_sdcp.workspaces.base import PeerWorkspace, VoidedCallError
 
 # Every family's workspace class, by its record (torch_sdcp/families.py).

@@ -27,7 +27,7 @@ from torch_sdcp.workspaces._void import void_call, voided_error
 
 if TYPE_CHECKING:
     from torch_sdcp.peer import PeerArena, liveness
-    from torch_sdcp.peer.collectives import Turn
+    from torch_sdcp.peer.group_order import Turn
     from torch_sdcp.workspaces._guard import KeptArguments
 
 logger = logging.getLogger("torch_sdcp")
@@ -122,7 +122,7 @@ class CallState:
         self.sequence = 0
         self.counted = False
         self.void_rows: int | None = None
-        self.turn: Any = None  # the group's collective-path turn the call in progress holds (peer.collectives)
+        self.turn: Any = None  # the group's collective-path turn the call in progress holds (peer.group_order)
         self.logged: set[str] = set()
 
     # -- the arena's part (the workspace's lifecycle: base.py) ------------------------------------

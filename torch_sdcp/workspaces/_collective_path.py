@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 from torch_sdcp._checks import arg_error
-from torch_sdcp.peer.collectives import AgreementAbandoned
+from torch_sdcp.peer.store_sync import AgreementAbandoned
 
 if TYPE_CHECKING:
     from torch_sdcp.peer import PeerArena
-    from torch_sdcp.peer.collectives import Turn
+    from torch_sdcp.peer.group_order import Turn
 
 #: Calls whose collective paths run the same collectives: alike for the agreement on that path.
 _SAME_COLLECTIVES = {"combine_out": "combine", "gather_view": "gather"}

@@ -18,14 +18,15 @@ from torch_sdcp import _registry
 from torch_sdcp._checks import arg_error, call_tag, check_bool
 from torch_sdcp.families import Family
 from torch_sdcp.peer import PeerArena, liveness
-from torch_sdcp.peer.arena import creation_errors_posted, post_creation_error
-from torch_sdcp.peer.collectives import arena_count
+from torch_sdcp.peer.agreements import creation_errors_posted, post_creation_error
+from torch_sdcp.peer.groups import arena_count
 from torch_sdcp.peer.plan import RankMismatchError
+from torch_sdcp.peer.timeout import default_timeout_s, validate_timeout
 from torch_sdcp.workspaces._call import CallRefused, CallState
 from torch_sdcp.workspaces._guard import _Call
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._lifetime import _Built, _owned, _release_dropped, _tell_exited
-from torch_sdcp.workspaces._policy import default_timeout_s, resolve_group, validate_size_param, validate_timeout
+from torch_sdcp.workspaces._policy import resolve_group, validate_size_param
 from torch_sdcp.workspaces._void import VoidedCallError
 
 logger = logging.getLogger("torch_sdcp")
