@@ -282,7 +282,8 @@ class CallState:
 
     # -- the path of a call (torch_sdcp.route decides) ------------------------------------------
 
-    def take_path(self, host: CallHost, rows: int | None, arg: str, tag: int | None = None) -> bool:
+    def take_path(self, host: CallHost, rows: int | None, arg: str, tag: int | None = None,
+                  header: str = "") -> bool:
         """The call's Python argument checks are over: True when it takes
         the peer path, False when it takes the collective path, after acting
         on why. ``rows`` None: a call bounded in bytes, not rows (the
@@ -305,7 +306,7 @@ class CallState:
         self.committed = True
         if decision.why is Why.ROWS_OVER_BOUND:
             assert rows is not None
-            self.collective_over_rows(host, rows, arg, tag)
+            self.collective_over_rows(host, rows, arg, tag, header)
         else:  # collective mode: its calls run collectives at once
             self.refuse_poisoned(host)
         return False
@@ -316,7 +317,8 @@ class CallState:
             self.counted = True
             self.sequence += 1
 
-    def collective_over_rows(self, host: CallHost, rows: int, arg: str, tag: int | None = None) -> None:
+    def collective_over_rows(self, host: CallHost, rows: int, arg: str, tag: int | None = None,
+                             header: str = "") -> None:
         """A peer workspace's call of more rows than max_rows: an error with
         rows_fallback=False; else logged once per workspace, refused when the
         workspace is poisoned (a peer's abort poisons the collective path too)
@@ -330,7 +332,7 @@ class CallState:
         if self.poison_on_error:
             self.health(host, "check")
         what = self.caller[2] if self.caller is not None else "call"
-        differ = agree_over_rows(host, _name(host), what, rows, arg, self.sequence, tag, self.hold_turn)
+        differ = agree_over_rows(host, _name(host), what, rows, arg, self.sequence, tag, header, self.hold_turn)
         if differ is not None:
             self.void_rows, self.committed = differ.peer_rows, False
             raise differ.error

@@ -89,7 +89,8 @@ def _ranks(ranks: list[int]) -> str:
 
 def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: int,
                           timeout_s: float, what: str, rows: int, index: int,
-                          peer_failure: Callable[[], str | None], tag: int | None = None) -> None:
+                          peer_failure: Callable[[], str | None], tag: int | None = None,
+                          header: str = "") -> None:
     """Before the collectives of the call ``what`` of ``rows`` rows (the
     ``index``-th call of this workspace), every rank says on the
     group's store that it takes the collective path and waits, within
@@ -99,11 +100,14 @@ def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: i
     come (a peer aborted the workspace, or exited, or took the peer path of
     this call: ``peer_path_probe``; then PeerPathTaken), or None.
     The caller skips it where there is no peer (one rank) and under tracing.
-    The call's ``tag`` (None: untagged) is part of what the ranks compare, as
-    the peer path's call header carries it."""
+    The call's ``tag`` (None: untagged) and ``header`` (the rest of what the
+    peer path's call header carries: the LSE base, the RoPE style and the
+    q_scale, as a mismatch there names them) are part of what the ranks
+    compare; a mismatch names the header's two sides only where they differ."""
     where = (f"torch_sdcp: {name} on rank {rank}: {what}() has {rows} rows > max_rows = "
              f"{max_rows} on this rank and takes the collective path")
     mine = f"{_SAME_COLLECTIVES.get(what, what)}() with {rows} rows" + ("" if tag is None else f" (call tag {tag})")
+    mine += f"\n{header}"
     try:
         got = arena.agree_call(f"collective{index}", mine.encode(), timeout_s, peer_failure)
     except AgreementAbandoned as e:
@@ -122,7 +126,9 @@ def agree_collective_path(arena: PeerArena, *, name: str, rank: int, max_rows: i
                            f"{timeout_s:g} s (took the peer path for this call, or did not call); no rank "
                            "entered a collective") from None
     if any(g != got[0] for g in got):
-        sides = ", ".join(f"rank {r}: {g.decode()}" for r, g in enumerate(got))
+        calls = [g.decode().partition("\n") for g in got]
+        same_header = all(c[2] == calls[0][2] for c in calls)
+        sides = ", ".join(f"rank {r}: {c[0]}" + ("" if same_header else f", {c[2]}") for r, c in enumerate(calls))
         raise RuntimeError(f"torch_sdcp: {name} on rank {rank}: call mismatch on the collective "
                            f"path (more rows than max_rows = {max_rows}): {sides}; no rank entered a collective")
 
@@ -162,7 +168,7 @@ def _peer_failure(handle: int | None) -> str | None:
 
 
 def agree_over_rows(host: OverRowsHost, name: str, what: str, rows: int, arg: str, index: int,
-                    tag: int | None, hold: Callable[[Turn], None]) -> RowsDiffer | None:
+                    tag: int | None, header: str, hold: Callable[[Turn], None]) -> RowsDiffer | None:
     """The collective path of the call ``what`` of ``rows`` rows > max_rows (the ``index``-th
     call of the workspace ``host``, named ``name``): its turn in the group's order (handed to
     ``hold``, which keeps it until the call ends), then the agreement of every rank
@@ -188,7 +194,7 @@ def agree_over_rows(host: OverRowsHost, name: str, what: str, rows: int, arg: st
         hold(arena.collective_turn(f"collective{index}", host.timeout_s, give_up))
         agree_collective_path(arena, name=name, rank=host.rank, max_rows=host.max_rows,
                               timeout_s=host.timeout_s, what=what, rows=rows, index=index,
-                              peer_failure=give_up, tag=tag)
+                              peer_failure=give_up, tag=tag, header=header)
     except AgreementAbandoned as e:  # the turn's
         if not took_peer_path(e):
             raise

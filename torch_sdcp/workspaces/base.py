@@ -282,16 +282,19 @@ class PeerWorkspace:
         """The guard of the call ``what`` (a context manager, see ``_Call``)."""
         return _Call(self._calls, self, what, poison)
 
-    def _take_path(self, rows: int | None, arg: str, tag: Any = None) -> bool:
+    def _take_path(self, rows: int | None, arg: str, tag: Any = None, header: str = "") -> bool:
         """After the call's argument checks: True for the peer path, False for
         the collective path (``CallState.take_path``; ``rows`` None for a call
         bounded in bytes). The call's ``tag`` is checked first, alike on both
         paths and before anything is published, so a bad tag is a void call.
         (The collective path carries no call header: its tag is checked, not
-        compared, except in the agreement of a call over max_rows.)"""
+        compared, except in the agreement of a call over max_rows.) ``header``:
+        what else the call's header carries that a peer's call may differ in
+        (the LSE base, the RoPE style and the q_scale), in the words of a
+        mismatch on the peer path, compared in that agreement too.)"""
         if tag is not None:  # untagged calls skip the check (a call's Python cost is what 1 row pays)
             call_tag(tag)
-        return self._calls.take_path(self, rows, arg, tag)
+        return self._calls.take_path(self, rows, arg, tag, header)
 
     def _require_on_device(self, **tensors: Any) -> None:
         """The call's tensors live on the workspace's device. A meta tensor

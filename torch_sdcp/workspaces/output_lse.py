@@ -77,6 +77,11 @@ def _validate_combine_outputs(ws: OutputLSEWorkspace, partial_out: Tensor, out: 
             raise arg_error(arg, f"device {partial_out.device} (that of 'partial_out')", f"device {t.device}")
 
 
+def _lse_base_text(base2: bool) -> str:
+    """The LSE base as a call mismatch names it (csrc/output_lse.cpp output_lse_flags_text)."""
+    return f"lse base {'2' if base2 else 'e'}"
+
+
 class OutputLSEWorkspace(PeerWorkspace):
     """Output/LSE boundary: each producer stores every destination's head shard
     and LSE straight into that owner's inbox; the owner waits for every
@@ -148,7 +153,7 @@ class OutputLSEWorkspace(PeerWorkspace):
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             check_bool(return_lse, "return_lse")
-            if self._take_path(partial_out.shape[0], "partial_out", tag):
+            if self._take_path(partial_out.shape[0], "partial_out", tag, _lse_base_text(base2)):
                 out, lse = ops.output_lse_combine(partial_out, partial_lse, self.peer_handle, lse_base=lse_base,
                                                   seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
             else:  # the fused collective path, made contiguous like the peer path's output
@@ -172,7 +177,7 @@ class OutputLSEWorkspace(PeerWorkspace):
                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
-            if self._take_path(partial_out.shape[0], "partial_out", tag):
+            if self._take_path(partial_out.shape[0], "partial_out", tag, _lse_base_text(base2)):
                 ops.output_lse_combine_out(partial_out, partial_lse, self.peer_handle, out, out_lse, lse_base=lse_base,
                                            seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
             else:

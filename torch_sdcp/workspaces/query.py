@@ -166,10 +166,15 @@ class QueryWorkspace(PeerWorkspace):
         _validate_query_inputs(ql_nope, q_pe)
         self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                             q_scale=q_scale)
-        if self._take_path(ql_nope.shape[0], "ql_nope", tag):
+        if self._take_path(ql_nope.shape[0], "ql_nope", tag, self._header_text(q_scale)):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
         return self._collective_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+
+    def _header_text(self, q_scale: object) -> str:
+        """What a producer's call header carries besides rows, dtype and tag, as a call mismatch
+        names it (csrc/query.cpp query_flags_text)."""
+        return f"{self.rope_style} RoPE, {'without' if q_scale is None else 'with'} q_scale"
 
     def _collective_gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
         """The collective path of gather and gather_view, once the call took it."""
@@ -205,7 +210,7 @@ class QueryWorkspace(PeerWorkspace):
             self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                                 q_scale=q_scale)
             rows = ql_nope.shape[0]
-            if self._take_path(rows, "ql_nope", tag):
+            if self._take_path(rows, "ql_nope", tag, self._header_text(q_scale)):
                 ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
                                   rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
                 inbox = self._inbox_view if self._inbox_view is not None else self.inbox
