@@ -70,3 +70,34 @@ def leading_rows(*candidates: tuple[object, int]) -> int | None:
         if isinstance(t, Tensor) and t.dim() == dims:
             return int(t.shape[0])
     return None
+
+
+def _byte_span(t: Tensor) -> tuple[int, int, int] | None:
+    """(storage address, first byte, end byte) of the bytes ``t`` may touch, or None when it
+    touches none."""
+    if t.numel() == 0:
+        return None
+    size = t.element_size()
+    first = t.storage_offset() * size
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) * size + size
+    return t.untyped_storage().data_ptr(), int(first), int(last)
+
+
+def refuse_overlap(outputs: Mapping[str, object], inputs: Mapping[str, object]) -> None:
+    """An output that shares memory with an input, or with another output, is an argument error,
+    raised before anything is published (as torch's own ``out=`` ops refuse it): a kernel that
+    writes into what it still reads returns a wrong result. Tensors only (None and non-tensors
+    are checked elsewhere); under tracing nothing is checked."""
+    spans: dict[str, tuple[int, int, int]] = {}
+    for name, t in (*outputs.items(), *inputs.items()):
+        span = _byte_span(t) if isinstance(t, Tensor) and not t.is_meta else None
+        if span is not None:
+            spans[name] = span
+    written = [n for n in outputs if n in spans]
+    for i, out in enumerate(written):
+        base, first, end = spans[out]
+        for other in [*written[i + 1:], *(n for n in inputs if n in spans)]:
+            b, f, e = spans[other]
+            if b == base and f < end and first < e:
+                raise arg_error(out, f"memory that no input and no other output of the call uses (it is "
+                                f"written while '{other}' is read or written)", f"a tensor that overlaps '{other}'")

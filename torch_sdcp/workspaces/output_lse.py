@@ -14,7 +14,13 @@ from torch_sdcp._checks import arg_error, check, check_bool, check_dim, check_ma
 from torch_sdcp.families import OUTPUT_LSE
 from torch_sdcp.semantics import mask_empty_shards
 from torch_sdcp.workspaces._guard import call_method
-from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, resolve_group, validate_size_param
+from torch_sdcp.workspaces._policy import (
+    leading_rows,
+    placeholder_tag,
+    refuse_overlap,
+    resolve_group,
+    validate_size_param,
+)
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -175,6 +181,10 @@ class OutputLSEWorkspace(PeerWorkspace):
             _validate_combine_outputs(self, partial_out, out, out_lse)
             self._require_on_device(partial_out=partial_out, partial_lse=partial_lse, out=out, out_lse=out_lse,
                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
+            if not torch.compiler.is_compiling():
+                refuse_overlap({"out": out, "out_lse": out_lse},
+                               {"partial_out": partial_out, "partial_lse": partial_lse, "seq_lens": seq_lens,
+                                "query_start_loc": query_start_loc})
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             if self._take_path(partial_out.shape[0], "partial_out", tag, _lse_base_text(base2)):

@@ -11,7 +11,7 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check, check_dim
 from torch_sdcp.families import QUERY
 from torch_sdcp.workspaces._guard import call_method
-from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, validate_size_param
+from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, refuse_overlap, validate_size_param
 from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace, VoidedCallError
 
 
@@ -257,6 +257,8 @@ class QueryWorkspace(PeerWorkspace):
             if out is not None and not isinstance(out, Tensor):
                 raise arg_error("out", "a Tensor or None", type(out).__name__)
             self._require_on_device(q=q, out=out)
+            if out is not None and not torch.compiler.is_compiling():
+                refuse_overlap({"out": out}, {"q": q})
             if self._take_path(q.shape[0], "q", tag):
                 if out is None:
                     return ops.query_all_gather_heads(q, self.peer_handle, tag=tag)
