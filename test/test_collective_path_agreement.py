@@ -72,3 +72,63 @@ def _differ_worker(rank, world):
 def test_the_collective_path_compares_what_the_call_header_compares():
     results = run_workers(_differ_worker, 2, timeout=300)
     assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _turn_never_comes_worker(rank, world):
+    """Rank 1 takes the collective path of a call that rank 0 never makes: its turn in the group's
+    order does not come within timeout_s, and the call fails with a RuntimeError (not the internal
+    AgreementAbandoned), naming why."""
+    import torch_sdcp
+
+    wrong = []
+    ws = torch_sdcp.OutputLSEWorkspace(None, MAX_ROWS, 8, 64, timeout_s=1.5, backend="host")
+    if rank == 1:
+        po, pl = rank_partials(OVER, seed=rank)
+        try:
+            ws.combine(po, pl)
+            wrong.append("the call returned")
+        except RuntimeError as e:
+            if "timeout_s" not in str(e):
+                wrong.append(f"{type(e).__name__}: {e}")
+        except Exception as e:
+            wrong.append(f"not a RuntimeError: {type(e).__name__}: {e}")
+    else:
+        import time
+
+        time.sleep(3)
+    ws.close()
+    return wrong
+
+
+def test_a_turn_that_never_comes_is_a_runtime_error():
+    results = run_workers(_turn_never_comes_worker, 2, timeout=120)
+    assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _out_of_step_worker(rank, world):
+    """Rank 0 calls over the bound with tag 1 while rank 1, a call ahead (it skipped one), calls
+    within it with tag 2: rank 0's void placeholder (the peers' rows, its own tag) meets the tag
+    mismatch, so its call is not void; whatever it raises tells the truth about the workspace."""
+    from _helpers import rank_candidates
+
+    import torch_sdcp
+
+    wrong = []
+    ws = torch_sdcp.TopKWorkspace(None, MAX_ROWS, 4, candidates_per_rank=8, timeout_s=30, backend="host")
+    rows, tag = (OVER, 1) if rank == 0 else (WITHIN, 2)
+    try:
+        ws.merge(*rank_candidates(rows, 8, seed=rank), tag=tag)
+        wrong.append(f"rank {rank}: the call returned")
+    except RuntimeError as e:
+        if "stays usable" in str(e) and ws.poisoned:
+            wrong.append(f"rank {rank}: told that the workspace stays usable, but it is poisoned: {e}")
+    except ValueError as e:
+        if "stays usable" in str(e) and ws.poisoned:
+            wrong.append(f"rank {rank}: told that the workspace stays usable, but it is poisoned: {e}")
+    ws.close()
+    return wrong
+
+
+def test_the_rank_out_of_step_is_told_the_truth():
+    results = run_workers(_out_of_step_worker, 2, timeout=120)
+    assert results == [[], []], "\n".join(results[0] + results[1])

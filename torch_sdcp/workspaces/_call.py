@@ -22,7 +22,7 @@ import torch
 
 from torch_sdcp._checks import arg_error
 from torch_sdcp.route import Why, route, route_without_rows
-from torch_sdcp.workspaces._collective_path import agree_over_rows
+from torch_sdcp.workspaces._collective_path import VOID_CLAIM, VOID_FAILED, agree_over_rows
 from torch_sdcp.workspaces._void import void_call, voided_error
 
 if TYPE_CHECKING:
@@ -273,6 +273,8 @@ class CallState:
             self.leave(held)
         if met is not None:
             raise met
+        if isinstance(error, ValueError) and self.poisoned is not None and VOID_CLAIM in str(error):
+            raise ValueError(str(error).replace(VOID_CLAIM, VOID_FAILED)) from error  # no void: tell the truth
         gone = self.watch.exited_now() if self.watch is not None and type(error) is RuntimeError else None
         if gone is not None:  # what ended the call: the peer's exit
             raise RuntimeError(f"torch_sdcp: {_name(host)} on rank {host.rank}: {what}() failed: peer "

@@ -27,6 +27,11 @@ _SAME_COLLECTIVES = {"combine_out": "combine", "gather_view": "gather"}
 VIEW_CALLS = frozenset({"gather_view"})
 #: How a reason to give the agreement up starts when a peer took the peer path of the call.
 _PEER_PATH = "took the peer path of this call"
+#: What the error of a call over max_rows on this rank only claims, true once its void call is done.
+VOID_CLAIM = "the call is void on every rank, and the workspace stays usable"
+#: What it says instead when the void call failed (a peer's call differs in more than the rows).
+VOID_FAILED = ("its void call failed (a peer's call differs in more than the rows), so the workspace is poisoned "
+               "on this rank and aborted on every rank; re-create it")
 #: The sentinel word: a header word that has not landed (csrc/dataflag.h kSentinel).
 _SENTINEL = 0xFFFFFFFF
 #: The void bit of a header's dtype word (csrc/dataflag.h kHeaderVoidBit).
@@ -197,7 +202,9 @@ def agree_over_rows(host: OverRowsHost, name: str, what: str, rows: int, arg: st
                               peer_failure=give_up, tag=tag, header=header)
     except AgreementAbandoned as e:  # the turn's
         if not took_peer_path(e):
-            raise
+            raise RuntimeError(f"torch_sdcp: {name} on rank {host.rank}: {what}() has {rows} rows > max_rows = "
+                               f"{host.max_rows} on this rank and takes the collective path; {e.reason}; no rank "
+                               "entered a collective") from None
         return rows_differ(host, name, rows, arg, view, peer_failure)
     except PeerPathTaken:
         return rows_differ(host, name, rows, arg, view, peer_failure)
@@ -232,4 +239,4 @@ def rows_differ(host: OverRowsHost, name: str, rows: int, arg: str, view: bool,
     return RowsDiffer(theirs, arg_error(
         arg, f"{theirs} rows ({describe_peer_rows(landed)}, the peer path)",
         f"{rows} rows (over max_rows = {host.max_rows} on this rank only): every rank must call "
-        "with the same rows; the call is void on every rank, and the workspace stays usable"))
+        f"with the same rows; {VOID_CLAIM}"))
