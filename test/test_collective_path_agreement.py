@@ -132,3 +132,50 @@ def _out_of_step_worker(rank, world):
 def test_the_rank_out_of_step_is_told_the_truth():
     results = run_workers(_out_of_step_worker, 2, timeout=120)
     assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _order_after_close_worker(rank, world, cycles, later_calls):
+    """The issue's sequence, ``cycles`` times, alternating close and resize: a call over the bound on
+    rank 0 only (a void call; rank 0 names a section of the group's order), then the workspace closed
+    or resized before rank 1 ever took the collective path. Then ``later_calls`` collective-path
+    calls on a new workspace: each pairs at once and is right, and the group's store holds the keys
+    it held before."""
+    import torch_sdcp
+    from torch_sdcp.peer.groups import group_store
+
+    wrong = []
+    store = group_store(dist.group.WORLD)
+    dist.barrier()
+    keys0 = store.num_keys()
+    for i in range(cycles):
+        ws = torch_sdcp.OutputLSEWorkspace(None, MAX_ROWS, 8, 64, timeout_s=10, backend="host")
+        po, pl = rank_partials(OVER if rank == 0 else WITHIN, seed=rank)
+        try:
+            ws.combine(po, pl)
+            wrong.append(f"cycle {i}: the mismatched call returned")
+        except (ValueError, torch_sdcp.VoidedCallError):
+            pass
+        if i % 2:
+            ws.resize(2 * MAX_ROWS)
+        ws.close()
+    ws = torch_sdcp.OutputLSEWorkspace(None, MAX_ROWS, 8, 64, timeout_s=10, backend="host")
+    po, pl = rank_partials(OVER, seed=rank)
+    for i in range(later_calls):
+        t0 = __import__("time").monotonic()
+        try:
+            ws.combine(po, pl)
+        except RuntimeError as e:
+            wrong.append(f"later call {i}: {e}")
+            break
+        if __import__("time").monotonic() - t0 > 5:
+            wrong.append(f"later call {i} took {__import__('time').monotonic() - t0:.1f} s")
+    ws.close()
+    dist.barrier()
+    if store.num_keys() != keys0:
+        wrong.append(f"the store held {keys0} keys before, {store.num_keys()} after")
+    return wrong
+
+
+def test_the_group_order_survives_close_and_resize():
+    results = run_workers(_order_after_close_worker, 2, args=(4, 100), timeout=300)
+    assert results == [[], []], "\n".join(results[0] + results[1])

@@ -37,19 +37,28 @@ class GroupOrder:
     rank runs section n when its thread for that name comes, one at a time as well. A section
     whose agreement was given up is skipped. Every wait is bounded by the caller's timeout."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int) -> None:
+    def __init__(self, store: dist.Store, rank: int, world_size: int, closed: set[str] | None = None) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self._cond = threading.Condition()
         self._next = 1  # the section to run next
         self._busy = False
-        self._closed: set = set()  # prefixes of the arenas closed in this process: their sections will not run here
+        # Prefixes of the arenas closed in this process (the group's record, shared): their sections
+        # will not run here.
+        self._closed = closed if closed is not None else set()
 
     def forget(self, prefix: str) -> None:
         """The arena of ``prefix`` is closed in this process: a section of it that rank 0 named and
         this rank never ran (rank 0 took the collective path alone, and its agreement was given up,
-        whose verdict went with the arena) is skipped."""
+        whose verdict went with the arena) is skipped; those already named are read now (and their
+        keys removed by the last reader), not at this rank's next collective-path call."""
         with self._cond:
             self._closed.add(prefix)
+            while self.rank != 0 and self.world_size > 1 and not self._busy:
+                value = peek(self.store, f"sdcp/order/{self._next}")
+                if value is None or value.decode().rsplit("/", 1)[0] not in self._closed:
+                    break
+                self._read(self._next)
+                self._next += 1
             self._cond.notify_all()
 
     def enter(self, name: str, timeout_s: float, give_up: Callable[[], str | None] | None = None) -> Turn:

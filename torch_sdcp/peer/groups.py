@@ -5,6 +5,7 @@ PeerArenas created on it, its order of collective-path sections, and whether it 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Any
@@ -23,12 +24,15 @@ class GroupOutOfStepError(RuntimeError):
 
 
 class _GroupState:
-    __slots__ = ("arenas", "order", "refused")
+    __slots__ = ("arenas", "closed", "order", "refused")
 
     def __init__(self) -> None:
         self.arenas = 0  # PeerArena creations on the group in this process: the same on every rank
         self.refused: str | None = None
         self.order: GroupOrder | None = None  # of the collective-path sections, once one ran
+        # The store prefixes of the group's arenas closed in this process, recorded from the first
+        # close on, before this rank has an order: a section of one that rank 0 named is skipped.
+        self.closed: set[str] = set()
 
 
 _groups: weakref.WeakKeyDictionary[Any, _GroupState] = weakref.WeakKeyDictionary()
@@ -102,10 +106,14 @@ def arena_count(group) -> int:
 
 def forget_arena(group, prefix: str) -> None:
     """An arena of ``group`` (its store prefix) is closed in this process: its sections of the
-    group's order will not run here."""
-    order = _state(group).order
-    if order is not None:
-        order.forget(prefix)
+    group's order will not run here (recorded even before this rank has an order: rank 0 may have
+    named one that this rank never ran, whose verdict goes with the arena), and the names of those
+    that rank 0 already named are read now, so that their keys go."""
+    state = _state(group)
+    with _groups_lock:
+        state.closed.add(prefix)
+    with contextlib.suppress(Exception):  # the group or its store is gone (interpreter exit): nothing to read
+        group_order(group).forget(prefix)
 
 
 def group_order(group) -> GroupOrder:
@@ -113,5 +121,6 @@ def group_order(group) -> GroupOrder:
     state = _state(group)
     with _groups_lock:
         if state.order is None:
-            state.order = GroupOrder(group_store(group), dist.get_rank(group), dist.get_world_size(group))
+            state.order = GroupOrder(group_store(group), dist.get_rank(group), dist.get_world_size(group),
+                                     state.closed)
         return state.order
