@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_workers
@@ -178,4 +179,35 @@ def _order_after_close_worker(rank, world, cycles, later_calls):
 
 def test_the_group_order_survives_close_and_resize():
     results = run_workers(_order_after_close_worker, 2, args=(4, 100), timeout=300)
+    assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _other_kind_worker(rank, world, over_call, within_call):
+    """Rank 0 calls ``over_call`` over the bound, rank 1 ``within_call`` within it (the other kind of
+    query call: a copying call against a view call): both raise within seconds (the peer's header
+    of the other kind is read), not after timeout_s."""
+    import time
+
+    import torch_sdcp
+
+    ws = torch_sdcp.QueryWorkspace(None, MAX_ROWS, 2, nope_dim=64, rope_dim=16, dtype=torch.bfloat16,
+                                   timeout_s=30, backend="host")
+    what, rows = (over_call, OVER) if rank == 0 else (within_call, WITHIN)
+    wrong = []
+    t0 = time.monotonic()
+    try:
+        getattr(ws, what)(*make_query(rows, 2, nope=64, rope=16, seed=rank))
+        wrong.append(f"rank {rank}: {what}() returned")
+    except RuntimeError:
+        pass
+    waited = time.monotonic() - t0
+    if waited > 10:
+        wrong.append(f"rank {rank}: {what}() raised after {waited:.1f} s")
+    ws.close()
+    return wrong
+
+
+@pytest.mark.parametrize("over_call,within_call", [("gather", "gather_view"), ("gather_view", "gather")])
+def test_a_call_of_the_other_kind_within_the_bound_is_named_at_once(over_call, within_call):
+    results = run_workers(_other_kind_worker, 2, args=(over_call, within_call), timeout=120)
     assert results == [[], []], "\n".join(results[0] + results[1])

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 _SAME_COLLECTIVES = {"combine_out": "combine", "gather_view": "gather"}
 #: Calls whose peer path is a view call (its own call index and header set).
 VIEW_CALLS = frozenset({"gather_view"})
+#: Calls of a workspace with both kinds of call (a view call, a copying call), each with its own headers.
+_TWO_KINDS = frozenset({"gather", "gather_view", "all_gather_heads"})
 #: How a reason to give the agreement up starts when a peer took the peer path of the call.
 _PEER_PATH = "took the peer path of this call"
 #: What the error of a call over max_rows on this rank only claims, true once its void call is done.
@@ -67,17 +69,27 @@ def describe_peer_rows(landed: dict[int, int]) -> str:
     return ", ".join(f"rank {r} with {rows} rows" for r, rows in sorted(landed.items()))
 
 
-def peer_path_probe(handle: int, rank: int, view: bool,
+def peer_path_probe(handle: int, rank: int, view: bool, two_kinds: bool,
                     peer_failure: Callable[[], str | None]) -> Callable[[], str | None]:
     """A ``give_up`` for the agreement of a call over max_rows: why the peers
     will not come (``peer_failure``), or that one of them took the peer path
-    of this call (its header landed here), or None."""
+    of this call (its header landed here), or, for a workspace with
+    ``two_kinds`` of call, that one took the peer path of a call of the other
+    kind (a view call against a copying one: a call mismatch, which no void
+    call can stand for), or None."""
     def give_up() -> str | None:
         failure = peer_failure()
         if failure is not None:
             return failure
         landed = peer_rows(handle, rank, view)
-        return f"{_PEER_PATH}: {describe_peer_rows(landed)}" if landed else None
+        if landed:
+            return f"{_PEER_PATH}: {describe_peer_rows(landed)}"
+        other = peer_rows(handle, rank, not view) if two_kinds else {}
+        if other:
+            kind = "a copying call (gather or all_gather_heads)" if view else "a view call (gather_view)"
+            return (f"call mismatch: {describe_peer_rows(other)} took the peer path of {kind} instead; every rank "
+                    "must make the same calls in the same order")
+        return None
     return give_up
 
 
@@ -192,7 +204,7 @@ def agree_over_rows(host: OverRowsHost, name: str, what: str, rows: int, arg: st
         # for this rank's next call, whose index is exact once no call of this rank runs.
         if host.device.type == "cuda":
             torch.cuda.current_stream(host.device).synchronize()
-        give_up = peer_path_probe(handle, host.rank, view, peer_failure)
+        give_up = peer_path_probe(handle, host.rank, view, what in _TWO_KINDS, peer_failure)
     try:
         # One order of these sections per group in this process (two workspaces of one group
         # on two threads), held from the agreement until the call ends.
