@@ -26,7 +26,8 @@ released locally when it is garbage-collected (no collective runs then).
 Modules: ``base`` (PeerWorkspace: creation, resize, close, the family
 hooks), ``_call`` (CallState, the owner of a workspace's calls: the call
 guard, the path of a call, failing, poisoning), ``_guard`` (the
-guard of a call method, the arguments it keeps), ``_void`` (void calls), one per family
+guard of a call method, the arguments it keeps), ``_void`` (void calls), ``_notes`` (the notes a rank leaves for
+its peers), one per family
 (``exchange``, ``output_lse``, ``topk``, ``query``; a family is its record in
 torch_sdcp/families.py plus csrc/<family>.*,
 torch_sdcp/workspaces/<family>.py and test/test_<family>.py), ``_layout``

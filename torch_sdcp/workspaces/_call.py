@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,8 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from torch_sdcp._checks import arg_error
+from torch_sdcp.families import WorkspaceKind
 from torch_sdcp.route import Why, route, route_without_rows
-from torch_sdcp.workspaces._collective_path import VOID_CLAIM, VOID_FAILED, agree_over_rows
+from torch_sdcp.workspaces._collective_path import VOID_CLAIM, VOID_FAILED, agree_over_rows, peer_in_a_call
+from torch_sdcp.workspaces._notes import leave_note, with_peer_note
 from torch_sdcp.workspaces._void import void_call, voided_error
 
 if TYPE_CHECKING:
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("torch_sdcp")
 
-# How the C++ error of a call that met a peer's abort word names the peer.
-_PEER_ABORTED = re.compile(r"peer (\d+) aborted")
 
 class CallRefused(RuntimeError):
     """A call refused without any effect on the call sequence of any rank (a
@@ -261,7 +260,7 @@ class CallState:
         # A call that met a peer's abort: the error that peer left, in this one.
         noted = None
         if type(error) is RuntimeError and held:
-            text = self.with_peer_note(host, str(error))
+            text = with_peer_note(host, str(error))
             noted = RuntimeError(text) if text != str(error) else None
         met = None
         try:
@@ -360,7 +359,7 @@ class CallState:
             try:
                 torch.ops.sdcp.workspace_check(host.handle)
             except RuntimeError as e:
-                self.poisoned = self.with_peer_note(host, str(e))
+                self.poisoned = with_peer_note(host, str(e))
         if self.poisoned is not None:
             raise RuntimeError(self.poisoned_message(host, what))
         voided = voided_error(host, what, self.void_word)
@@ -382,7 +381,7 @@ class CallState:
             return
         if self.poisoned is None:  # the first failure is the one the peers are told of
             self.poisoned = f"{type(error).__name__}: {error}"
-            self.leave_note(host, f"{type(error).__name__}: {error}")
+            leave_note(host, f"{type(error).__name__}: {error}")
         try:
             torch.ops.sdcp.workspace_abort(host.handle)
         except Exception as e:
@@ -397,7 +396,7 @@ class CallState:
             if self.poisoned is None:
                 self.poisoned = f"aborted on rank {host.rank}: {reason[:200]}"
             if host.handle is not None:
-                self.leave_note(host, f"abort(): {reason}")
+                leave_note(host, f"abort(): {reason}")
                 torch.ops.sdcp.workspace_abort(host.handle)
 
     def peer_exited(self, host: CallHost, rank: int, pid: int) -> None:
@@ -425,24 +424,20 @@ class CallState:
         self.closed = True
         return self.poisoned is None
 
-    def leave_note(self, host: CallHost, text: str) -> None:
-        """Best effort, before the abort words go out: this rank's error, for
-        the peers' errors (a store that is gone with a peer is no error here)."""
-        if host.arena is not None:
+    def tell_left(self, host: CallHost, note: str) -> None:
+        """This rank leaves the workspace (close, resize) with every call of it over: a peer whose
+        call header of a call that this rank will not make has landed here is inside that call,
+        waiting for this rank. Then leave ``note`` for it and abort the workspace on every rank: its
+        call fails at once naming this rank's leaving, not after timeout_s. A peer that is not in a
+        call is left alone (it may still check() or release() before it closes)."""
+        with self.abort_lock:
+            if self.poisoned is not None or host.handle is None:
+                return
             try:
-                host.arena.post_note(text)
-            except Exception as e:
-                logger.info("torch_sdcp: %s on rank %d: could not leave the error for the peers (%s)",
-                            _name(host), host.rank, e)
-
-    def with_peer_note(self, host: CallHost, message: str) -> str:
-        """``message`` with the error that the aborting peer it names left
-        (``peer r aborted: ...`` -> ``... [rank r: ValueError: ...]``)."""
-        found = _PEER_ABORTED.search(message)
-        if found is None or host.arena is None:
-            return message
-        try:
-            note = host.arena.peer_note(int(found.group(1)))
-        except Exception:
-            return message
-        return message if note is None else f"{message} [rank {found.group(1)}: {note}]"
+                torch.ops.sdcp.workspace_check(host.handle)
+            except RuntimeError:
+                return  # a failure of this rank or a peer's abort: the peers were told
+            if not peer_in_a_call(host.handle, host.rank, getattr(host, "kind", None) == WorkspaceKind.QUERY):
+                return
+            leave_note(host, note)
+            torch.ops.sdcp.workspace_abort(host.handle)

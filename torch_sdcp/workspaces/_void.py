@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torch_sdcp.workspaces._guard import named_arguments
+from torch_sdcp.workspaces._notes import leave_note
 
 if TYPE_CHECKING:
     from torch_sdcp.workspaces._call import CallHost, CallState
@@ -49,7 +50,7 @@ def void_call(calls: CallState, host: CallHost, what: str, error: BaseException)
     if placeholder is None:
         return False
     calls.count_call()
-    calls.leave_note(host, f"{type(error).__name__}: {error}")  # before the void header goes out
+    leave_note(host, f"{type(error).__name__}: {error}")  # before the void header goes out
     torch.ops.sdcp.workspace_void_next(host.handle, True)
     try:
         placeholder()

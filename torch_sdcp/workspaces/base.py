@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -339,13 +340,16 @@ class PeerWorkspace:
                 if arena_count(self.group if self.group is not None else dist.group.WORLD) == begun:
                     post_creation_error(self.group, e, self.timeout_s)
                 raise
-            self._release(barrier=self._calls.poisoned is None)
+            self._release(barrier=self._calls.poisoned is None, why="resized (resize())")
             self._adopt(built)
             self._calls.recreated()
 
-    def _release(self, barrier: bool) -> None:
+    def _release(self, barrier: bool, why: str) -> None:
         """Synchronise, unregister, unmap and free this rank's current arena
-        (with ``barrier``, collectively)."""
+        (with ``barrier``, collectively). A healthy workspace tells its peers
+        first that this rank left it (``why``): a peer inside a call of it
+        fails at once instead of after timeout_s (and closes without the
+        barrier, which this rank's barrier counts)."""
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
             finalizer.detach()
@@ -354,7 +358,9 @@ class PeerWorkspace:
             watch.cancel()
         if self.handle is not None:
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                torch.cuda.synchronize(self.device)  # this rank's calls are over: its abort words end none of them
+            if barrier:
+                self._calls.tell_left(self, f"left: its {type(self).__name__} was {why} in pid {os.getpid()}")
             self._calls.detach(self._unregister)  # no abort() stores into memory about to be unmapped
         if self.arena is not None:
             arena, self.arena = self.arena, None
@@ -378,7 +384,7 @@ class PeerWorkspace:
             # A poisoned workspace is released locally: a peer may be gone, and
             # the barrier would wait out the timeout (the memory is reference-
             # counted by every process that maps it, so no peer store faults).
-            self._release(barrier=calls.close(self))
+            self._release(barrier=calls.close(self), why="closed (close())")
 
     def __enter__(self):
         return self

@@ -96,11 +96,11 @@ class QueryWorkspace(PeerWorkspace):
             raise RuntimeError("torch_sdcp: QueryWorkspace.resize: a view from gather_view() is still open; "
                                "release() it first")
 
-    def _release(self, barrier: bool) -> None:
+    def _release(self, barrier: bool, why: str) -> None:
         """As PeerWorkspace._release; an open view becomes invalid."""
         self._open_view = self._inbox_view = None
         self._view_published = False
-        super()._release(barrier)
+        super()._release(barrier, why)
 
     def _require_no_open_view(self, what: str) -> None:
         """Inside the call guard: the refusal poisons and aborts the workspace
