@@ -4,6 +4,7 @@ the group refused after a timeout (and only that group), a close on one rank
 only."""
 
 import logging
+import os
 import random
 import threading
 import time
@@ -216,3 +217,27 @@ def test_subgroup_agreements_and_refusal_stay_in_the_subgroup():
     msg = results[0]["barrier"]
     assert "PeerArena barrier failed: rank 0 gave up waiting for ranks [1]" in msg, msg
     assert "the process group '1' is out of step after a timed-out barrier on rank 0" in msg, msg
+
+
+def _dies_before_its_pid_worker(rank, ws, timeout_s):
+    """Both ranks create an arena (each learns the other's pid); then rank 1 exits before it could
+    publish its pid for the next creation, which rank 0 begins: rank 0's first step ends on rank
+    1's exit (the group's known pids are watched from the first step), not on timeout_s."""
+    with PeerArena(None, 4096, backend="host", timeout_s=timeout_s):
+        pass
+    if rank == 1:
+        os._exit(7)
+    t0 = time.monotonic()
+    try:
+        PeerArena(None, 4096, backend="host", timeout_s=timeout_s)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}", "elapsed": time.monotonic() - t0}
+    return {"error": None, "elapsed": time.monotonic() - t0}
+
+
+def test_a_rank_gone_before_it_publishes_its_pid_is_found_by_its_exit():
+    timeout_s = 20.0
+    results = run_workers(_dies_before_its_pid_worker, 2, args=(timeout_s,), timeout=90, may_die=(1,))
+    r = results[0]
+    assert r["error"] is not None and "exited" in r["error"], r
+    assert r["elapsed"] < timeout_s / 4, r

@@ -18,7 +18,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .groups import GroupOutOfStepError, arena_count, group_store, is_refused, next_arena_number, refuse_group
+from .groups import (
+    GroupOutOfStepError,
+    arena_count,
+    group_store,
+    is_refused,
+    known_pids,
+    next_arena_number,
+    refuse_group,
+)
 from .store_sync import AgreementAbandoned, StoreSync, peek
 from .timeout import DEFAULT_TIMEOUT_S, default_timeout_s, validate_timeout
 
@@ -142,10 +150,12 @@ class _Agreement:
         """Gather (status, extra) from every rank; raise the same error everywhere if any rank
         failed; return the extras."""
         status = None if local_error is None else _describe(local_error)
+        # Before the first step's plans: the pids of the group's last creation, and the ones published meanwhile.
+        pids = self.peer_pids or known_pids(self.group)
         lookup = None if self.peer_pids else self._lookup_pids
         try:
             got = self.sync.meet(stage, self.timeout_s, pickle.dumps((status, extra)),
-                                 peers_exited(self.peer_pids if self.peer_pids else {}, lookup=lookup))
+                                 peers_exited(pids, lookup=lookup))
         except AgreementAbandoned as e:
             own = f"; this rank's own status: {status[1]}" if status else ""
             err = out_of_step(self.group, f"creation step '{stage}'", e, self.sync.rank, self.timeout_s)

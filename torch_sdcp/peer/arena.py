@@ -33,6 +33,7 @@ from .groups import (
     is_refused,
     next_arena_number,
     refuse_group,
+    remember_pids,
 )
 from .lifetime import _interpreter_exiting, _Mapping
 from .plan import local_plan, verdict
@@ -157,6 +158,7 @@ class PeerArena:
             finally:
                 steps.unpublish_pid()
             self.peer_pids = steps.peer_pids = {r: p["pid"] for r, p in enumerate(plans) if r != me}
+            remember_pids(self._group, self.peer_pids)
             self.backend, self.stride = verdict(plans)
             mem = candidates[self.backend]
             for other in candidates.values():

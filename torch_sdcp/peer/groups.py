@@ -24,7 +24,7 @@ class GroupOutOfStepError(RuntimeError):
 
 
 class _GroupState:
-    __slots__ = ("arenas", "closed", "order", "refused")
+    __slots__ = ("arenas", "closed", "order", "pids", "refused")
 
     def __init__(self) -> None:
         self.arenas = 0  # PeerArena creations on the group in this process: the same on every rank
@@ -33,6 +33,7 @@ class _GroupState:
         # The store prefixes of the group's arenas closed in this process, recorded from the first
         # close on, before this rank has an order: a section of one that rank 0 named is skipped.
         self.closed: set[str] = set()
+        self.pids: dict[int, int] = {}  # rank -> pid of the peers, as the group's last creation learnt them
 
 
 _groups: weakref.WeakKeyDictionary[Any, _GroupState] = weakref.WeakKeyDictionary()
@@ -114,6 +115,21 @@ def forget_arena(group, prefix: str) -> None:
         state.closed.add(prefix)
     with contextlib.suppress(Exception):  # the group or its store is gone (interpreter exit): nothing to read
         group_order(group).forget(prefix)
+
+
+def remember_pids(group, pids: dict[int, int]) -> None:
+    """The peers' pids ({rank: pid}) that a creation on ``group`` learnt: the next creation watches
+    them from its first step, before the peers publish theirs."""
+    state = _state(group)
+    with _groups_lock:
+        state.pids = dict(pids)
+
+
+def known_pids(group) -> dict[int, int]:
+    """The peers' pids that the group's last creation learnt ({} before the first)."""
+    state = _state(group)
+    with _groups_lock:
+        return dict(state.pids)
 
 
 def group_order(group) -> GroupOrder:
