@@ -613,3 +613,22 @@ def test_requires_initialised_group():
             "    print('refused')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "refused", out.stdout + out.stderr
+
+
+def test_a_ctrl_c_inside_a_release_callback_is_delivered_again():
+    """A Ctrl-C whose handler runs inside a callback that C calls (the DLPack deleter of a mapping's
+    tensor, a destructor, a finalizer) must not be swallowed there: it is delivered again, so the
+    wait that it was meant to end (a host wait checks for it every 20 ms) still ends."""
+    from torch_sdcp.peer import dlpack
+
+    class Interrupted:
+        def unref(self):
+            raise KeyboardInterrupt
+
+    key = -12345
+    dlpack._LIVE[key] = (None, None, Interrupted())
+    with pytest.raises(KeyboardInterrupt):
+        dlpack._dl_deleter_impl(key)
+        for _ in range(200):  # the handler runs at the next check of this thread
+            time.sleep(0.005)
+    assert key not in dlpack._LIVE

@@ -35,7 +35,7 @@ from .groups import (
     refuse_group,
     remember_pids,
 )
-from .lifetime import _interpreter_exiting, _Mapping
+from .lifetime import _interpreter_exiting, _Mapping, interrupts_kept
 from .plan import local_plan, verdict
 from .probe import probe_mapping
 from .store_sync import AgreementAbandoned, StoreSync, peek
@@ -395,12 +395,10 @@ class PeerArena:
 
     def __del__(self) -> None:
         # Local only: no barrier, nothing collective from a destructor.
-        try:
+        with interrupts_kept():
             if not getattr(self, "_closed", True):
                 self._closed = True
                 self._release_local()
-        except BaseException:
-            pass
 
     def __enter__(self) -> PeerArena:
         return self
