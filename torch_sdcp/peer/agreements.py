@@ -50,11 +50,12 @@ def _process_gone(pid: int) -> bool:
     return state in (b"Z", b"X")
 
 
-def peers_exited(pids: dict[int, int], every_s: float = 0.02,
-                 lookup: Callable[[dict[int, int]], None] | None = None) -> Callable[[], str | None]:
+def peers_exited(pids: dict[int, int], every_s: float = 0.02, lookup: Callable[[dict[int, int]], None] | None = None,
+                 watch: Callable[[], None] | None = None) -> Callable[[], str | None]:
     """A ``give_up`` for StoreSync.meet: names the peers ({rank: pid}) that exited, looking at
     most every ``every_s`` seconds; None while they all run. ``lookup(pids)``, called before each
-    look, may add the pids of peers that became known meanwhile (published on the store)."""
+    look, may add the pids of peers that became known meanwhile (published on the store);
+    ``watch()`` is called before each look too."""
     last = [0.0]
 
     def give_up() -> str | None:
@@ -62,6 +63,9 @@ def peers_exited(pids: dict[int, int], every_s: float = 0.02,
         if now - last[0] < every_s:
             return None
         last[0] = now
+        if watch is not None:
+            with contextlib.suppress(Exception):  # best effort: the wait goes on as before
+                watch()
         if lookup is not None:
             lookup(pids)
         gone = [f"rank {r} (pid {p})" for r, p in sorted(pids.items()) if _process_gone(p)]
@@ -111,8 +115,8 @@ class _Agreement:
     rank's, so that all ranks raise the same error and none hangs; a step that a rank does not
     reach within timeout_s is given up on every rank, and the group refused."""
 
-    def __init__(self, group, sync: StoreSync, timeout_s: float) -> None:
-        self.group, self.sync, self.timeout_s = group, sync, timeout_s
+    def __init__(self, group, sync: StoreSync, timeout_s: float, watch: Callable[[], None] | None = None) -> None:
+        self.group, self.sync, self.timeout_s, self.watch = group, sync, timeout_s, watch
         self.peer_pids: dict[int, int] = {}  # a peer's exit ends a wait at once (published before any wait)
 
     def _pid_key(self, rank: int) -> str:
@@ -155,7 +159,7 @@ class _Agreement:
         lookup = None if self.peer_pids else self._lookup_pids
         try:
             got = self.sync.meet(stage, self.timeout_s, pickle.dumps((status, extra)),
-                                 peers_exited(pids, lookup=lookup))
+                                 peers_exited(pids, lookup=lookup, watch=self.watch))
         except AgreementAbandoned as e:
             own = f"; this rank's own status: {status[1]}" if status else ""
             err = out_of_step(self.group, f"creation step '{stage}'", e, self.sync.rank, self.timeout_s)

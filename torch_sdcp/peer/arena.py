@@ -66,6 +66,8 @@ class PeerArena:
         agree: values that must be equal on every rank ({name: value}, e.g. the parameters of
             the workspace built on the arena); creation raises RankMismatchError on every rank,
             naming each value that differs and every rank's value, before anything is allocated.
+        watch: called while creation waits for the peers (at most every 20 ms; a resize tells a
+            peer inside a call of the workspace being replaced that this rank left it).
 
     Attributes: rank, world_size, backend ("cuda" | "host"), device (local device of the views;
     cpu for host), stride (bytes between ranks' regions: nbytes_per_rank rounded up to the CUDA
@@ -80,7 +82,7 @@ class PeerArena:
     def __init__(self, group: dist.ProcessGroup | None, nbytes_per_rank: int, *,
                  backend: str = "auto", device: torch.device | None = None,
                  allow_shared_device: bool = False, timeout_s: float = 60.0,
-                 agree: dict[str, Any] | None = None) -> None:
+                 agree: dict[str, Any] | None = None, watch: Callable[[], None] | None = None) -> None:
         self._closed = True  # until creation completes; guards __del__ and close()
         self._mapping: _Mapping | None = None
         self._base_u8: torch.Tensor | None = None
@@ -110,6 +112,7 @@ class PeerArena:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             self.timeout_s = 60.0  # the bound of the agreement that reports the bad value on every rank
         self._agree = dict(agree or {})
+        self._watch = watch
         self._barriers = 0
         self._agreements: StoreSync | None = None
         check_group(group, "PeerArena creation")
@@ -138,7 +141,7 @@ class PeerArena:
     def _create(self, nbytes_per_rank, backend, device, allow_shared_device, timeout_s) -> None:
         N, me = self.world_size, self.rank
         assert self._agreements is not None
-        steps = _Agreement(self._group, self._agreements, self.timeout_s)
+        steps = _Agreement(self._group, self._agreements, self.timeout_s, self._watch)
         candidates: dict[str, MemoryBackend] = {}
         sock = _ExchangeSocket()
         received: dict[int, int] = {}

@@ -111,7 +111,7 @@ class PeerWorkspace:
         try:
             arena = PeerArena(self.group, layout.region_bytes, backend=kw["backend"], device=kw["device"],
                               allow_shared_device=kw["allow_shared_device"], timeout_s=self.timeout_s,
-                              agree=self._agreement(params, fallback))
+                              agree=self._agreement(params, fallback), watch=self._tell_peers_in_a_call())
         except Exception as e:  # the arena's failures are collective: every rank is here
             if not fallback or isinstance(e, RankMismatchError):  # disagreeing ranks are an error, not a fallback
                 raise
@@ -134,6 +134,17 @@ class PeerWorkspace:
             arena.close(barrier=False)
             raise
         return _Built(params, layout, arena, handle, arena.device)
+
+    def _tell_peers_in_a_call(self) -> Callable[[], None] | None:
+        """While a resize creates the new arena: a peer inside a call of the current one (its header
+        landed here) waits for this rank, which will not make that call; told at once (abort, with
+        "left"), it fails instead of waiting timeout_s, and may resize too. None at creation."""
+        if self.handle is None:
+            return None
+        if self.device.type == "cuda":  # this rank's calls are over: the header index is exact
+            torch.cuda.synchronize(self.device)
+        note = f"left: its {type(self).__name__} is being resized (resize()) in pid {os.getpid()}"
+        return functools.partial(self._calls.tell_left, self, note)
 
     def _agreement(self, params: list[int], fallback: bool) -> dict:
         """What every rank must create alike, compared at creation (on every
