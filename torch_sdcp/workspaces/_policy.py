@@ -72,15 +72,16 @@ def leading_rows(*candidates: tuple[object, int]) -> int | None:
     return None
 
 
-def _byte_span(t: Tensor) -> tuple[int, int, int] | None:
-    """(storage address, first byte, end byte) of the bytes ``t`` may touch, or None when it
-    touches none."""
+def _byte_span(t: Tensor) -> tuple[int, int] | None:
+    """The addresses [first, end) of the bytes ``t`` may touch, or None when it touches none. The
+    tensors of one call are on one device, where two allocations never share an address."""
     if t.numel() == 0:
         return None
+    first = t.data_ptr()
+    if t.is_contiguous():
+        return first, first + t.nbytes
     size = t.element_size()
-    first = t.storage_offset() * size
-    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) * size + size
-    return t.untyped_storage().data_ptr(), int(first), int(last)
+    return first, first + int(sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * size + size
 
 
 def refuse_overlap(outputs: Mapping[str, object], inputs: Mapping[str, object]) -> None:
@@ -88,16 +89,16 @@ def refuse_overlap(outputs: Mapping[str, object], inputs: Mapping[str, object]) 
     raised before anything is published (as torch's own ``out=`` ops refuse it): a kernel that
     writes into what it still reads returns a wrong result. Tensors only (None and non-tensors
     are checked elsewhere); under tracing nothing is checked."""
-    spans: dict[str, tuple[int, int, int]] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for name, t in (*outputs.items(), *inputs.items()):
         span = _byte_span(t) if isinstance(t, Tensor) and not t.is_meta else None
         if span is not None:
             spans[name] = span
     written = [n for n in outputs if n in spans]
     for i, out in enumerate(written):
-        base, first, end = spans[out]
+        first, end = spans[out]
         for other in [*written[i + 1:], *(n for n in inputs if n in spans)]:
-            b, f, e = spans[other]
-            if b == base and f < end and first < e:
+            f, e = spans[other]
+            if f < end and first < e:
                 raise arg_error(out, f"memory that no input and no other output of the call uses (it is "
                                 f"written while '{other}' is read or written)", f"a tensor that overlaps '{other}'")
