@@ -1,5 +1,5 @@
 """The collective path of the workspaces of one group runs in one order on
-every rank (torch_sdcp/peer/collectives.py, GroupOrder): two workspaces on one
+every rank (torch_sdcp/peer/group_order.py, GroupOrder): two workspaces on one
 group, each used from its own thread (the dual-batch-overlap set-up of
 docs/VLLM.md), with calls over ``max_rows``. Without the order each rank's
 threads entered their store agreements and then gloo collectives in an order
@@ -81,7 +81,8 @@ def test_group_order_names_the_section_it_waits_for():
     its timeout, naming what rank 0 runs; a section given up is skipped."""
     import torch.distributed as dist
 
-    from torch_sdcp.peer.collectives import AgreementAbandoned, GroupOrder
+    from torch_sdcp.peer.group_order import GroupOrder
+    from torch_sdcp.peer.store_sync import AgreementAbandoned
 
     store = dist.HashStore()
     leader, follower = GroupOrder(store, 0, 2), GroupOrder(store, 1, 2)

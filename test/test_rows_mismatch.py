@@ -115,7 +115,7 @@ def _mismatch(ws, rank, over, call_over, call_within, cuda, peers):
 def _worker(rank, world, mode, over):
     import torch.distributed as dist
 
-    from torch_sdcp.peer.collectives import group_store
+    from torch_sdcp.peer.groups import group_store
 
     torch.set_num_threads(1)
     where = rank_workspace_args(rank, mode)

@@ -40,7 +40,7 @@ def _cycles_worker(rank, world, cycles):
     import torch.distributed as dist
 
     import torch_sdcp
-    from torch_sdcp.peer.collectives import group_store
+    from torch_sdcp.peer.groups import group_store
 
     store = group_store(dist.group.WORLD)
     po, pl = rank_partials(2, seed=rank)

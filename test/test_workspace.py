@@ -526,7 +526,7 @@ def test_route_is_the_one_decision_of_a_call():
 def test_void_placeholders_get_the_arguments_by_name():
     import inspect
 
-    from torch_sdcp.workspaces._call import named_arguments
+    from torch_sdcp.workspaces._guard import named_arguments
 
     def gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale=None, *, lse_base="e"):
         pass

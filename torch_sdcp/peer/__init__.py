@@ -7,9 +7,11 @@ and so is every failure of it; every blocking wait is bounded by ``timeout_s``.
 
 Modules: ``arena`` (PeerArena, its views and close), ``plan`` (argument checks, backend choice),
 ``backend`` (the MemoryBackend interface) with ``cuda_vmm`` (CUDA VMM, through ``cuda_driver``) and ``host_shm``
-(memfd shared memory), ``collectives`` (the creation agreements and barriers on the group's c10d store, collective
-failures, :class:`GroupOutOfStepError`, the one order of the collective-path sections of a group:
-``GroupOrder``),
+(memfd shared memory), ``store_sync`` (one
+agreement on the group's c10d store: ``StoreSync``), ``agreements`` (the creation agreements,
+a creation error posted to the peers), ``groups`` (the groups agreed over: refused ones,
+:class:`GroupOutOfStepError`), ``group_order`` (the one order of the collective-path sections
+of a group: ``GroupOrder``), ``timeout`` (``timeout_s`` and ``SDCP_TIMEOUT_S``),
 ``fd_exchange`` (SCM_RIGHTS over private AF_UNIX sockets, SO_PEERCRED checks), ``lifetime``
 (reference counting, interpreter exit) and ``dlpack`` (tensors with an explicit device).
 
@@ -18,7 +20,7 @@ docs/DESIGN.md, section "Peer-addressable objects".
 """
 
 from .arena import PeerArena
-from .collectives import GroupOutOfStepError
+from .groups import GroupOutOfStepError
 
 __all__ = ["GroupOutOfStepError", "PeerArena"]
 

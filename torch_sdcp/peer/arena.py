@@ -1,6 +1,6 @@
 """PeerArena: every rank's memory mapped rank-major into every rank, and views over it.
 
-Creation is collective and every failure is collective (see collectives._Agreement: every step
+Creation is collective and every failure is collective (see agreements._Agreement: every step
 agreed on the group's c10d store, never a collective of its backend); the memory itself comes from
 a backend (backend.MemoryBackend). The view lifetime policy is described in
 docs/DESIGN.md, section "Peer-addressable objects": in short, views hold a reference on the
@@ -13,52 +13,37 @@ import contextlib
 import logging
 import math
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .agreements import _Agreement, _hook, out_of_step, peers_exited
 from .backend import MemoryBackend
-from .collectives import (
-    AgreementAbandoned,
+from .dlpack import _byte_tensor
+from .fd_exchange import _exchange_fds, _ExchangeSocket
+from .group_order import Turn
+from .groups import (
     GroupOutOfStepError,
-    StoreSync,
-    Turn,
-    _Agreement,
-    arena_count,
     check_group,
     forget_arena,
     group_order,
     group_store,
     is_refused,
     next_arena_number,
-    out_of_step,
-    peek,
-    peers_exited,
     refuse_group,
+    remember_pids,
 )
-from .dlpack import _byte_tensor
-from .fd_exchange import _exchange_fds, _ExchangeSocket
-from .lifetime import _interpreter_exiting, _Mapping
+from .lifetime import _interpreter_exiting, _Mapping, interrupts_kept
 from .plan import local_plan, verdict
+from .probe import probe_mapping
+from .store_sync import AgreementAbandoned, StoreSync, peek
+from .views import contiguous_strides, view_geometry
 
-__all__ = ["PeerArena", "creation_errors_posted", "post_creation_error"]
+__all__ = ["PeerArena"]
 
 logger = logging.getLogger("torch_sdcp")
-
-
-def _hook(stage: str) -> None:
-    # Fault injection for the tests: torch_sdcp.peer._TEST_HOOK, set on the package.
-    hook = getattr(sys.modules[__package__], "_TEST_HOOK", None)
-    if hook is not None:
-        hook(stage)
-
-
-def _word(src: int, dst: int) -> int:
-    """Probe word that rank src writes into rank dst's region (distinct per pair, non-zero)."""
-    return 0x5344_4350_0000_0000 | ((src & 0xFFFF) << 16) | (dst & 0xFFFF)
 
 
 class PeerArena:
@@ -81,6 +66,8 @@ class PeerArena:
         agree: values that must be equal on every rank ({name: value}, e.g. the parameters of
             the workspace built on the arena); creation raises RankMismatchError on every rank,
             naming each value that differs and every rank's value, before anything is allocated.
+        watch: called while creation waits for the peers (at most every 20 ms; a resize tells a
+            peer inside a call of the workspace being replaced that this rank left it).
 
     Attributes: rank, world_size, backend ("cuda" | "host"), device (local device of the views;
     cpu for host), stride (bytes between ranks' regions: nbytes_per_rank rounded up to the CUDA
@@ -95,7 +82,7 @@ class PeerArena:
     def __init__(self, group: dist.ProcessGroup | None, nbytes_per_rank: int, *,
                  backend: str = "auto", device: torch.device | None = None,
                  allow_shared_device: bool = False, timeout_s: float = 60.0,
-                 agree: dict[str, Any] | None = None) -> None:
+                 agree: dict[str, Any] | None = None, watch: Callable[[], None] | None = None) -> None:
         self._closed = True  # until creation completes; guards __del__ and close()
         self._mapping: _Mapping | None = None
         self._base_u8: torch.Tensor | None = None
@@ -125,6 +112,7 @@ class PeerArena:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             self.timeout_s = 60.0  # the bound of the agreement that reports the bad value on every rank
         self._agree = dict(agree or {})
+        self._watch = watch
         self._barriers = 0
         self._agreements: StoreSync | None = None
         check_group(group, "PeerArena creation")
@@ -153,7 +141,7 @@ class PeerArena:
     def _create(self, nbytes_per_rank, backend, device, allow_shared_device, timeout_s) -> None:
         N, me = self.world_size, self.rank
         assert self._agreements is not None
-        steps = _Agreement(self._group, self._agreements, self.timeout_s)
+        steps = _Agreement(self._group, self._agreements, self.timeout_s, self._watch)
         candidates: dict[str, MemoryBackend] = {}
         sock = _ExchangeSocket()
         received: dict[int, int] = {}
@@ -173,6 +161,7 @@ class PeerArena:
             finally:
                 steps.unpublish_pid()
             self.peer_pids = steps.peer_pids = {r: p["pid"] for r, p in enumerate(plans) if r != me}
+            remember_pids(self._group, self.peer_pids)
             self.backend, self.stride = verdict(plans)
             mem = candidates[self.backend]
             for other in candidates.values():
@@ -219,7 +208,7 @@ class PeerArena:
             self._step(steps, "map", map_every_rank)
 
             # 5. capability gate: write-and-verify probe through the mapping
-            self._probe(steps, mem, infos)
+            self.native_peer_atomics = probe_mapping(self, steps, mem, infos)
         except BaseException:
             self._base_u8 = None
             sock.close()
@@ -247,48 +236,6 @@ class PeerArena:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _probe(self, steps: _Agreement, mem: MemoryBackend, infos) -> None:
-        N, me, stride = self.world_size, self.rank, self.stride
-        tail = stride - 8 * N if stride >= 16 * N else None
-        # write: word(me, dst) at 8*me of the head and of the tail of every region
-        err: Exception | None = None
-        try:
-            _hook("probe")
-            for dst in range(N):
-                for off in (0, tail):
-                    if off is not None:
-                        self._raw_words(dst, off, N)[me:me + 1].fill_(_word(me, dst))
-            self._sync()
-        except Exception as e:
-            err = RuntimeError(f"probe write through the mapping failed: {e}")
-        steps.agree("probe write", err)
-        # verify our region, re-zero the probe words, check peer capabilities
-        err = None
-        atomics: bool | None = True
-        try:
-            bad = []
-            for off in (0, tail):
-                if off is None:
-                    continue
-                words = self._raw_words(me, off, N)
-                got = words.cpu().tolist()
-                for src in range(N):
-                    want = _word(src, me)
-                    if got[src] != want:
-                        bad.append(f"word of rank {src} at offset {off + 8 * src}: got "
-                                   f"0x{got[src] & (2**64 - 1):016x}, expected 0x{want:016x}")
-                words.zero_()
-            self._sync()
-            if bad:
-                raise RuntimeError("write-and-verify probe: stores through the peer mapping did "
-                                   "not arrive (" + "; ".join(bad) + ")")
-            atomics = mem.check_peer_access(infos)
-        except Exception as e:
-            err = e
-        extras = steps.agree("probe verify", err, atomics)
-        # host: every rank reports True
-        self.native_peer_atomics = None if any(a is None for a in extras) else all(extras)
-
     # ---------------------------------------------------------------------------------------
     # public API
     # ---------------------------------------------------------------------------------------
@@ -312,54 +259,11 @@ class PeerArena:
         self._check_open("address")
         return self.base_address + self._check_rank(rank, "address") * self.stride
 
-    def _view_geometry(self, what: str, dtype, shape, offset) -> tuple[torch.dtype, tuple[int, ...], int]:
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"torch_sdcp: argument 'dtype' of PeerArena.{what}: expected a "
-                             f"torch.dtype, got {dtype!r}")
-        itemsize = dtype.itemsize
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise ValueError(f"torch_sdcp: argument 'offset' of PeerArena.{what}: expected an "
-                             f"int number of bytes, got {offset!r}")
-        if not 0 <= offset <= self.nbytes_per_rank:
-            raise ValueError(f"torch_sdcp: argument 'offset' of PeerArena.{what}: expected a byte "
-                             f"offset in [0, {self.nbytes_per_rank}] (nbytes_per_rank), got {offset}")
-        if offset % itemsize:
-            raise ValueError(f"torch_sdcp: argument 'offset' of PeerArena.{what}: expected a "
-                             f"multiple of {itemsize} (the itemsize of {dtype}), got {offset}")
-        if shape is None:
-            shape = ((self.nbytes_per_rank - offset) // itemsize,)
-        else:
-            if isinstance(shape, int) and not isinstance(shape, bool):
-                shape = (shape,)
-            try:
-                shape = tuple(shape)
-                ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
-            except TypeError:
-                ok = False
-            if not ok:
-                raise ValueError(f"torch_sdcp: argument 'shape' of PeerArena.{what}: expected a "
-                                 f"sequence of non-negative ints, got {shape!r}")
-            need = math.prod(shape) * itemsize
-            if offset + need > self.nbytes_per_rank:
-                raise ValueError(
-                    f"torch_sdcp: argument 'shape' of PeerArena.{what}: expected at most "
-                    f"{self.nbytes_per_rank - offset} bytes (nbytes_per_rank {self.nbytes_per_rank} "
-                    f"minus offset {offset}), got shape {list(shape)} of {dtype} = {need} bytes")
-        return dtype, shape, offset
-
-    @staticmethod
-    def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-        strides, acc = [], 1
-        for s in reversed(shape):
-            strides.append(acc)
-            acc *= max(s, 1)
-        return tuple(reversed(strides))
-
     def _region_view(self, rank: int, what: str, dtype, shape, offset) -> torch.Tensor:
-        dtype, shape, offset = self._view_geometry(what, dtype, shape, offset)
+        dtype, shape, offset = view_geometry(self.nbytes_per_rank, what, dtype, shape, offset)
         itemsize = dtype.itemsize
         full = self._mapped_bytes().view(dtype)
-        return full.as_strided(shape, self._contiguous_strides(shape),
+        return full.as_strided(shape, contiguous_strides(shape),
                                (rank * self.stride + offset) // itemsize)
 
     def local_view(self, dtype: torch.dtype = torch.uint8, shape=None, offset: int = 0) -> torch.Tensor:
@@ -379,11 +283,11 @@ class PeerArena:
                         offset: int = 0) -> torch.Tensor:
         """[world_size, *shape] view covering every rank; stride(0) == self.stride // itemsize."""
         self._check_open("rank_major_view")
-        dtype, shape, offset = self._view_geometry("rank_major_view", dtype, shape, offset)
+        dtype, shape, offset = view_geometry(self.nbytes_per_rank, "rank_major_view", dtype, shape, offset)
         itemsize = dtype.itemsize
         full = self._mapped_bytes().view(dtype)
         return full.as_strided((self.world_size,) + shape,
-                               (self.stride // itemsize,) + self._contiguous_strides(shape),
+                               (self.stride // itemsize,) + contiguous_strides(shape),
                                offset // itemsize)
 
     def post_note(self, text: str) -> None:
@@ -494,12 +398,10 @@ class PeerArena:
 
     def __del__(self) -> None:
         # Local only: no barrier, nothing collective from a destructor.
-        try:
+        with interrupts_kept():
             if not getattr(self, "_closed", True):
                 self._closed = True
                 self._release_local()
-        except BaseException:
-            pass
 
     def __enter__(self) -> PeerArena:
         return self
@@ -514,77 +416,3 @@ class PeerArena:
         return (f"PeerArena(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
                 f"device={self.device}, nbytes_per_rank={self.nbytes_per_rank}, "
                 f"stride={self.stride}, {state})")
-
-
-# ---------------------------------------------------------------------------------------------
-# a creation that fails its local checks on one rank: the peers learn it in the first step
-# ---------------------------------------------------------------------------------------------
-
-
-def post_creation_error(group: dist.ProcessGroup | None, error: BaseException, timeout_s: float) -> None:
-    """This rank's creation of a PeerArena on ``group`` failed its local checks (``error``) before
-    the arena was created: take this rank's part in the creation's first step ('validate') with
-    ``error`` posted, so that every peer raises it at once (PeerArena creation failed at step
-    'validate': rank r: ...) instead of waiting ``timeout_s``, and the group stays in step. Returns
-    when the step is over (or was given up: the group is then refused, as any timed-out step
-    does); the caller raises ``error`` itself. Nothing happens for a group this process cannot
-    agree on (none initialised, not a member, refused)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if group is None:
-        group = dist.group.WORLD
-    if not isinstance(group, dist.ProcessGroup) or dist.get_rank(group) < 0 or is_refused(group):
-        return
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    if world == 1:
-        next_arena_number(group)
-        return
-    number = next_arena_number(group)
-    steps = _Agreement(group, StoreSync(group_store(group), rank, world, f"sdcp/arena{number}"), timeout_s)
-    steps.publish_pid()
-    try:
-        steps.agree("validate", error if isinstance(error, Exception) else RuntimeError(repr(error)), None)
-    except Exception as e:
-        if isinstance(e, GroupOutOfStepError):
-            logger.warning("torch_sdcp: rank %d: the peers did not come to creation step 'validate' to learn "
-                           "this rank's error (%s): %s", rank, error, e)
-    finally:
-        steps.unpublish_pid()
-
-
-def _timeout_of(kwargs: dict[str, Any]) -> float:
-    """The bound of the posted step: the caller's ``timeout_s``, else SDCP_TIMEOUT_S, else 300 s
-    (a bad value is the error being posted: the default bounds it)."""
-    for raw in (kwargs.get("timeout_s"), os.environ.get("SDCP_TIMEOUT_S")):
-        if raw is None or isinstance(raw, bool):
-            continue
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            continue
-        if math.isfinite(value) and 1e-3 <= value <= 86400.0:
-            return value
-    return 300.0
-
-
-def creation_errors_posted(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap the ``__init__(self, group, ...)`` of a class that creates one PeerArena on ``group``
-    (collectively, on every rank): an exception raised before the arena's creation began (a
-    local argument check) is posted to the peers in the creation's first step
-    (post_creation_error), then raised. Errors of the creation itself are collective already."""
-
-    def wrapped(self, *args: Any, **kwargs: Any) -> None:
-        group = args[0] if args else kwargs.get("group")
-        valid = group is None or isinstance(group, dist.ProcessGroup)
-        begun = arena_count(group if group is not None else dist.group.WORLD) \
-            if valid and dist.is_available() and dist.is_initialized() else None
-        try:
-            init(self, *args, **kwargs)
-        except Exception as e:
-            if begun is not None and arena_count(group if group is not None else dist.group.WORLD) == begun:
-                post_creation_error(group, e, _timeout_of(kwargs))
-            raise
-
-    wrapped.__wrapped__ = init  # type: ignore[attr-defined]
-    wrapped.__name__, wrapped.__qualname__, wrapped.__doc__ = init.__name__, init.__qualname__, init.__doc__
-    return wrapped

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .lifetime import _Mapping
+from .lifetime import _Mapping, interrupts_kept
 
 # The device must never be inferred from the pointer: for peer memory cudaPointerGetAttributes names
 # the owning GPU (torch.as_tensor(__cuda_array_interface__) without a device gives a tensor on the
@@ -50,13 +50,11 @@ _LIVE_LOCK = threading.Lock()
 
 
 def _dl_deleter_impl(address) -> None:
-    try:
+    with interrupts_kept():  # never let an exception escape into C, nor a Ctrl-C be lost there
         with _LIVE_LOCK:
             entry = _LIVE.pop(address, None)
         if entry is not None:
             entry[2].unref()
-    except BaseException:  # never let an exception escape into C
-        pass
 
 
 _DL_DELETER = _DLDeleterType(_dl_deleter_impl)

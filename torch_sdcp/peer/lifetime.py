@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 
 # Interpreter exit: nothing collective runs once this is set.
 _AT_EXIT = False
@@ -21,6 +23,20 @@ atexit.register(_mark_exit)
 
 def _interpreter_exiting() -> bool:
     return _AT_EXIT or sys.is_finalizing()
+
+
+@contextlib.contextmanager
+def interrupts_kept() -> Iterator[None]:
+    """Around the body of a callback whose exceptions nobody sees (a destructor, a finalizer, a
+    callback from C): a Ctrl-C whose handler ran inside it is delivered again to the main thread,
+    instead of being swallowed, so that the wait it was meant to end (a host wait runs the
+    handlers every 20 ms) still ends. Every other exception is dropped."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _thread.interrupt_main()
+    except BaseException:
+        pass
 
 
 class _Mapping:
@@ -48,5 +64,5 @@ class _Mapping:
         self.backend.release()
 
     def __del__(self) -> None:  # backstop; normally released through unref()
-        with contextlib.suppress(BaseException):
+        with interrupts_kept():
             self.release()

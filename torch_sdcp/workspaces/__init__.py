@@ -25,17 +25,20 @@ released locally when it is garbage-collected (no collective runs then).
 
 Modules: ``base`` (PeerWorkspace: creation, resize, close, the family
 hooks), ``_call`` (CallState, the owner of a workspace's calls: the call
-guard, the path of a call, failing, voiding, poisoning), one per family
+guard, the path of a call, failing, poisoning), ``_guard`` (the
+guard of a call method, the arguments it keeps), ``_void`` (void calls), ``_notes`` (the notes a rank leaves for
+its peers), one per family
 (``exchange``, ``output_lse``, ``topk``, ``query``; a family is its record in
 torch_sdcp/families.py plus csrc/<family>.*,
 torch_sdcp/workspaces/<family>.py and test/test_<family>*.py), ``_layout``
-(WorkspaceLayout), ``_policy`` (timeouts, size bounds, the group, the rows
-of a void call), ``_collective_path`` (the ranks' agreement on a collective-path
-call) and ``_lifetime`` (the finalizer, the fork handler).
+(WorkspaceLayout), ``_policy`` (size bounds, the group, the rows
+of a void call), ``_collective_path`` (the ranks' agreement on a call over max_rows, and
+its void when the peers took the peer path) and ``_lifetime`` (the finalizer, the fork handler).
 """
 
+from torch_sdcp.peer.timeout import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_ENV
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
-from torch_sdcp.workspaces._policy import DEFAULT_TIMEOUT_S, MAX_REGION_BYTES, MAX_TIMEOUT_S, MIN_TIMEOUT_S, TIMEOUT_ENV
+from torch_sdcp.workspaces._policy import MAX_REGION_BYTES
 from torch_sdcp.workspaces.base import PeerWorkspace, VoidedCallError
 
 # Every family's workspace class, one per record of torch_sdcp/families.py, written out so that type

@@ -1,6 +1,7 @@
-"""The owner of a workspace's calls (``CallState``), the guard of every public
-call method (``with self._call(what)``), the decorator that keeps a call's
-arguments (``call_method``) and the refusals that leave a workspace usable.
+"""The owner of a workspace's calls (``CallState``): entering, the path,
+leaving, failing, poisoning, and the refusals that leave a workspace usable
+(the guard of a public call method: ``_guard``; a void call: ``_void``; the
+agreement of a call over max_rows: ``_collective_path``).
 
 The call owner reads its workspace through ``CallHost`` only: public members
 and the family's ``void_placeholder`` hook. It holds no reference to the
@@ -10,48 +11,27 @@ collector): the workspace passes itself to every step that needs it."""
 from __future__ import annotations
 
 import ctypes
-import functools
-import inspect
 import logging
 import os
-import re
 import threading
-import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from torch_sdcp._checks import arg_error
-from torch_sdcp.peer.collectives import AgreementAbandoned
+from torch_sdcp.families import WorkspaceKind
 from torch_sdcp.route import Why, route, route_without_rows
-from torch_sdcp.workspaces._collective_path import (
-    VIEW_CALLS,
-    PeerPathTaken,
-    agree_collective_path,
-    describe_peer_rows,
-    peer_path_probe,
-    peer_rows,
-    took_peer_path,
-)
+from torch_sdcp.workspaces._collective_path import VOID_CLAIM, VOID_FAILED, agree_over_rows, peer_in_a_call
+from torch_sdcp.workspaces._notes import leave_note, with_peer_note
+from torch_sdcp.workspaces._void import void_call, voided_error
 
 if TYPE_CHECKING:
     from torch_sdcp.peer import PeerArena, liveness
+    from torch_sdcp.peer.group_order import Turn
+    from torch_sdcp.workspaces._guard import KeptArguments
 
 logger = logging.getLogger("torch_sdcp")
-
-# How the C++ error of a call that met a peer's abort word names the peer.
-_PEER_ABORTED = re.compile(r"peer (\d+) aborted")
-
-#: A call's arguments as ``call_method`` keeps them: (thread id, the method's
-#: signature without ``self``, positional arguments, keyword arguments).
-KeptArguments = tuple[int, inspect.Signature, tuple, dict]
-
-
-class VoidedCallError(RuntimeError):
-    """A peer voided a call that this rank made (docs/PROTOCOL.md "Void
-    calls"): that call's result is not valid here; the workspace is usable,
-    and the next calls pair as before."""
 
 
 class CallRefused(RuntimeError):
@@ -81,32 +61,6 @@ class CallHost(Protocol):
 
     def void_placeholder(self, what: str, arguments: Mapping[str, Any],
                          rows: int | None = None) -> Callable[[], object] | None: ...
-
-
-def named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A call's arguments by parameter name, defaults included. For a call
-    whose arguments do not bind (a misspelt keyword, a missing argument), the
-    ones that name a parameter: the positional ones in order, then the known
-    keywords."""
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:
-        params = signature.parameters
-        named = {n: p.default for n, p in params.items() if p.default is not p.empty}
-        positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        named.update(zip(positional, args, strict=False))
-        named.update((k, v) for k, v in kwargs.items() if k in params)
-        return named
-    bound.apply_defaults()
-    return dict(bound.arguments)
-
-
-def _binds(signature: inspect.Signature, args: tuple, kwargs: dict) -> bool:
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError:
-        return False
-    return True
 
 
 def _name(host: CallHost) -> str:
@@ -167,14 +121,10 @@ class CallState:
         self.sequence = 0
         self.counted = False
         self.void_rows: int | None = None
-        self.turn: Any = None  # the group's collective-path turn the call in progress holds (peer.collectives)
+        self.turn: Any = None  # the group's collective-path turn the call in progress holds (peer.group_order)
         self.logged: set[str] = set()
 
-    def guard(self, host: CallHost, what: str, poison: bool = True) -> _Call:
-        """The guard of the call ``what`` (a context manager, see ``_Call``)."""
-        return _Call(self, host, what, poison)
-
-    # -- the arena's part ----------------------------------------------------------------------
+    # -- the arena's part (the workspace's lifecycle: base.py) ------------------------------------
 
     def attach(self, void_address: int | None, watch: liveness.Watch | None) -> None:
         """A new arena (or collective mode: None, None): its void word and its
@@ -182,6 +132,27 @@ class CallState:
         self.void_word = None if void_address is None else ctypes.c_uint64.from_address(void_address)
         self.watch = watch
         self.sequence = 0
+
+    def open(self) -> None:
+        """Creation is over: calls are accepted."""
+        self.closed = False
+
+    def recreated(self) -> None:
+        """resize() replaced the arena: a poisoned workspace is healthy again."""
+        self.poisoned = None
+
+    def take_watch(self) -> liveness.Watch | None:
+        """The peers' liveness watch, which this state no longer holds (the caller cancels it, or a
+        forked child drops its parent's)."""
+        watch, self.watch = self.watch, None
+        return watch
+
+    def detach(self, unregister: Callable[[], None]) -> None:
+        """``unregister()`` the arena's C++ workspace, with no abort() storing into its memory
+        meanwhile; its void word goes with it."""
+        with self.abort_lock:
+            self.void_word = None
+            unregister()
 
     # -- refusals -------------------------------------------------------------------------------
 
@@ -279,7 +250,7 @@ class CallState:
         # keeps every rank in step, and nothing is poisoned (the error propagates).
         if isinstance(error, (ValueError, TypeError)) and held and poison and not poisoned_before:
             try:
-                voided = self.void(host, what, error)
+                voided = void_call(self, host, what, error)
             except BaseException:  # Ctrl-C inside the placeholder's wait (which aborted the workspace)
                 self.leave(held)
                 raise
@@ -289,18 +260,20 @@ class CallState:
         # A call that met a peer's abort: the error that peer left, in this one.
         noted = None
         if type(error) is RuntimeError and held:
-            text = self.with_peer_note(host, str(error))
+            text = with_peer_note(host, str(error))
             noted = RuntimeError(text) if text != str(error) else None
         met = None
         try:
             if error is not None and poison:
                 self.fail(host, noted or error, held)
             elif error is None and held:  # a peer voided a call this rank made (this one, or before on CUDA)
-                met = self.voided_error(host, what)
+                met = voided_error(host, what, self.void_word)
         finally:
             self.leave(held)
         if met is not None:
             raise met
+        if isinstance(error, ValueError) and self.poisoned is not None and VOID_CLAIM in str(error):
+            raise ValueError(str(error).replace(VOID_CLAIM, VOID_FAILED)) from error  # no void: tell the truth
         gone = self.watch.exited_now() if self.watch is not None and type(error) is RuntimeError else None
         if gone is not None:  # what ended the call: the peer's exit
             raise RuntimeError(f"torch_sdcp: {_name(host)} on rank {host.rank}: {what}() failed: peer "
@@ -310,7 +283,8 @@ class CallState:
 
     # -- the path of a call (torch_sdcp.route decides) ------------------------------------------
 
-    def take_path(self, host: CallHost, rows: int | None, arg: str, tag: int | None = None) -> bool:
+    def take_path(self, host: CallHost, rows: int | None, arg: str, tag: int | None = None,
+                  header: str = "") -> bool:
         """The call's Python argument checks are over: True when it takes
         the peer path, False when it takes the collective path, after acting
         on why. ``rows`` None: a call bounded in bytes, not rows (the
@@ -333,7 +307,7 @@ class CallState:
         self.committed = True
         if decision.why is Why.ROWS_OVER_BOUND:
             assert rows is not None
-            self.collective_over_rows(host, rows, arg, tag)
+            self.collective_over_rows(host, rows, arg, tag, header)
         else:  # collective mode: its calls run collectives at once
             self.refuse_poisoned(host)
         return False
@@ -344,11 +318,13 @@ class CallState:
             self.counted = True
             self.sequence += 1
 
-    def collective_over_rows(self, host: CallHost, rows: int, arg: str, tag: int | None = None) -> None:
+    def collective_over_rows(self, host: CallHost, rows: int, arg: str, tag: int | None = None,
+                             header: str = "") -> None:
         """A peer workspace's call of more rows than max_rows: an error with
         rows_fallback=False; else logged once per workspace, refused when the
         workspace is poisoned (a peer's abort poisons the collective path too)
-        and agreed on by every rank before any collective."""
+        and agreed on by every rank before any collective (``agree_over_rows``:
+        a call whose peers took the peer path is voided with their rows)."""
         if not host.rows_fallback:
             raise arg_error(arg, f"at most max_rows = {host.max_rows} rows (this {_name(host)} was "
                             "created with rows_fallback=False)", rows)
@@ -356,64 +332,15 @@ class CallState:
                       "every later call over the bound take the collective path (logged once per workspace)")
         if self.poison_on_error:
             self.health(host, "check")
-        arena = host.arena
-        if arena is None or host.world_size == 1 or torch.compiler.is_compiling():
-            return  # no peer to agree with (under tracing, no call to agree on)
-        handle = host.handle
         what = self.caller[2] if self.caller is not None else "call"
-        peer_failure = functools.partial(_peer_failure, handle)
-        give_up: Callable[[], str | None] = peer_failure
-        view = what in VIEW_CALLS
-        capturing = host.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if handle is not None and not capturing:
-            # A peer within the bound takes the peer path of this call: its header lands here,
-            # for this rank's next call, whose index is exact once no call of this rank runs.
-            if host.device.type == "cuda":
-                torch.cuda.current_stream(host.device).synchronize()
-            give_up = peer_path_probe(handle, host.rank, view, peer_failure)
-        try:
-            # One order of these sections per group in this process (two workspaces of one group
-            # on two threads), held from the agreement until the call ends (leave).
-            self.turn = arena.collective_turn(f"collective{self.sequence}", host.timeout_s, give_up)
-            agree_collective_path(arena, name=_name(host), rank=host.rank,
-                                  max_rows=host.max_rows, timeout_s=host.timeout_s, what=what, rows=rows,
-                                  index=self.sequence, peer_failure=give_up, tag=tag)
-        except AgreementAbandoned as e:  # the turn's
-            if not took_peer_path(e):
-                raise
-            self.rows_differ(host, rows, arg, view, peer_failure)
-        except PeerPathTaken:
-            self.rows_differ(host, rows, arg, view, peer_failure)
+        differ = agree_over_rows(host, _name(host), what, rows, arg, self.sequence, tag, header, self.hold_turn)
+        if differ is not None:
+            self.void_rows, self.committed = differ.peer_rows, False
+            raise differ.error
 
-    def rows_differ(self, host: CallHost, rows: int, arg: str, view: bool,
-                    peer_failure: Callable[[], str | None]) -> None:
-        """A call of ``rows`` rows, over max_rows on this rank, whose peers (some of them) took the
-        peer path of the same call with rows within the bound: no rank entered a collective, so
-        the call is voided (its placeholder takes the peers' rows, every peer's call raises
-        VoidedCallError naming this error) and the workspace stays usable. Raises the rows
-        mismatch as this call's argument error, once the peers' rows are known (their headers
-        landed here: bounded by timeout_s)."""
-        assert host.handle is not None
-        start = time.monotonic()
-        landed = peer_rows(host.handle, host.rank, view)
-        while not landed:
-            failure = peer_failure()
-            waited = time.monotonic() - start
-            if failure is not None or waited >= host.timeout_s:
-                raise RuntimeError(
-                    f"torch_sdcp: {_name(host)} on rank {host.rank}: {rows} rows > max_rows = {host.max_rows} "
-                    f"on this rank, and a peer took the peer path of the call, but no peer's call header came "
-                    f"within {waited:.3g} s" + (f": {failure}" if failure is not None else ""))
-            time.sleep(1e-3)
-            landed = peer_rows(host.handle, host.rank, view)
-        theirs = landed[min(landed)]
-        if theirs > host.max_rows:  # no peer sends a header over the bound: the header is not this call's
-            raise RuntimeError(f"torch_sdcp: {_name(host)} on rank {host.rank}: a peer's call header of "
-                               f"{theirs} rows > max_rows = {host.max_rows} ({describe_peer_rows(landed)})")
-        self.void_rows, self.committed = theirs, False
-        raise arg_error(arg, f"{theirs} rows ({describe_peer_rows(landed)}, the peer path)",
-                        f"{rows} rows (over max_rows = {host.max_rows} on this rank only): every rank must call "
-                        "with the same rows; the call is void on every rank, and the workspace stays usable")
+    def hold_turn(self, turn: Turn) -> None:
+        """The group's collective-path turn of the call in progress, released when the call ends."""
+        self.turn = turn
 
     def log_once(self, host: CallHost, key: str, message: str) -> None:
         """Log a policy decision once per workspace and ``key``."""
@@ -432,10 +359,10 @@ class CallState:
             try:
                 torch.ops.sdcp.workspace_check(host.handle)
             except RuntimeError as e:
-                self.poisoned = self.with_peer_note(host, str(e))
+                self.poisoned = with_peer_note(host, str(e))
         if self.poisoned is not None:
             raise RuntimeError(self.poisoned_message(host, what))
-        voided = self.voided_error(host, what)
+        voided = voided_error(host, what, self.void_word)
         if voided is not None:
             raise voided
 
@@ -454,7 +381,7 @@ class CallState:
             return
         if self.poisoned is None:  # the first failure is the one the peers are told of
             self.poisoned = f"{type(error).__name__}: {error}"
-            self.leave_note(host, f"{type(error).__name__}: {error}")
+            leave_note(host, f"{type(error).__name__}: {error}")
         try:
             torch.ops.sdcp.workspace_abort(host.handle)
         except Exception as e:
@@ -469,7 +396,7 @@ class CallState:
             if self.poisoned is None:
                 self.poisoned = f"aborted on rank {host.rank}: {reason[:200]}"
             if host.handle is not None:
-                self.leave_note(host, f"abort(): {reason}")
+                leave_note(host, f"abort(): {reason}")
                 torch.ops.sdcp.workspace_abort(host.handle)
 
     def peer_exited(self, host: CallHost, rank: int, pid: int) -> None:
@@ -497,163 +424,20 @@ class CallState:
         self.closed = True
         return self.poisoned is None
 
-    def leave_note(self, host: CallHost, text: str) -> None:
-        """Best effort, before the abort words go out: this rank's error, for
-        the peers' errors (a store that is gone with a peer is no error here)."""
-        if host.arena is not None:
+    def tell_left(self, host: CallHost, note: str) -> None:
+        """This rank leaves the workspace (close, resize) with every call of it over: a peer whose
+        call header of a call that this rank will not make has landed here is inside that call,
+        waiting for this rank. Then leave ``note`` for it and abort the workspace on every rank: its
+        call fails at once naming this rank's leaving, not after timeout_s. A peer that is not in a
+        call is left alone (it may still check() or release() before it closes)."""
+        with self.abort_lock:
+            if self.poisoned is not None or host.handle is None:
+                return
             try:
-                host.arena.post_note(text)
-            except Exception as e:
-                logger.info("torch_sdcp: %s on rank %d: could not leave the error for the peers (%s)",
-                            _name(host), host.rank, e)
-
-    def with_peer_note(self, host: CallHost, message: str) -> str:
-        """``message`` with the error that the aborting peer it names left
-        (``peer r aborted: ...`` -> ``... [rank r: ValueError: ...]``)."""
-        found = _PEER_ABORTED.search(message)
-        if found is None or host.arena is None:
-            return message
-        try:
-            note = host.arena.peer_note(int(found.group(1)))
-        except Exception:
-            return message
-        return message if note is None else f"{message} [rank {found.group(1)}: {note}]"
-
-    # -- void calls (docs/PROTOCOL.md "Void calls") ---------------------------------------------
-
-    def void(self, host: CallHost, what: str, error: BaseException) -> bool:
-        """The call failed its argument checks before this rank published
-        anything (in Python, or in its peer op): make its placeholder, marked
-        void, so that every rank stays in step and the peers learn of this
-        rank's error for that call only. True when done (the workspace is not
-        poisoned); False to poison as before."""
-        kept = self.arguments
-        if (not host.peer or not self.poison_on_error or host.handle is None or kept is None
-                or kept[0] != threading.get_ident() or self.committed):
-            return False
-        if host.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # a graph would replay the void mark
-        try:
-            placeholder = host.void_placeholder(what, named_arguments(*kept[1:]), rows=self.void_rows)
-        except Exception:
-            return False
-        if placeholder is None:
-            return False
-        self.count_call()
-        self.leave_note(host, f"{type(error).__name__}: {error}")  # before the void header goes out
-        torch.ops.sdcp.workspace_void_next(host.handle, True)
-        try:
-            placeholder()
-            if host.device.type == "cuda":  # its kernel's outcome, before this rank says it is usable
-                torch.cuda.current_stream(host.device).synchronize()
-            torch.ops.sdcp.workspace_check(host.handle)
-        except Exception as e:
-            logger.info("torch_sdcp: %s on rank %d: the void call of %s() failed (%s)",
-                        _name(host), host.rank, what, e)
-            return False
-        finally:
-            torch.ops.sdcp.workspace_void_next(host.handle, False)
-        torch.ops.sdcp.workspace_take_void(host.handle)  # a peer voided it too: this rank reports its own error
-        return True
-
-    def voided_error(self, host: CallHost, what: str) -> VoidedCallError | None:
-        """The error of the first void call that this rank's calls met since
-        the last report (taken: reported once), or None."""
-        if self.void_word is None or not self.void_word.value:
-            return None
-        word = int(torch.ops.sdcp.workspace_take_void(host.handle))
-        if word == 0:
-            return None
-        src, call = (word & 0xFFFFFFFF) - 1, word >> 32
-        note = None
-        if host.arena is not None:
-            try:
-                note = host.arena.peer_note(src)
-            except Exception:
-                note = None
-        return VoidedCallError(
-            f"torch_sdcp: {_name(host)} on rank {host.rank}: {what}(): rank {src} voided call {call} "
-            "(its arguments failed their checks before it sent anything, so it took part with a placeholder): "
-            "that call's result is not valid on this rank; the workspace stays usable"
-            + ("" if note is None else f" [rank {src}: {note}]"))
-
-
-def _peer_failure(handle: int | None) -> str | None:
-    """Why the peers of the workspace ``handle`` will not come (a peer aborted
-    it, or exited), or None."""
-    if handle is None:
-        return None
-    try:
-        torch.ops.sdcp.workspace_check(handle)
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-class _Call:
-    """One call on a workspace, the guard of every public call method:
-    ``with self._call("merge"): ...``. Entering starts the call
-    (``CallState.enter``: refuses a closed workspace and a second thread; a
-    poisoned one raises when the call ends, unless its arguments were wrong,
-    so that every rank reports its own argument error before a peer's abort);
-    leaving ends it (``CallState.finish``): an argument error found before
-    this rank published anything (Python checks, or the peer op's own) makes
-    it a void call (its placeholder keeps every rank
-    in step, nothing is poisoned); any other error poisons and aborts, unless
-    ``poison`` is False, as for resize and close, which release a poisoned
-    workspace; a call without one raises the void that a peer's call met
-    here, if any. A plain class, so that torch.compile traces it."""
-
-    __slots__ = ("calls", "held", "host", "poison", "poisoned_before", "what")
-
-    def __init__(self, calls: CallState, host: CallHost, what: str, poison: bool):
-        self.calls, self.host, self.what, self.poison = calls, host, what, poison
-        self.held = self.poisoned_before = False
-
-    def __enter__(self) -> None:
-        calls = self.calls
-        self.held = calls.enter(self.host, self.what)
-        # Poisoned before the call: the call checks its arguments (each rank
-        # reports its own bad argument first, not a peer's abort), then raises
-        # "poisoned" (the ops check health after their arguments).
-        self.poisoned_before = self.held and calls.poisoned is not None and self.what not in ("resize", "close")
-
-    def __exit__(self, exc_type, error, traceback) -> None:
-        self.calls.finish(self.host, self.what, error, self.held, self.poison, self.poisoned_before)
-
-
-_W = TypeVar("_W")
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def call_method(fn: Callable[Concatenate[_W, _P], _R]) -> Callable[Concatenate[_W, _P], _R]:
-    """A public call method: its arguments are kept for the call's guard (a
-    void call's placeholder gets them by name, ``named_arguments``), and a
-    call whose arguments cannot bind (a misspelt keyword, a missing argument)
-    fails like any other argument error inside the call: its TypeError is
-    raised in the guard, instead of this rank silently staying a call behind
-    its peers (which would pair every later call wrongly). The arguments are
-    named only when a placeholder needs them: binding every call would cost
-    more than the rest of the guard."""
-    what = fn.__name__
-    full = inspect.signature(fn)
-    signature = full.replace(parameters=list(full.parameters.values())[1:])  # without self
-
-    @functools.wraps(fn)
-    def method(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if torch.compiler.is_compiling():  # traced: nothing to pair
-            return fn(self, *args, **kwargs)
-        calls: CallState = self._calls
-        calls.arguments = (threading.get_ident(), signature, args, kwargs)
-        try:
-            return fn(self, *args, **kwargs)
-        except TypeError as e:
-            if _binds(signature, args, kwargs):
-                raise  # raised inside the method, by its own guard
-            with calls.guard(self, what):  # the binding failed here, before the method ran
-                raise TypeError(f"torch_sdcp: {type(self).__name__} on rank {self.rank}: {e}") from None
-        finally:
-            calls.arguments = None
-
-    return method
+                torch.ops.sdcp.workspace_check(host.handle)
+            except RuntimeError:
+                return  # a failure of this rank or a peer's abort: the peers were told
+            if not peer_in_a_call(host.handle, host.rank, getattr(host, "kind", None) == WorkspaceKind.QUERY):
+                return
+            leave_note(host, note)
+            torch.ops.sdcp.workspace_abort(host.handle)

@@ -15,6 +15,7 @@ import torch
 
 from torch_sdcp import _registry
 from torch_sdcp.peer import PeerArena, liveness
+from torch_sdcp.peer.lifetime import interrupts_kept
 from torch_sdcp.workspaces._layout import WorkspaceLayout
 
 logger = logging.getLogger("torch_sdcp")
@@ -32,7 +33,13 @@ class _Built(NamedTuple):
 
 def _release_dropped(name: str, rank: int, handle: int, arena: PeerArena, watch: liveness.Watch) -> None:
     """Finalizer of a workspace garbage-collected without close(): local only
-    (no collective from a finalizer or at interpreter exit)."""
+    (no collective from a finalizer or at interpreter exit); a Ctrl-C that
+    arrives meanwhile is delivered again, not lost in the finalizer."""
+    with interrupts_kept():
+        _release_dropped_steps(name, rank, handle, arena, watch)
+
+
+def _release_dropped_steps(name: str, rank: int, handle: int, arena: PeerArena, watch: liveness.Watch) -> None:
     watch.cancel()
     with contextlib.suppress(Exception):  # the peers fail at once naming this rank ("left")
         try:

@@ -1,13 +1,11 @@
 """The policies and argument checks that every workspace family shares: the
-timeout of a wait on a peer, the bound of a size parameter, the process group
-and the rows and call tag a void call's placeholder stands for (a call's tensors are
-checked with torch_sdcp._checks, in the words of csrc)."""
+bound of a size parameter, the process group and the rows and call tag a void
+call's placeholder stands for (the timeout of a wait on a peer is the peer
+layer's: torch_sdcp.peer.timeout; a call's tensors are checked with
+torch_sdcp._checks, in the words of csrc)."""
 
 from __future__ import annotations
 
-import math
-import numbers
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,42 +14,9 @@ from torch import Tensor
 
 from torch_sdcp._checks import arg_error, call_tag, check, check_positive_int
 
-#: Bound of every wait on a peer when neither ``timeout_s`` nor
-#: ``SDCP_TIMEOUT_S`` says otherwise: minutes, because engines skew by many
-#: seconds at start (compilation, JIT, capture) and a false timeout is fatal.
-DEFAULT_TIMEOUT_S = 300.0
-#: The environment variable that overrides DEFAULT_TIMEOUT_S.
-TIMEOUT_ENV = "SDCP_TIMEOUT_S"
-#: Accepted range of a timeout, in seconds (1 ms to 24 h).
-MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 86400.0
 #: Bound of one rank's region, in bytes (``kMaxRegionBytes`` in csrc/sdcp.h);
 #: no single size parameter may exceed it either.
 MAX_REGION_BYTES = 1 << 40
-
-
-def validate_timeout(value: Any, arg: str = "timeout_s") -> float:
-    """``value`` as a float number of seconds in [MIN_TIMEOUT_S, MAX_TIMEOUT_S]:
-    a real number (not a string, not a bool), finite."""
-    check(isinstance(value, numbers.Real) and not isinstance(value, bool), arg,
-          "a number of seconds (an int or a float)", f"{type(value).__name__} {value!r}")
-    seconds = float(value)
-    check(math.isfinite(seconds) and MIN_TIMEOUT_S <= seconds <= MAX_TIMEOUT_S, arg,
-          f"a finite number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}]", repr(value))
-    return seconds
-
-
-def default_timeout_s() -> float:
-    """``SDCP_TIMEOUT_S`` when set (checked like ``timeout_s``), else
-    DEFAULT_TIMEOUT_S. Read at every creation, so a bad value is reported by
-    the workspace that would use it, not at import."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_TIMEOUT_S
-    try:
-        return validate_timeout(float(raw), TIMEOUT_ENV)
-    except ValueError:
-        raise ValueError(f"torch_sdcp: environment variable {TIMEOUT_ENV}: expected a finite number of seconds "
-                         f"in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S:g}], got {raw!r}") from None
 
 
 def validate_size_param(value: Any, arg: str) -> int:
@@ -105,3 +70,35 @@ def leading_rows(*candidates: tuple[object, int]) -> int | None:
         if isinstance(t, Tensor) and t.dim() == dims:
             return int(t.shape[0])
     return None
+
+
+def _byte_span(t: Tensor) -> tuple[int, int] | None:
+    """The addresses [first, end) of the bytes ``t`` may touch, or None when it touches none. The
+    tensors of one call are on one device, where two allocations never share an address."""
+    if t.numel() == 0:
+        return None
+    first = t.data_ptr()
+    if t.is_contiguous():
+        return first, first + t.nbytes
+    size = t.element_size()
+    return first, first + int(sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * size + size
+
+
+def refuse_overlap(outputs: Mapping[str, object], inputs: Mapping[str, object]) -> None:
+    """An output that shares memory with an input, or with another output, is an argument error,
+    raised before anything is published (as torch's own ``out=`` ops refuse it): a kernel that
+    writes into what it still reads returns a wrong result. Tensors only (None and non-tensors
+    are checked elsewhere); under tracing nothing is checked."""
+    spans: dict[str, tuple[int, int]] = {}
+    for name, t in (*outputs.items(), *inputs.items()):
+        span = _byte_span(t) if isinstance(t, Tensor) and not t.is_meta else None
+        if span is not None:
+            spans[name] = span
+    written = [n for n in outputs if n in spans]
+    for i, out in enumerate(written):
+        first, end = spans[out]
+        for other in [*written[i + 1:], *(n for n in inputs if n in spans)]:
+            f, e = spans[other]
+            if f < end and first < e:
+                raise arg_error(out, f"memory that no input and no other output of the call uses (it is "
+                                f"written while '{other}' is read or written)", f"a tensor that overlaps '{other}'")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,13 +19,16 @@ from torch_sdcp import _registry
 from torch_sdcp._checks import arg_error, call_tag, check_bool
 from torch_sdcp.families import Family
 from torch_sdcp.peer import PeerArena, liveness
-from torch_sdcp.peer.arena import creation_errors_posted, post_creation_error
-from torch_sdcp.peer.collectives import arena_count
+from torch_sdcp.peer.agreements import creation_errors_posted, post_creation_error
+from torch_sdcp.peer.groups import arena_count
 from torch_sdcp.peer.plan import RankMismatchError
-from torch_sdcp.workspaces._call import CallRefused, CallState, VoidedCallError, _Call
+from torch_sdcp.peer.timeout import default_timeout_s, validate_timeout
+from torch_sdcp.workspaces._call import CallRefused, CallState
+from torch_sdcp.workspaces._guard import _Call
 from torch_sdcp.workspaces._layout import WorkspaceKind, WorkspaceLayout, workspace_layout
 from torch_sdcp.workspaces._lifetime import _Built, _owned, _release_dropped, _tell_exited
-from torch_sdcp.workspaces._policy import default_timeout_s, resolve_group, validate_size_param, validate_timeout
+from torch_sdcp.workspaces._policy import resolve_group, validate_size_param
+from torch_sdcp.workspaces._void import VoidedCallError
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -95,7 +99,7 @@ class PeerWorkspace:
         self._init_kwargs: dict[str, Any] = {"backend": backend, "device": device,
                                              "allow_shared_device": allow_shared_device, "fallback": fallback}
         self._adopt(self._build([int(p) for p in params], fallback))
-        self._calls.closed = False
+        self._calls.open()
 
     # -- creation -------------------------------------------------------------------------------
 
@@ -107,7 +111,7 @@ class PeerWorkspace:
         try:
             arena = PeerArena(self.group, layout.region_bytes, backend=kw["backend"], device=kw["device"],
                               allow_shared_device=kw["allow_shared_device"], timeout_s=self.timeout_s,
-                              agree=self._agreement(params, fallback))
+                              agree=self._agreement(params, fallback), watch=self._tell_peers_in_a_call())
         except Exception as e:  # the arena's failures are collective: every rank is here
             if not fallback or isinstance(e, RankMismatchError):  # disagreeing ranks are an error, not a fallback
                 raise
@@ -130,6 +134,17 @@ class PeerWorkspace:
             arena.close(barrier=False)
             raise
         return _Built(params, layout, arena, handle, arena.device)
+
+    def _tell_peers_in_a_call(self) -> Callable[[], None] | None:
+        """While a resize creates the new arena: a peer inside a call of the current one (its header
+        landed here) waits for this rank, which will not make that call; told at once (abort, with
+        "left"), it fails instead of waiting timeout_s, and may resize too. None at creation."""
+        if self.handle is None:
+            return None
+        if self.device.type == "cuda":  # this rank's calls are over: the header index is exact
+            torch.cuda.synchronize(self.device)
+        note = f"left: its {type(self).__name__} is being resized (resize()) in pid {os.getpid()}"
+        return functools.partial(self._calls.tell_left, self, note)
 
     def _agreement(self, params: list[int], fallback: bool) -> dict:
         """What every rank must create alike, compared at creation (on every
@@ -175,7 +190,8 @@ class PeerWorkspace:
     def _forget_inherited(self) -> None:
         """In a forked child (``_lifetime``): nothing of the parent's rank is
         released here."""
-        finalizer, self._finalizer, self._calls.watch = self._finalizer, None, None
+        finalizer, self._finalizer = self._finalizer, None
+        self._calls.take_watch()
         if finalizer is not None:
             finalizer.detach()
 
@@ -278,16 +294,19 @@ class PeerWorkspace:
         """The guard of the call ``what`` (a context manager, see ``_Call``)."""
         return _Call(self._calls, self, what, poison)
 
-    def _take_path(self, rows: int | None, arg: str, tag: Any = None) -> bool:
+    def _take_path(self, rows: int | None, arg: str, tag: Any = None, header: str = "") -> bool:
         """After the call's argument checks: True for the peer path, False for
         the collective path (``CallState.take_path``; ``rows`` None for a call
         bounded in bytes). The call's ``tag`` is checked first, alike on both
         paths and before anything is published, so a bad tag is a void call.
         (The collective path carries no call header: its tag is checked, not
-        compared, except in the agreement of a call over max_rows.)"""
+        compared, except in the agreement of a call over max_rows.) ``header``:
+        what else the call's header carries that a peer's call may differ in
+        (the LSE base, the RoPE style and the q_scale), in the words of a
+        mismatch on the peer path, compared in that agreement too.)"""
         if tag is not None:  # untagged calls skip the check (a call's Python cost is what 1 row pays)
             call_tag(tag)
-        return self._calls.take_path(self, rows, arg, tag)
+        return self._calls.take_path(self, rows, arg, tag, header)
 
     def _require_on_device(self, **tensors: Any) -> None:
         """The call's tensors live on the workspace's device. A meta tensor
@@ -332,31 +351,37 @@ class PeerWorkspace:
                 if arena_count(self.group if self.group is not None else dist.group.WORLD) == begun:
                     post_creation_error(self.group, e, self.timeout_s)
                 raise
-            self._release(barrier=self._calls.poisoned is None)
+            self._release(barrier=self._calls.poisoned is None, why="resized (resize())")
             self._adopt(built)
-            self._calls.poisoned = None
+            self._calls.recreated()
 
-    def _release(self, barrier: bool) -> None:
+    def _release(self, barrier: bool, why: str) -> None:
         """Synchronise, unregister, unmap and free this rank's current arena
-        (with ``barrier``, collectively)."""
+        (with ``barrier``, collectively). A healthy workspace tells its peers
+        first that this rank left it (``why``): a peer inside a call of it
+        fails at once instead of after timeout_s (and closes without the
+        barrier, which this rank's barrier counts)."""
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
             finalizer.detach()
-        calls = self._calls
-        watch, calls.watch = calls.watch, None
+        watch = self._calls.take_watch()
         if watch is not None:
             watch.cancel()
         if self.handle is not None:
             if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            with calls.abort_lock:  # no abort() stores into memory about to be unmapped
-                calls.void_word = None  # its memory goes with the registration
-                torch.ops.sdcp.workspace_unregister(self.handle)
-                _registry.remove(self.handle)
-                self.handle = None
+                torch.cuda.synchronize(self.device)  # this rank's calls are over: its abort words end none of them
+            if barrier:
+                self._calls.tell_left(self, f"left: its {type(self).__name__} was {why} in pid {os.getpid()}")
+            self._calls.detach(self._unregister)  # no abort() stores into memory about to be unmapped
         if self.arena is not None:
             arena, self.arena = self.arena, None
             arena.close(barrier=barrier)
+
+    def _unregister(self) -> None:
+        assert self.handle is not None
+        torch.ops.sdcp.workspace_unregister(self.handle)
+        _registry.remove(self.handle)
+        self.handle = None
 
     def close(self) -> None:
         """Synchronise, barrier, unregister, unmap and free. Idempotent; local
@@ -370,7 +395,7 @@ class PeerWorkspace:
             # A poisoned workspace is released locally: a peer may be gone, and
             # the barrier would wait out the timeout (the memory is reference-
             # counted by every process that maps it, so no peer store faults).
-            self._release(barrier=calls.close(self))
+            self._release(barrier=calls.close(self), why="closed (close())")
 
     def __enter__(self):
         return self

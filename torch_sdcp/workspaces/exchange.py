@@ -9,7 +9,7 @@ from torch import Tensor
 from torch_sdcp import ops
 from torch_sdcp._checks import arg_error
 from torch_sdcp.families import EXCHANGE
-from torch_sdcp.workspaces._call import call_method
+from torch_sdcp.workspaces._guard import call_method
 from torch_sdcp.workspaces._policy import placeholder_tag, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 

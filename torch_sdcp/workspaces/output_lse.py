@@ -13,8 +13,14 @@ from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check, check_bool, check_dim, check_mask_args
 from torch_sdcp.families import OUTPUT_LSE
 from torch_sdcp.semantics import mask_empty_shards
-from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, resolve_group, validate_size_param
+from torch_sdcp.workspaces._guard import call_method
+from torch_sdcp.workspaces._policy import (
+    leading_rows,
+    placeholder_tag,
+    refuse_overlap,
+    resolve_group,
+    validate_size_param,
+)
 from torch_sdcp.workspaces.base import PeerWorkspace
 
 
@@ -75,6 +81,11 @@ def _validate_combine_outputs(ws: OutputLSEWorkspace, partial_out: Tensor, out: 
             raise arg_error(arg, "a contiguous tensor", f"strides {list(t.stride())} for shape {list(t.shape)}")
         if t.device != partial_out.device:
             raise arg_error(arg, f"device {partial_out.device} (that of 'partial_out')", f"device {t.device}")
+
+
+def _lse_base_text(base2: bool) -> str:
+    """The LSE base as a call mismatch names it (csrc/output_lse.cpp output_lse_flags_text)."""
+    return f"lse base {'2' if base2 else 'e'}"
 
 
 class OutputLSEWorkspace(PeerWorkspace):
@@ -148,7 +159,7 @@ class OutputLSEWorkspace(PeerWorkspace):
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
             check_bool(return_lse, "return_lse")
-            if self._take_path(partial_out.shape[0], "partial_out", tag):
+            if self._take_path(partial_out.shape[0], "partial_out", tag, _lse_base_text(base2)):
                 out, lse = ops.output_lse_combine(partial_out, partial_lse, self.peer_handle, lse_base=lse_base,
                                                   seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
             else:  # the fused collective path, made contiguous like the peer path's output
@@ -170,9 +181,13 @@ class OutputLSEWorkspace(PeerWorkspace):
             _validate_combine_outputs(self, partial_out, out, out_lse)
             self._require_on_device(partial_out=partial_out, partial_lse=partial_lse, out=out, out_lse=out_lse,
                                 seq_lens=seq_lens, query_start_loc=query_start_loc)
+            if not torch.compiler.is_compiling():
+                refuse_overlap({"out": out, "out_lse": out_lse},
+                               {"partial_out": partial_out, "partial_lse": partial_lse, "seq_lens": seq_lens,
+                                "query_start_loc": query_start_loc})
             masked = _validate_mask(partial_out, seq_lens, query_start_loc)
             base2 = ops.lse_is_base2(lse_base)
-            if self._take_path(partial_out.shape[0], "partial_out", tag):
+            if self._take_path(partial_out.shape[0], "partial_out", tag, _lse_base_text(base2)):
                 ops.output_lse_combine_out(partial_out, partial_lse, self.peer_handle, out, out_lse, lse_base=lse_base,
                                            seq_lens=seq_lens, query_start_loc=query_start_loc, tag=tag)
             else:

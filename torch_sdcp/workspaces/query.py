@@ -10,8 +10,8 @@ from torch import Tensor
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check, check_dim
 from torch_sdcp.families import QUERY
-from torch_sdcp.workspaces._call import call_method
-from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, validate_size_param
+from torch_sdcp.workspaces._guard import call_method
+from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, refuse_overlap, validate_size_param
 from torch_sdcp.workspaces.base import CallRefused, PeerWorkspace, VoidedCallError
 
 
@@ -96,11 +96,11 @@ class QueryWorkspace(PeerWorkspace):
             raise RuntimeError("torch_sdcp: QueryWorkspace.resize: a view from gather_view() is still open; "
                                "release() it first")
 
-    def _release(self, barrier: bool) -> None:
+    def _release(self, barrier: bool, why: str) -> None:
         """As PeerWorkspace._release; an open view becomes invalid."""
         self._open_view = self._inbox_view = None
         self._view_published = False
-        super()._release(barrier)
+        super()._release(barrier, why)
 
     def _require_no_open_view(self, what: str) -> None:
         """Inside the call guard: the refusal poisons and aborts the workspace
@@ -166,10 +166,15 @@ class QueryWorkspace(PeerWorkspace):
         _validate_query_inputs(ql_nope, q_pe)
         self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                             q_scale=q_scale)
-        if self._take_path(ql_nope.shape[0], "ql_nope", tag):
+        if self._take_path(ql_nope.shape[0], "ql_nope", tag, self._header_text(q_scale)):
             return ops.query_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
                                     rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
         return self._collective_gather(ql_nope, q_pe, positions, cos_sin_cache, q_scale)
+
+    def _header_text(self, q_scale: object) -> str:
+        """What a producer's call header carries besides rows, dtype and tag, as a call mismatch
+        names it (csrc/query.cpp query_flags_text)."""
+        return f"{self.rope_style} RoPE, {'without' if q_scale is None else 'with'} q_scale"
 
     def _collective_gather(self, ql_nope, q_pe, positions, cos_sin_cache, q_scale) -> Tensor:
         """The collective path of gather and gather_view, once the call took it."""
@@ -205,7 +210,7 @@ class QueryWorkspace(PeerWorkspace):
             self._require_on_device(ql_nope=ql_nope, q_pe=q_pe, positions=positions, cos_sin_cache=cos_sin_cache,
                                 q_scale=q_scale)
             rows = ql_nope.shape[0]
-            if self._take_path(rows, "ql_nope", tag):
+            if self._take_path(rows, "ql_nope", tag, self._header_text(q_scale)):
                 ops.query_publish(ql_nope, q_pe, positions, cos_sin_cache, q_scale, self.peer_handle,
                                   rope_style=self.rope_style, out_dtype=self.dtype, tag=tag)
                 inbox = self._inbox_view if self._inbox_view is not None else self.inbox
@@ -252,6 +257,8 @@ class QueryWorkspace(PeerWorkspace):
             if out is not None and not isinstance(out, Tensor):
                 raise arg_error("out", "a Tensor or None", type(out).__name__)
             self._require_on_device(q=q, out=out)
+            if out is not None and not torch.compiler.is_compiling():
+                refuse_overlap({"out": out}, {"q": q})
             if self._take_path(q.shape[0], "q", tag):
                 if out is None:
                     return ops.query_all_gather_heads(q, self.peer_handle, tag=tag)

@@ -11,7 +11,7 @@ from torch import Tensor
 from torch_sdcp import collective, ops
 from torch_sdcp._checks import arg_error, check_dim
 from torch_sdcp.families import TOPK
-from torch_sdcp.workspaces._call import call_method
+from torch_sdcp.workspaces._guard import call_method
 from torch_sdcp.workspaces._policy import leading_rows, placeholder_tag, validate_size_param
 from torch_sdcp.workspaces.base import PeerWorkspace
 

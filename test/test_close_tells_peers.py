@@ -1,0 +1,88 @@
+"""close() on one rank while a peer is inside a call of that workspace
+(docs/PROTOCOL.md "Failure behaviour"): the closing rank leaves "left" on
+the group's store and aborts the workspace before its close barrier, so the
+peer's call fails within a second naming it (not after timeout_s), both
+closes return, and the group stays usable: a new workspace on it pairs and
+is right. Host backend, spawned gloo ranks."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from _dist import run_workers
+from _helpers import rank_partials
+
+TIMEOUT_S = 20
+
+
+def _close_during_call_worker(rank, world):
+    import torch_sdcp
+
+    wrong = []
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host")
+    po, pl = rank_partials(2, seed=rank)
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == 0:
+        time.sleep(0.5)  # the peer is inside its call by now
+        ws.close()
+    else:
+        try:
+            ws.combine(po, pl)
+            wrong.append("the call returned although the peer closed the workspace")
+        except RuntimeError as e:
+            if "left" not in str(e):
+                wrong.append(f"the error does not say that the peer left: {e}")
+        ws.close()
+    waited = time.monotonic() - t0
+    if waited > TIMEOUT_S / 4:
+        wrong.append(f"rank {rank}: the call and the close took {waited:.1f} s")
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host")
+    got = ws.combine(po, pl)
+    if not torch.isfinite(got.float()).all():
+        wrong.append(f"rank {rank}: the next workspace's call is wrong")
+    ws.close()
+    return wrong
+
+
+def test_close_during_a_peers_call_fails_that_call_at_once():
+    results = run_workers(_close_during_call_worker, 2, timeout=180)
+    assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _resize_during_call_worker(rank, world):
+    """resize() on rank 0 while rank 1 is inside a call of the workspace: rank 1's call fails within
+    seconds naming rank 0's leaving (not after timeout_s), then rank 1 resizes too, the creation
+    pairs, and the resized workspace is usable."""
+    import torch_sdcp
+
+    wrong = []
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host")
+    po, pl = rank_partials(2, seed=rank)
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == 1:
+        try:
+            ws.combine(po, pl)
+            wrong.append("the call returned although the peer resized the workspace")
+        except RuntimeError as e:
+            if "left" not in str(e):
+                wrong.append(f"the error does not say that the peer left: {e}")
+        waited = time.monotonic() - t0
+        if waited > TIMEOUT_S / 4:
+            wrong.append(f"rank 1: the call failed after {waited:.1f} s")
+    else:
+        time.sleep(0.5)  # the peer is inside its call by now
+    ws.resize(8)
+    got = ws.combine(po, pl)
+    if not torch.isfinite(got.float()).all():
+        wrong.append(f"rank {rank}: the resized workspace's call is wrong")
+    ws.close()
+    return wrong
+
+
+def test_resize_during_a_peers_call_fails_that_call_at_once():
+    results = run_workers(_resize_during_call_worker, 2, timeout=180)
+    assert results == [[], []], "\n".join(results[0] + results[1])
