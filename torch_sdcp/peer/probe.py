@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import torch
 
 from .agreements import _Agreement, _hook
 from .backend import MemoryBackend
 
-if TYPE_CHECKING:
-    from .arena import PeerArena
+
+class ProbedArena(Protocol):
+    """What the probe uses of the PeerArena being created (arena.py, which imports this module)."""
+
+    world_size: int
+    rank: int
+    stride: int
+
+    def _raw_words(self, r: int, offset: int, count: int) -> torch.Tensor: ...
+
+    def _sync(self) -> None: ...
 
 
 def _word(src: int, dst: int) -> int:
@@ -16,7 +27,7 @@ def _word(src: int, dst: int) -> int:
     return 0x5344_4350_0000_0000 | ((src & 0xFFFF) << 16) | (dst & 0xFFFF)
 
 
-def probe_mapping(arena: PeerArena, steps: _Agreement, mem: MemoryBackend, infos: list) -> bool | None:
+def probe_mapping(arena: ProbedArena, steps: _Agreement, mem: MemoryBackend, infos: list) -> bool | None:
     """The capability gate of a PeerArena's creation (its last step): every rank writes a word
     distinct per pair into the head and the tail of every region through the mapping, then
     verifies the words in its own region and re-zeroes them, and checks the backend's peer

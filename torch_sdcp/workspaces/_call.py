@@ -14,8 +14,8 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,13 +23,13 @@ from torch_sdcp._checks import arg_error
 from torch_sdcp.families import WorkspaceKind
 from torch_sdcp.route import Why, route, route_without_rows
 from torch_sdcp.workspaces._collective_path import VOID_CLAIM, VOID_FAILED, agree_over_rows, peer_in_a_call
+from torch_sdcp.workspaces._host import CallHost, KeptArguments
 from torch_sdcp.workspaces._notes import leave_note, with_peer_note
 from torch_sdcp.workspaces._void import void_call, voided_error
 
 if TYPE_CHECKING:
-    from torch_sdcp.peer import PeerArena, liveness
+    from torch_sdcp.peer import liveness
     from torch_sdcp.peer.group_order import Turn
-    from torch_sdcp.workspaces._guard import KeptArguments
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -40,27 +40,6 @@ class CallRefused(RuntimeError):
     rank stays in step. A refusal that would leave this rank a call behind its
     peers (an open view, a second thread or stream) poisons and aborts the
     workspace instead (docs/PROTOCOL.md "Failure behaviour")."""
-
-
-class CallHost(Protocol):
-    """What the call owner reads of its workspace."""
-
-    handle: int | None
-    rank: int
-    world_size: int
-    timeout_s: float
-    rows_fallback: bool
-    arena: PeerArena | None
-    device: torch.device
-
-    @property
-    def peer(self) -> bool: ...
-
-    @property
-    def max_rows(self) -> int: ...
-
-    def void_placeholder(self, what: str, arguments: Mapping[str, Any],
-                         rows: int | None = None) -> Callable[[], object] | None: ...
 
 
 def _name(host: CallHost) -> str:

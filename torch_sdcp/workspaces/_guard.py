@@ -15,11 +15,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import torch
 
 if TYPE_CHECKING:
-    from torch_sdcp.workspaces._call import CallHost, CallState
-
-#: A call's arguments as ``call_method`` keeps them: (thread id, the method's
-#: signature without ``self``, positional arguments, keyword arguments).
-KeptArguments = tuple[int, inspect.Signature, tuple, dict]
+    from torch_sdcp.workspaces._host import CallHost, CallSteps
 
 
 def named_arguments(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -64,7 +60,7 @@ class _Call:
 
     __slots__ = ("calls", "held", "host", "poison", "poisoned_before", "what")
 
-    def __init__(self, calls: CallState, host: CallHost, what: str, poison: bool):
+    def __init__(self, calls: CallSteps, host: CallHost, what: str, poison: bool):
         self.calls, self.host, self.what, self.poison = calls, host, what, poison
         self.held = self.poisoned_before = False
 
@@ -102,7 +98,7 @@ def call_method(fn: Callable[Concatenate[_W, _P], _R]) -> Callable[Concatenate[_
     def method(self: Any, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if torch.compiler.is_compiling():  # traced: nothing to pair
             return fn(self, *args, **kwargs)
-        calls: CallState = self._calls
+        calls: CallSteps = self._calls
         calls.arguments = (threading.get_ident(), signature, args, kwargs)
         try:
             return fn(self, *args, **kwargs)

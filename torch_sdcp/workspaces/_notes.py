@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch_sdcp.workspaces._call import CallHost
+    from torch_sdcp.workspaces._host import CallHost
 
 logger = logging.getLogger("torch_sdcp")
 

@@ -16,7 +16,7 @@ from torch_sdcp.workspaces._guard import named_arguments
 from torch_sdcp.workspaces._notes import leave_note
 
 if TYPE_CHECKING:
-    from torch_sdcp.workspaces._call import CallHost, CallState
+    from torch_sdcp.workspaces._host import CallHost, CallSteps
 
 logger = logging.getLogger("torch_sdcp")
 
@@ -31,7 +31,7 @@ def _name(host: CallHost) -> str:
     return type(host).__name__
 
 
-def void_call(calls: CallState, host: CallHost, what: str, error: BaseException) -> bool:
+def void_call(calls: CallSteps, host: CallHost, what: str, error: BaseException) -> bool:
     """The call failed its argument checks before this rank published
     anything (in Python, or in its peer op): make its placeholder, marked
     void, so that every rank stays in step and the peers learn of this
