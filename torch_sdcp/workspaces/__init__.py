@@ -25,7 +25,8 @@ released locally when it is garbage-collected (no collective runs then).
 
 Modules: ``base`` (PeerWorkspace: creation, resize, close, the family
 hooks), ``_call`` (CallState, the owner of a workspace's calls: the call
-guard, the path of a call, failing, poisoning), ``_guard`` (the
+guard, the path of a call, failing, poisoning), ``_host`` (what the parts of a call see of each
+other, as protocols), ``_guard`` (the
 guard of a call method, the arguments it keeps), ``_void`` (void calls), ``_notes`` (the notes a rank leaves for
 its peers), one per family
 (``exchange``, ``output_lse``, ``topk``, ``query``; a family is its record in
