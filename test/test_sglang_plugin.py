@@ -339,6 +339,49 @@ def test_settings_refused_at_register(monkeypatch, caplog):
     assert any("SDCP_SGLANG_SEAMS" in r.getMessage() and "bogus" in r.getMessage() for r in caplog.records)
 
 
+def _layer_tag_worker(rank, world):
+    """Each seam runs inside the SGLang method that calls it, with the layer's
+    ``layer_id`` as its call tag: the same layer on both ranks gives SGLang's
+    result; rank r in layer 3 + r is named on every rank, for the query
+    gather and the combine."""
+    import types
+
+    torch.set_num_threads(1)
+    ns = build_fake_sglang()
+    sys.modules.update(ns.mods)
+    coord = Coordinator(dist.group.WORLD)
+    ns.parallel.dcp_group = coord
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+    from torch_sdcp.integrations.sglang_calls import LAYER
+
+    entry.register()
+    ns.mods[REGISTRY].HookRegistry.apply_hooks()
+    mixin = ns.mods[FORWARD_MLA].DeepseekMLAForwardMixin
+    assert face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.bfloat16,
+                        device="cpu") == {"output_lse": True, "query": True}
+    q_nope, q_pe, out, lse = step_inputs(world, 3, 7, torch.bfloat16)[rank]
+    same = decode_step(ns, q_nope, q_pe, out, lse, True, layer=types.SimpleNamespace(layer_id=5))
+    assert torch.equal(same[0], ref_all_gather_q_for_mla_decode(q_nope, q_pe, coord)[0])
+    assert LAYER.tag is None, "the layer's tag outlived its method"
+    layer = types.SimpleNamespace(layer_id=3 + rank)
+    named = "rank 0 called with call tag 3, rank 1 with call tag 4"
+    with pytest.raises(RuntimeError, match=named):
+        mixin.forward_absorb_prepare(layer, None, None, lambda: ns.mods[FORWARD_MLA].all_gather_q_for_mla_decode(
+            q_nope_out=q_nope, q_pe=q_pe), None)
+    ns.parallel.dcp_comm_backend = "a2a"
+    with pytest.raises(RuntimeError, match=named):
+        mixin.forward_absorb_core(layer, None, None, None, None, lambda: ns.mods[FORWARD_MLA].dcp_a2a_lse_reduce(
+            out.view(-1, H_LOC * world, D).contiguous(), lse.contiguous(), coord, is_lse_base_on_e=True), None, None,
+            None, None)
+    face.teardown()
+    return True
+
+
+def test_sglang_layers_carry_their_index_as_call_tag():
+    assert run_workers(_layer_tag_worker, 2, timeout=120, env={"SDCP_SGLANG": "1"}) == [True, True]
+
+
 def _local_shutdown_worker(rank, world):
     """Rank 0 runs SGLang's local abort while rank 1 is alive and not shutting
     down: rank 0 returns at once (no barrier), rank 1's next call raises (the
