@@ -136,7 +136,7 @@ def _stand_in_registry(mod):
     import pkgutil
 
     class HookType(enum.Enum):
-        BEFORE, AFTER, REPLACE = "before", "after", "replace"
+        BEFORE, AFTER, REPLACE, AROUND = "before", "after", "replace", "around"
 
     class HookRegistry:
         hooks: list = []
@@ -158,6 +158,8 @@ def _stand_in_registry(mod):
                 def wrapper(*a, _o=original, _h=hook, _k=kind, **k):
                     if _k is HookType.REPLACE:
                         return _h(*a, **k)
+                    if _k is HookType.AROUND:
+                        return _h(_o, *a, **k)
                     if _k is HookType.BEFORE:
                         _h(*a, **k)
                         return _o(*a, **k)
@@ -236,6 +238,20 @@ def build_fake_sglang(version="0.5.23"):
     fm = mods[FORWARD_MLA]  # the call site imported the three by name
     fm.cp_lse_ag_out_rs_mla, fm.dcp_a2a_lse_reduce = cp_lse_ag_out_rs_mla, dcp_a2a_lse_reduce
     fm.all_gather_q_for_mla_decode = all_gather_q_for_mla_decode
+
+    class DeepseekMLAForwardMixin:
+        """forward_mla.py's two methods that call the seams (the query gather,
+        the combine); here each runs the ``forward_batch`` callable it is given."""
+
+        def forward_absorb_prepare(self, positions, hidden_states, forward_batch, zero_allocator,
+                                   llama_4_scaling=None, prev_topk_indices=None):
+            return forward_batch()
+
+        def forward_absorb_core(self, q_pe, k_pe, q_nope_out, k_nope, forward_batch, zero_allocator, positions,
+                                topk_indices, llama_4_scaling, fusion_plan=None, attention_output_gate=None):
+            return forward_batch()
+
+    fm.DeepseekMLAForwardMixin = DeepseekMLAForwardMixin
 
     class BaseRunner:
         def __init__(self, model_runner):
@@ -417,20 +433,31 @@ class MLA(torch.nn.Module):
         self.dcp_size, self.num_local_heads, self.kv_lora_rank, self.qk_rope_head_dim = dcp_size, H_LOC, D, R
 
 
-def decode_step(ns, q_nope_out, q_pe, attn_output, lse, is_lse_base_on_e):
+def decode_step(ns, q_nope_out, q_pe, attn_output, lse, is_lse_base_on_e, layer=None):
     """forward_mla.py's decode phase around the three seams, through the
-    module's by-name bindings."""
+    module's by-name bindings; with ``layer`` (an attention with a
+    ``layer_id``), inside its ``forward_absorb_prepare`` (the query gather)
+    and ``forward_absorb_core`` (the combine), as SGLang calls them."""
     fm, parallel = ns.mods[FORWARD_MLA], ns.parallel
-    q_nope_out, q_pe = fm.all_gather_q_for_mla_decode(q_nope_out=q_nope_out, q_pe=q_pe)
-    n = parallel.dcp_group.world_size
-    attn_output = attn_output.view(-1, H_LOC * n, D)
-    if parallel.dcp_comm_backend in ("a2a", "fi_a2a"):
-        attn_output = fm.dcp_a2a_lse_reduce(attn_output.contiguous(), lse.contiguous(), parallel.dcp_group,
-                                            is_lse_base_on_e=is_lse_base_on_e, comm_backend=parallel.dcp_comm_backend)
+
+    def gather():
+        return fm.all_gather_q_for_mla_decode(q_nope_out=q_nope_out, q_pe=q_pe)
+
+    def combine():
+        n = parallel.dcp_group.world_size
+        out = attn_output.view(-1, H_LOC * n, D)
+        if parallel.dcp_comm_backend in ("a2a", "fi_a2a"):
+            return fm.dcp_a2a_lse_reduce(out.contiguous(), lse.contiguous(), parallel.dcp_group,
+                                         is_lse_base_on_e=is_lse_base_on_e, comm_backend=parallel.dcp_comm_backend)
+        return fm.cp_lse_ag_out_rs_mla(out, lse, parallel.dcp_group, is_lse_base_on_e=is_lse_base_on_e).transpose(0, 1)
+
+    if layer is None:
+        (q_nope, pe), out = gather(), combine()
     else:
-        attn_output = fm.cp_lse_ag_out_rs_mla(attn_output, lse, parallel.dcp_group, is_lse_base_on_e=is_lse_base_on_e)
-        attn_output = attn_output.transpose(0, 1)
-    return q_nope_out, q_pe, attn_output.view(-1, H_LOC, D)
+        mixin = fm.DeepseekMLAForwardMixin
+        q_nope, pe = mixin.forward_absorb_prepare(layer, None, None, gather, None)
+        out = mixin.forward_absorb_core(layer, pe, None, q_nope, None, combine, None, None, None, None)
+    return q_nope, pe, out.view(-1, H_LOC, D)
 
 
 def step_inputs(world, rows, seed, dtype):

@@ -311,10 +311,15 @@ def _indexer(ns, indexer, by_name):
         dcp_direct_topk_max_rows, through the module global."""
         return max_rows if indexer._get_direct_dcp_topk_workspace(device, max_rows, topk_tokens) is not None else 0
 
+    def _resolve_layer_name(layer_name):
+        return layer_name  # vLLM's unwraps a LayerName; names here are strings
+
     def sparse_attn_indexer_decode(logits, topk_indices_buffer, rows, topk_tokens, dcp_rank, dcp_world_size,
-                                   cp_interleave, row_starts=None, **extra):
-        """The decode step's call: a view of the buffer, merged in place,
-        through the module global (0.34: with its three parameters)."""
+                                   cp_interleave, row_starts=None, k_cache_prefix="", **extra):
+        """The decode step's call: the op resolves its layer's name first,
+        then a view of the buffer, merged in place, through the module
+        global (0.34: with its three parameters)."""
+        indexer._resolve_layer_name(k_cache_prefix)
         topk_indices = topk_indices_buffer[:rows, :topk_tokens]
         indexer._merge_dcp_topk_global(logits, topk_indices, topk_tokens, dcp_rank, dcp_world_size,
                                        cp_interleave, row_starts=row_starts, **extra)
@@ -323,6 +328,7 @@ def _indexer(ns, indexer, by_name):
     merge_fn = _merge_dcp_topk_global_034 if is_034(ns) else _merge_dcp_topk_global
     indexer._merge_dcp_topk_global = merge_fn
     indexer.sparse_attn_indexer_decode = sparse_attn_indexer_decode
+    indexer._resolve_layer_name = by_name._resolve_layer_name = _resolve_layer_name
     by_name._merge_dcp_topk_global = merge_fn
     if is_034(ns):
         indexer._get_direct_dcp_topk_workspace = _get_direct_dcp_topk_workspace

@@ -5,6 +5,7 @@ option a usage error naming it (exit 2, no traceback)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -90,3 +91,23 @@ def test_a_bad_option_from_the_command_line_exits_2_without_a_traceback():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "argument --rows: expected an integer >= 1, got 0" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_the_engines_own_options_and_a_bad_switch(monkeypatch):
+    """SGLang's --sdcp options are taken as SGLang takes them (they win over
+    the variables); a bad switch value exits 1, as the docstring says."""
+    from torch_sdcp import plugin_check
+
+    monkeypatch.delenv("SDCP_SGLANG", raising=False)
+    base = ["--engine", "sglang", "--dcp-size", "2", "--num-heads", "16", "--dcp-replicate-q-proj"]
+    status, text = plugin_check.report(base + ["--sdcp", "require"])
+    assert status == 1 and "SDCP_SGLANG=require: start-up would stop" in text, text
+    assert "SDCP_SGLANG" not in os.environ, "the option leaked into the environment"
+    status, text = plugin_check.report(base + ["--sdcp", "on", "--sdcp-seams", "combine"])
+    assert status == 0 and "query" not in text.split("\n")[0].split("seams selected:")[1].split(";")[0], text
+    monkeypatch.setenv("SDCP_SGLANG", "bogus")
+    status, text = plugin_check.report(base)
+    assert status == 1 and "'bogus'" in text and "SDCP_SGLANG" in text, text
+    with pytest.raises(SystemExit) as e:
+        plugin_check.report(["--engine", "vllm", "--sdcp", "on"])
+    assert e.value.code == 2

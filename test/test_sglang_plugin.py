@@ -339,6 +339,49 @@ def test_settings_refused_at_register(monkeypatch, caplog):
     assert any("SDCP_SGLANG_SEAMS" in r.getMessage() and "bogus" in r.getMessage() for r in caplog.records)
 
 
+def _layer_tag_worker(rank, world):
+    """Each seam runs inside the SGLang method that calls it, with the layer's
+    ``layer_id`` as its call tag: the same layer on both ranks gives SGLang's
+    result; rank r in layer 3 + r is named on every rank, for the query
+    gather and the combine."""
+    import types
+
+    torch.set_num_threads(1)
+    ns = build_fake_sglang()
+    sys.modules.update(ns.mods)
+    coord = Coordinator(dist.group.WORLD)
+    ns.parallel.dcp_group = coord
+    import torch_sdcp_plugins.sglang as entry
+    from torch_sdcp.integrations import sglang as face
+    from torch_sdcp.integrations.sglang_calls import LAYER
+
+    entry.register()
+    ns.mods[REGISTRY].HookRegistry.apply_hooks()
+    mixin = ns.mods[FORWARD_MLA].DeepseekMLAForwardMixin
+    assert face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.bfloat16,
+                        device="cpu") == {"output_lse": True, "query": True}
+    q_nope, q_pe, out, lse = step_inputs(world, 3, 7, torch.bfloat16)[rank]
+    same = decode_step(ns, q_nope, q_pe, out, lse, True, layer=types.SimpleNamespace(layer_id=5))
+    assert torch.equal(same[0], ref_all_gather_q_for_mla_decode(q_nope, q_pe, coord)[0])
+    assert LAYER.tag is None, "the layer's tag outlived its method"
+    layer = types.SimpleNamespace(layer_id=3 + rank)
+    named = "rank 0 called with call tag 3, rank 1 with call tag 4"
+    with pytest.raises(RuntimeError, match=named):
+        mixin.forward_absorb_prepare(layer, None, None, lambda: ns.mods[FORWARD_MLA].all_gather_q_for_mla_decode(
+            q_nope_out=q_nope, q_pe=q_pe), None)
+    ns.parallel.dcp_comm_backend = "a2a"
+    with pytest.raises(RuntimeError, match=named):
+        mixin.forward_absorb_core(layer, None, None, None, None, lambda: ns.mods[FORWARD_MLA].dcp_a2a_lse_reduce(
+            out.view(-1, H_LOC * world, D).contiguous(), lse.contiguous(), coord, is_lse_base_on_e=True), None, None,
+            None, None)
+    face.teardown()
+    return True
+
+
+def test_sglang_layers_carry_their_index_as_call_tag():
+    assert run_workers(_layer_tag_worker, 2, timeout=120, env={"SDCP_SGLANG": "1"}) == [True, True]
+
+
 def _local_shutdown_worker(rank, world):
     """Rank 0 runs SGLang's local abort while rank 1 is alive and not shutting
     down: rank 0 returns at once (no barrier), rank 1's next call raises (the
@@ -524,3 +567,99 @@ def test_cli_hook_that_fails_leaves_sglangs_parsing_alone(cli, monkeypatch, capl
     lines = [r.getMessage() for r in caplog.records]
     assert sum("add_cli_args hook failed (AttributeError" in m for m in lines) == 1, lines
     assert sum("from_cli_args hook failed (AttributeError" in m for m in lines) == 1, lines
+
+
+# ---------------------------------------------------------------------------
+# Operability in SGLang's real start-up
+# ---------------------------------------------------------------------------
+
+
+def test_require_ends_the_process_when_the_plugin_cannot_install(fake, monkeypatch):
+    """SGLang's loader (``load_plugins``) catches every Exception a plugin
+    raises and goes on with rc 0: in the require mode the entry raises
+    SystemExit, which it does not catch, for each way install can fail."""
+    import torch_sdcp_plugins.sglang as entry
+
+    monkeypatch.setattr(entry, "_logged", set())
+    monkeypatch.setenv("SDCP_SGLANG", "require")
+    fake.mods["sglang.version"].__version__ = "0.5.99"  # a version outside the table
+    with pytest.raises(SystemExit, match="SDCP_SGLANG=require"):
+        entry.register()
+    monkeypatch.setenv("SDCP_SGLANG_SEAMS", "combine,bogus")  # a bad setting
+    with pytest.raises(SystemExit, match="bogus"):
+        entry.register()
+    monkeypatch.setenv("SDCP_SGLANG", "1")  # on: logged, the process goes on
+    entry.register()
+
+
+def test_a_selected_seam_left_to_sglang_is_a_warning(fake, caplog):
+    """With the plugin on, a selected seam that stays SGLang's (a replicated
+    query projection) is logged at WARNING, seen at --log-level warning."""
+    from torch_sdcp.integrations import sglang as face
+
+    fake.parallel.dcp_group = types.SimpleNamespace(unique_name="dcp:8", world_size=2)
+    fake.parallel.dcp_comm_backend, fake.parallel.dcp_replicate_q_proj = "a2a", True
+    plan = face.seam_plan(fake.parallel, fake.parallel.dcp_group)
+    plan.decide("combine", True, "peer memory")  # the other seam is taken: still a warning
+    levels = []
+    plan.emit(lambda level, text: levels.append(level))
+    assert levels == ["warning"], levels
+
+
+def test_startup_lines_survive_a_cached_info_once(monkeypatch, caplog):
+    """transformers installs a cached ``info_once`` on logging.Logger; the
+    face logs through the plain methods with its own once-set, so a line
+    logged again after forget() (a new DCP group, a new test) is not dropped."""
+    from torch_sdcp.integrations import sglang as face
+
+    monkeypatch.setattr(logging.Logger, "info_once", lambda self, *a, **k: None, raising=False)
+    face.face.forget()
+    with caplog.at_level(logging.INFO):
+        face.face.log_once("info", "probe", "torch_sdcp: probe line %d", 1)
+    face.face.forget()
+    assert [r.getMessage() for r in caplog.records] == ["torch_sdcp: probe line 1"]
+
+
+def _sglang_on_path(tmp_path, importable):
+    """A package named sglang on sys.path: importable (a hook registry), or
+    one whose import fails halfway (a dependency missing), leaving its
+    namespace subpackage in sys.modules as SGLang's real __init__ does."""
+    pkg = tmp_path / "sglang"
+    (pkg / "srt" / "plugins").mkdir(parents=True)
+    if importable:
+        (pkg / "__init__.py").write_text("")
+        (pkg / "srt" / "__init__.py").write_text("")
+        (pkg / "srt" / "plugins" / "__init__.py").write_text("")
+        (pkg / "srt" / "plugins" / "hook_registry.py").write_text(
+            "import enum\nclass HookType(enum.Enum):\n    BEFORE, AFTER, REPLACE, AROUND = 1, 2, 3, 4\n"
+            "class HookRegistry:\n    hooks = []\n    @classmethod\n"
+            "    def register(cls, target, hook, kind):\n        cls.hooks.append(target)\n")
+    else:
+        (pkg / "__init__.py").write_text("import sglang.srt.environ\n")
+        (pkg / "srt" / "environ.py").write_text("import a_dependency_that_is_not_installed\n")
+
+
+@pytest.mark.parametrize("importable", [True, False], ids=["importable", "half-imported"])
+def test_entry_with_sglang_on_the_path(tmp_path, monkeypatch, caplog, importable):
+    """The entry never raises whether SGLang imports or fails halfway (the
+    second import of a half-imported package raises KeyError, not
+    ImportError); a bad setting is still named."""
+    import torch_sdcp_plugins.sglang as entry
+
+    _sglang_on_path(tmp_path, importable)
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(entry, "_logged", set())
+    monkeypatch.setattr(entry, "_cli_registered", [])
+    monkeypatch.setenv("SDCP_SGLANG", "1")
+    monkeypatch.setenv("SDCP_SGLANG_SEAMS", "combine,bogus")
+    try:
+        with caplog.at_level(logging.ERROR):
+            entry.register()
+            entry.register()
+        assert any("SDCP_SGLANG_SEAMS" in r.getMessage() and "bogus" in r.getMessage() for r in caplog.records)
+        assert entry._cli_registered == ([True] if importable else [])
+    finally:
+        for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+            del sys.modules[name]

@@ -295,7 +295,18 @@ def _layer_tag_worker(rank, world):
         mgrs[0].combine(out, lse, seq_lens=seq_lens, query_start_loc=qsl)
     with pytest.raises(RuntimeError, match=named):
         mgrs[1].query_gather(_query_inputs(world, 2, 6, torch.float8_e4m3fn)[rank])
+    # The top-K merge: the layer its indexer op resolved (vLLM passes the merge no layer).
+    indexer = ns.mods["vllm.model_executor.layers.sparse_attn_indexer"]
+    assert plugin.try_prepare_topk(ns.coordinator, max_rows=BOUND, k=K, device="cpu", num_ubatches=1)
+    logits, local, row_starts, _, _ = _topk_inputs(world, 2, 7)[rank]
+    buf = torch.full((2, K), -1, dtype=torch.int32)
+    buf[:, :] = local
+    with pytest.raises(RuntimeError, match=named):
+        indexer.sparse_attn_indexer_decode(logits, buf, 2, K, rank, world, I, row_starts=row_starts,
+                                           k_cache_prefix=f"model.layers.{3 + rank}.self_attn.indexer.k_cache")
     plugin.teardown()
+    plugin.uninstall()
+    assert indexer._resolve_layer_name.__name__ == "_resolve_layer_name", "not restored"
     return True
 
 
@@ -418,7 +429,9 @@ def test_install_idempotent_and_reversible(plugin):
         assert indexer._merge_dcp_topk_global is plugin.merge_dcp_topk_global
         assert glm._merge_dcp_topk_global is plugin.merge_dcp_topk_global
         # Patched at install: all but the worker's step; plus two re-exports (the merge, destroy_model_parallel).
-        assert len(plugin._state.patches) == len(plugin.PATCHED) - 2 + 2  # nor 0.34's direct top-K getter
+        # Nor 0.34's direct top-K getter; plus the two indexer modules' layer-name readers.
+        assert len(plugin._state.patches) == len(plugin.PATCHED) - 2 + 2 + 2
+        assert indexer._resolve_layer_name.__wrapped__ is not None and glm._resolve_layer_name is not None
         plugin.uninstall()
         plugin.uninstall()
         assert (dict(vars(dcp.MLADCPManager)), indexer._merge_dcp_topk_global) == before
@@ -736,3 +749,30 @@ def test_query_gather_workspace_by_dtype(plugin):
     for dtype in (torch.uint8, torch.int8, torch.float8_e4m3fnuz):
         assert not query_direct(576, dtype), dtype
     assert not query_direct(20, torch.float8_e4m3fn)
+
+
+def test_layer_names_with_several_numbers_keep_a_tag_per_layer(caplog):
+    """LongCat-Flash names two attention layers per decoder layer
+    (``model.layers.3.self_attn.1``): each still gets its own call tag, and
+    one start-up line says how they are tagged."""
+    import sys
+
+    from torch_sdcp.integrations import vllm_topk
+    from torch_sdcp.integrations.vllm_config import builder_layer_index, layer_tag
+
+    noted = []
+    names = [f"model.layers.{d}.self_attn.{a}" for d in range(3) for a in range(2)]
+    assert [layer_tag(n, lambda *a: noted.append(a)) for n in names] == [0, 1, 1000, 1001, 2000, 2001]
+    assert [n for n, _ in noted] == names
+    assert layer_tag("model.layers.3.self_attn.attn") == 3 and layer_tag("lm_head") is None
+    assert layer_tag("model.layers.3.experts.1000") is None  # a part that does not fit base 1000
+
+    def constructor(prefix):  # a vLLM layer's __init__ building its manager
+        return builder_layer_index(sys._getframe(0), vllm_topk.note_layer_name)
+
+    vllm_topk.face.logged.discard(("layer-name",))
+    with caplog.at_level(logging.INFO):
+        assert constructor("model.layers.7.self_attn.1.mla_attn") == 7001
+        assert constructor("model.layers.7.self_attn.0.mla_attn") == 7000
+    lines = [r.getMessage() for r in caplog.records if "several integer parts" in r.getMessage()]
+    assert len(lines) == 1 and "7001" in lines[0], lines

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from torch_sdcp_settings import SGLANG, VLLM, EngineSettings
+from torch_sdcp_settings import MODES, SGLANG, VLLM, EngineSettings
 
 __all__ = ["main", "report"]
 
@@ -93,7 +93,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gate-backend", choices=("cuda", "host"), default="cuda",
                    help="host: the shared-memory backend (the gate's plumbing on a machine without GPUs)")
     p.add_argument("--gate-timeout-s", type=_positive_seconds, default=120.0, help="bound of the whole gate run")
+    # The engine's own options of the plugin (SGLang's --sdcp, ...): given, each wins over its variable, as in the
+    # engine; checked by the settings' parsers (a bad value: exit 1, as a bad variable).
+    for settings in (SGLANG, VLLM):
+        for env, option in settings.options.items():
+            p.add_argument(option, dest=_option_dest(option), default=None, metavar="VALUE",
+                           help=f"{settings.engine}: the plugin's {option} (default: {env})")
     return p
+
+
+def _option_dest(option: str) -> str:
+    return "engine_" + option.lstrip("-").replace("-", "_")
+
+
+def _engine_options(args: argparse.Namespace, settings: EngineSettings) -> dict[str, str]:
+    """{variable: value} of the engine's own plugin options given on the command line."""
+    given = {env: getattr(args, _option_dest(option), None) for env, option in settings.options.items()}
+    return {env: value for env, value in given.items() if value is not None}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -109,6 +125,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error("argument --engine: expected vllm or sglang, got none"
                 + (" (--gate runs the peer-memory gate of that engine's DCP group: it needs --engine)"
                    if args.gate else ""))
+    for other in (SGLANG, VLLM):
+        if other.engine.lower() != args.engine and _engine_options(args, other):
+            names = ", ".join(other.options[e] for e in _engine_options(args, other))
+            p.error(f"argument {names}: {other.engine}'s option, expected with --engine {other.engine.lower()}, "
+                    f"got --engine {args.engine}")
     known = _COMM_BACKENDS[args.engine]
     if args.dcp_comm_backend not in known:
         p.error(f"argument --dcp-comm-backend: expected one of {', '.join(known)} with --engine {args.engine}, "
@@ -193,15 +214,35 @@ def _element(dtype: torch.dtype) -> int:
 
 
 def report(argv: Sequence[str]) -> tuple[int, str]:
-    """(exit status, the report's text) for the command line ``argv``."""
+    """(exit status, the report's text) for the command line ``argv``; the
+    engine's own plugin options given there win over their variables while
+    it runs, as in the engine."""
     args = _parse(list(argv))
     settings: EngineSettings = VLLM if args.engine == "vllm" else SGLANG
+    given = _engine_options(args, settings)
+    saved = {env: os.environ.get(env) for env in given}
+    os.environ.update(given)
+    try:
+        return _report(args, settings)
+    finally:
+        for env, value in saved.items():
+            if value is None:
+                os.environ.pop(env, None)
+            else:
+                os.environ[env] = value
+
+
+def _report(args: argparse.Namespace, settings: EngineSettings) -> tuple[int, str]:
     lines = []
     try:
         settings.validate()
     except ValueError as e:
         return 1, str(e)
     mode, bad = settings.mode()
+    if bad is not None:
+        option = settings.options.get(settings.ENABLE)
+        return 1, (f"torch_sdcp: {settings.ENABLE}{f' (or {option})' if option else ''}: expected one of "
+                   f"{', '.join(MODES)} (or 1, 0), got {bad!r}; the plugin would stay off")
     lines.append(f"{settings.ENABLE}={mode}" + (f" (unrecognised value {bad!r}: off)" if bad is not None else "")
                  + f"; seams selected: {','.join(settings.seams()) or 'none'}; "
                  f"{settings.MAX_ROWS}={settings.max_rows_cap() or 'unset'}; "

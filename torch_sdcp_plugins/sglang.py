@@ -1,6 +1,7 @@
 """The ``sglang.srt.plugins`` entry point ``torch_sdcp``: SGLang calls
-:func:`register` in every process it starts (and catches what it raises; this
-one raises nothing). Off unless ``SDCP_SGLANG=1`` (or ``require``), or the
+:func:`register` in every process it starts (and catches the ``Exception``
+a plugin raises; this one raises none, and ends the process in the
+``require`` mode when the plugin cannot install). Off unless ``SDCP_SGLANG=1`` (or ``require``), or the
 command line's ``--sdcp on`` (or ``require``); while off it imports nothing of
 torch_sdcp. On, it registers :mod:`torch_sdcp.integrations.sglang`'s hooks with
 SGLang (docs/SGLANG.md).
@@ -183,6 +184,10 @@ def register_cli() -> bool:
         registry = importlib.import_module(_REGISTRY)
     except ImportError:
         return False
+    except Exception as e:  # a half-imported SGLang (a failed import left its subpackages behind)
+        _log_once(logging.ERROR, "cli-import", "torch_sdcp: SGLang's hook registry cannot be imported (%s: %s); "
+                  "the plugin's command-line options are not available", type(e).__name__, e)
+        return False
     try:
         for target, kind, hook in CLI_HOOKS:
             registry.HookRegistry.register(target, _never_raises(hook), getattr(registry.HookType, kind))
@@ -196,11 +201,12 @@ def register_cli() -> bool:
 
 def register() -> None:
     """The entry point. Registers the command-line options (on or off), then,
-    when the switch is on, the plugin. Never raises: a failure (a bad setting
-    included) is logged once and the plugin stays off (SGLang runs its own DCP
-    paths); with ``SDCP_SGLANG=require`` it re-raises, but SGLang's loader
-    catches what a plugin raises: only a refusal at warm-up (after a
-    successful install) stops SGLang's start-up."""
+    when the switch is on, the plugin. A failure (a bad setting, a version
+    outside the table, an extension that does not load) is logged once and
+    the plugin stays off (SGLang runs its own DCP paths); with
+    ``SDCP_SGLANG=require`` it ends the process instead: SGLang's plugin
+    loader catches every ``Exception`` a plugin raises and goes on, so the
+    entry raises ``SystemExit`` (which it does not catch) with the reason."""
     register_cli()
     try:
         if not enabled():
@@ -209,8 +215,8 @@ def register() -> None:
         from torch_sdcp.integrations import sglang as face
 
         if not face.install() and SGLANG.required():
-            raise RuntimeError(f"{ENV_ENABLE}=require: the SGLang plugin could not install (see the error above)")
+            raise RuntimeError("the SGLang plugin could not install (see the error above)")
     except Exception as e:
         _log_once(logging.ERROR, "register", "torch_sdcp: the SGLang plugin stays off: %s: %s", type(e).__name__, e)
         if SGLANG.required():
-            raise
+            raise SystemExit(f"torch_sdcp: {ENV_ENABLE}=require: start-up stops: {type(e).__name__}: {e}") from e

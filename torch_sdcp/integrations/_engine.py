@@ -130,4 +130,5 @@ class SeamPlan:
         if refused and self.settings.required():
             raise RuntimeError(f"{text}. {self.settings.ENABLE}=require: the seam(s) {', '.join(refused)} "
                                "cannot be taken; start-up stops (set it to 1 to run with the engine's own paths)")
-        log("info" if not refused or any(on for on, _, _ in self.seams.values()) else "warning", text)
+        # A seam the settings select that stays the engine's is a warning (seen at --log-level warning).
+        log("warning" if refused else "info", text)

@@ -126,7 +126,10 @@ class Face:
         # vLLM's *_once log on the node's first rank only: right for the
         # start-up lines, which every rank shares; a warning or an error may be
         # this rank's alone, so it is logged here (already once per reason).
-        once = getattr(self.logger, f"{level}_once", None) if level in ("info", "debug") else None
+        # Only the engine's own logger's method (vLLM binds it on the logger):
+        # a *_once a library installs on logging.Logger (transformers' cached
+        # one) would drop a line this face logs again after forget().
+        once = getattr(self.logger, "__dict__", {}).get(f"{level}_once") if level in ("info", "debug") else None
         if once is not None and callable(once):
             once(msg, *args)
         else:

@@ -41,6 +41,7 @@ from torch_sdcp.integrations.sglang_calls import (  # the replacements, re-expor
     dcp_a2a_lse_reduce,
     engine,
     face,
+    in_layer,
     prepare,
     teardown,
     workspaces,
@@ -75,6 +76,7 @@ _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _PARALLEL_STATE = "sglang.srt.distributed.parallel_state"
 _SCHEDULER = "sglang.srt.managers.scheduler"
 _REGISTRY = "sglang.srt.plugins.hook_registry"
+_FORWARD_MLA = "sglang.srt.models.deepseek_common.attention_forward_methods.forward_mla"
 
 # Every SGLang function this face replaces, hooks or calls, with the parameter
 # list it was written against (annotations left out); the conformance test
@@ -94,6 +96,11 @@ SGLANG_SIGNATURES = {
     (_PARALLEL_STATE, "abort_distributed_environment"): "()",
     (_SCHEDULER, "Scheduler.process_batch_result"): "(self, batch, result)",
     (RUNTIME, "get_parallel"): "()",
+    (_FORWARD_MLA, "DeepseekMLAForwardMixin.forward_absorb_prepare"): "(self, positions, hidden_states, "
+        "forward_batch, zero_allocator, llama_4_scaling=None, prev_topk_indices=None)",
+    (_FORWARD_MLA, "DeepseekMLAForwardMixin.forward_absorb_core"): "(self, q_pe, k_pe, q_nope_out, k_nope, "
+        "forward_batch, zero_allocator, positions, topk_indices, llama_4_scaling, fusion_plan=None, "
+        "attention_output_gate=None)",
 }
 
 
@@ -107,6 +114,9 @@ HOOKS: tuple[tuple[str, str, Callable], ...] = (
     (f"{_MODEL_RUNNER}.ModelRunner.forward", "BEFORE", before_forward),
     (f"{_SCHEDULER}.Scheduler.process_batch_result", "BEFORE", before_results),
     (f"{_PARALLEL_STATE}.abort_distributed_environment", "BEFORE", before_shutdown),
+    # The methods that call the seams, around which the layer's index is their call tag.
+    (f"{_FORWARD_MLA}.DeepseekMLAForwardMixin.forward_absorb_prepare", "AROUND", in_layer),
+    (f"{_FORWARD_MLA}.DeepseekMLAForwardMixin.forward_absorb_core", "AROUND", in_layer),
 )
 
 

@@ -25,8 +25,8 @@ from torch_sdcp.integrations._face import Face, Seam, Site
 from torch_sdcp.integrations._groups import normalise_device
 from torch_sdcp_settings import SGLANG
 
-__all__ = ["REPLACED", "all_gather_q_for_mla_decode", "check", "configure", "cp_lse_ag_out_rs_mla",
-           "dcp_a2a_lse_reduce", "engine", "face", "forget_early", "prepare", "teardown", "workspaces"]
+__all__ = ["LAYER", "REPLACED", "all_gather_q_for_mla_decode", "check", "configure", "cp_lse_ag_out_rs_mla",
+           "dcp_a2a_lse_reduce", "engine", "face", "forget_early", "in_layer", "prepare", "teardown", "workspaces"]
 
 _OWN_PATH = "SGLang's own"
 
@@ -48,6 +48,33 @@ class SGLangHooks(EngineHooks):
 
 #: What the calls read from SGLang, and whether install() patched it.
 engine = SGLangHooks()
+
+
+class _Layer:
+    """The MLA layer whose forward method runs now (``layer_id``), or None:
+    the call tag of the seams it calls. A plain object, not a thread-local,
+    so that torch.compile traces its reads and writes."""
+
+    tag: int | None = None
+
+
+#: The layer of the running MLA forward method (set by :func:`in_layer`).
+LAYER = _Layer()
+
+
+def in_layer(original: Callable, attention: Any, *args: Any, **kwargs: Any) -> Any:
+    """Around SGLang's ``forward_absorb_prepare`` / ``forward_absorb_core``
+    (``DeepseekMLAForwardMixin``, which issue the query gather and the
+    combine): the attention's ``layer_id`` is the call tag of the seams run
+    inside, so that a layer skipped or reordered on one rank is named on
+    every rank. Restored after, so a seam called from elsewhere is untagged."""
+    layer_id = getattr(attention, "layer_id", None)
+    before = LAYER.tag
+    LAYER.tag = layer_id if isinstance(layer_id, int) and not isinstance(layer_id, bool) and layer_id >= 0 else None
+    try:
+        return original(attention, *args, **kwargs)
+    finally:
+        LAYER.tag = before
 
 
 def configure(*, dcp_group: Callable[[], Any] | None = None, originals: dict[str, Callable] | None = None) -> None:
@@ -199,7 +226,7 @@ def _combine(name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any,
     if ws is None:
         return None
     with face.counted(seam):
-        return ws.combine(out.contiguous(), lse.float().contiguous(), lse_base=base)
+        return ws.combine(out.contiguous(), lse.float().contiguous(), lse_base=base, tag=LAYER.tag)
 
 
 def cp_lse_ag_out_rs_mla(cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any = None,
@@ -260,5 +287,5 @@ def all_gather_q_for_mla_decode(q_nope_out: Tensor, q_pe: Tensor) -> tuple[Tenso
     if ws is None:
         return own(q_nope_out, q_pe)
     with face.counted(_QUERY):
-        return _split(ws.all_gather_heads(torch.cat([q_pe, q_nope_out], dim=-1)), rope_dim)
+        return _split(ws.all_gather_heads(torch.cat([q_pe, q_nope_out], dim=-1), tag=LAYER.tag), rope_dim)
 

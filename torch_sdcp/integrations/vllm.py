@@ -28,8 +28,9 @@ signatures per series in :mod:`torch_sdcp.integrations.vllm_versions`), patches:
   per DCP group, and to read the index of the layer that builds the manager
   (one manager per attention layer): its combine and query gather carry it
   as their call tag (:func:`layer_index`), so a layer skipped or reordered
-  on one rank is named on every rank; the top-K merge is a module function
-  that vLLM's indexer calls without its layer, so it stays untagged;
+  on one rank is named on every rank; the top-K merge, which vLLM calls
+  without its layer, carries the layer its indexer op resolved first
+  (``_resolve_layer_name``, wrapped in the modules that call the merge);
 - ``Worker.sample_tokens`` (``vllm.v1.worker.gpu_worker``, patched when the
   first manager is built, in the worker): the per-step health check over
   every live workspace, after the step's synchronisation (for an async
@@ -58,6 +59,7 @@ import sys
 import threading
 from typing import Any
 
+from torch_sdcp.integrations import vllm_topk
 from torch_sdcp.integrations._engine import SeamPlan
 from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exported
     DEFAULT_TIMEOUT_S,
@@ -189,7 +191,8 @@ def _manager_init(self, *args, **kwargs):
     stack = getattr(_state.config, "stack", None)
     if stack is None:
         stack = _state.config.stack = []
-    building = {"config": vllm_config, "seams": {}, "tag": builder_layer_index(sys._getframe(1))}
+    tag = builder_layer_index(sys._getframe(1), vllm_topk.note_layer_name)
+    building = {"config": vllm_config, "seams": {}, "tag": tag}
     stack.append(building)
     try:
         _install_step_check()
@@ -412,6 +415,7 @@ def install() -> bool:
             for name in _BY_NAME:
                 if name in originals and getattr(mod, name, None) is originals[name]:
                     patches.append((mod, name, originals[name], _REPLACEMENTS[name]))
+        patches += vllm_topk.layer_name_patches(patches)  # the indexer ops' layer: their merges' call tag
         for owner, name, _, new in patches:
             setattr(owner, name, new)
         _state.patches = patches

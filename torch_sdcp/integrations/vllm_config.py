@@ -8,8 +8,10 @@ by the manager's hooks (:mod:`torch_sdcp.integrations.vllm`) and by
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
+from torch_sdcp._checks import CALL_TAG_LIMIT
 from torch_sdcp.integrations._boundaries import OUTPUT_DTYPES
 from torch_sdcp.integrations.vllm_versions import (
     SUPPORTED_VLLM_SERIES,
@@ -20,7 +22,8 @@ from torch_sdcp.integrations.vllm_versions import (
 from torch_sdcp_settings import VLLM
 
 __all__ = ["ENV_DIRECT", "SUPPORTED_VLLM_SERIES", "SUPPORTED_VLLM_VERSIONS", "builder_layer_index", "configured_off",
-           "enable_hint", "layer_index", "row_bound", "series_of", "supported_version", "topk_geometry", "v_head_dim"]
+           "enable_hint", "layer_index", "layer_tag", "row_bound", "series_of", "supported_version", "topk_geometry",
+           "v_head_dim"]
 
 # vLLM's own switches of its direct (symmetric-memory) paths: set by the user, the seam stays vLLM's.
 ENV_DIRECT = {"combine": "VLLM_USE_DIRECT_DCP_A2A", "query": "VLLM_USE_DIRECT_DCP_Q_GATHER"}
@@ -101,15 +104,38 @@ def layer_index(name: object) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def builder_layer_index(frame: Any) -> int | None:
-    """The index of the layer whose constructor (``frame``) builds the
-    manager: its ``prefix`` argument (every vLLM layer takes its name so),
-    else its ``self.layer_name``. Read once per manager, at model load."""
+def layer_tag(name: object, note: Callable[[str, int | None], None] | None = None) -> int | None:
+    """The call tag of a vLLM layer name: its layer index (:func:`layer_index`)
+    when it has one integer part. With several (LongCat-Flash names its two
+    attention layers of a decoder layer ``model.layers.3.self_attn.0`` and
+    ``...self_attn.1``), the parts in base 1000 (3000, 3001), so that the tag
+    still differs per layer, and ``note(name, tag)`` is called; None without
+    an integer part or with one of 1000 or more."""
+    index = layer_index(name)
+    if index is not None or not isinstance(name, str):
+        return index
+    parts = [int(part) for part in name.split(".") if part.isdigit()]
+    if not parts:
+        return None
+    tag = 0
+    for part in parts:
+        tag = tag * 1000 + part
+    result = tag if max(parts) < 1000 and tag < CALL_TAG_LIMIT else None
+    if note is not None:
+        note(name, result)
+    return result
+
+
+def builder_layer_index(frame: Any, note: Callable[[str, int | None], None] | None = None) -> int | None:
+    """The call tag (:func:`layer_tag`) of the layer whose constructor
+    (``frame``) builds the manager: its ``prefix`` argument (every vLLM layer
+    takes its name so), else its ``self.layer_name``. Read once per manager,
+    at model load."""
     if frame is None:
         return None
     names = frame.f_locals
-    index = layer_index(names.get("prefix"))
-    return index if index is not None else layer_index(getattr(names.get("self"), "layer_name", None))
+    tag = layer_tag(names.get("prefix"), note)
+    return tag if tag is not None else layer_tag(getattr(names.get("self"), "layer_name", None), note)
 
 
 def enable_hint(seam: str, why: str) -> tuple[str, bool]:

@@ -7,8 +7,10 @@ vLLM."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,11 +19,61 @@ from torch import Tensor
 from torch_sdcp.integrations._face import Site
 from torch_sdcp.integrations.vllm_calls import _seam, engine, face, try_prepare_topk
 
-__all__ = ["direct_topk_workspace", "merge_dcp_topk_global", "selection_scores"]
+__all__ = ["INDEXER_LAYER", "direct_topk_workspace", "layer_name_patches", "merge_dcp_topk_global", "note_layer_name",
+           "selection_scores"]
 
 _TOPK = _seam("topk", "merge_dcp_topk_global", "the top-K merge")
 # vLLM 0.34's switch of its direct paths; the direct top-K follows it (sparse_attn_indexer.py).
 _ENV_DIRECT_A2A = "VLLM_USE_DIRECT_DCP_A2A"
+
+
+class _IndexerLayer:
+    """The layer of the indexer op this process runs now: the call tag of the
+    top-K merges it makes. A plain object (the op runs eagerly, outside
+    torch.compile's graphs)."""
+
+    tag: int | None = None
+
+
+#: The layer of the running indexer op (set by :func:`layer_name_patches`' readers).
+INDEXER_LAYER = _IndexerLayer()
+
+
+def note_layer_name(name: str, tag: int | None) -> None:
+    """The start-up line of a layer name with several integer parts (once per process)."""
+    face.log_once("info" if tag is not None else "warning", ("layer-name",), "torch_sdcp: vLLM's layer names have "
+                  "several integer parts (%r): each layer's calls are tagged with them in base 1000 (%s)", name,
+                  tag if tag is not None else "untagged: a part of 1000 or more")
+
+
+def _reading_layer(resolve: Callable) -> Callable:
+    """vLLM's ``_resolve_layer_name`` as an indexer op calls it at its start
+    (with its own ``k_cache_prefix``; a tail cache's name is the same
+    layer's): the layer's call tag kept for the merges the op makes."""
+    from torch_sdcp.integrations.vllm_config import layer_tag
+
+    @functools.wraps(resolve)
+    def read(layer_name: Any) -> Any:
+        name = resolve(layer_name)
+        tag = layer_tag(name, note_layer_name)
+        if tag is not None:
+            INDEXER_LAYER.tag = tag
+        return name
+    return read
+
+
+def layer_name_patches(patches: list[tuple[Any, str, Any, Any]]) -> list[tuple[Any, str, Any, Any]]:
+    """(module, "_resolve_layer_name", vLLM's, the reader) for every module
+    in ``patches`` whose ``_merge_dcp_topk_global`` is replaced and that holds
+    ``_resolve_layer_name`` by name (the sparse indexer ops: the op resolves
+    its layer's name first, so its merges carry the layer as their call tag;
+    vLLM passes the merge no layer)."""
+    out = []
+    for owner, name, _, _ in patches:
+        resolve = getattr(owner, "_resolve_layer_name", None)
+        if name == "_merge_dcp_topk_global" and callable(resolve):
+            out.append((owner, "_resolve_layer_name", resolve, _reading_layer(resolve)))
+    return out
 
 
 def _local_candidates(logits: Tensor, topk_indices: Tensor, dcp_rank: int, dcp_world_size: int,
@@ -127,7 +179,7 @@ def merge_dcp_topk_global(logits: Tensor, topk_indices: Tensor, topk_tokens: int
         if rows == 0:
             return None
         scores, ids = _local_candidates(logits, topk_indices, dcp_rank, dcp_world_size, cp_interleave, row_starts)
-        topk_indices.copy_(ws.merge(selection_scores(scores, logits_dtype), ids))
+        topk_indices.copy_(ws.merge(selection_scores(scores, logits_dtype), ids, tag=INDEXER_LAYER.tag))
     return None
 
 
