@@ -31,7 +31,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "ENV_TIMEOUT_S", "configure", "cp_lse_ag_out_rs", "dcp_a2a_lse_reduce",
     "dcp_a2a_v_up_proj_lse_reduce", "gather_heads",
     "gather_query", "mask_empty_shards", "teardown", "try_prepare_output_lse",
-    "try_prepare_query_gather", "try_prepare_topk", "workspaces",
+    "try_prepare_query_gather", "try_prepare_topk", "vllm_seam", "workspaces",
 ]
 
 ENV_TIMEOUT_S = VLLM.TIMEOUT_S
@@ -143,13 +143,14 @@ def _collective_combine(cp_attn_out, cp_attn_lse, cp_group, ctx, return_lse, is_
                                                             return_lse=return_lse, group=pg)
 
 
-def _seam(kind: str, caller: str, what: str) -> Seam:
+def vllm_seam(kind: str, caller: str, what: str) -> Seam:
+    """A seam of vLLM's: the engine's own function is its fallback."""
     return Seam(kind, caller, _OWN_PATH, missing=f"{what} takes {_OWN_PATH} path")
 
 
-_SEAMS = {name: _seam("output_lse", name, name) for name in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce")}
-_QUERY = _seam("query", "gather_query", "the query gather")
-_V_UP = _seam("output_lse", "dcp_a2a_v_up_proj_lse_reduce", "the combine after the V up-projection")
+_SEAMS = {name: vllm_seam("output_lse", name, name) for name in ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce")}
+_QUERY = vllm_seam("query", "gather_query", "the query gather")
+_V_UP = vllm_seam("output_lse", "dcp_a2a_v_up_proj_lse_reduce", "the combine after the V up-projection")
 
 
 def _combine(fallback_name: str, cp_attn_out: Tensor, cp_attn_lse: Tensor, cp_group: Any, ctx: Any,

@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 
 from torch_sdcp.integrations._face import Site
-from torch_sdcp.integrations.vllm_calls import _seam, engine, face, try_prepare_topk
+from torch_sdcp.integrations.vllm_calls import engine, face, try_prepare_topk, vllm_seam
 
 __all__ = ["INDEXER_LAYER", "direct_topk_workspace", "layer_name_patches", "merge_dcp_topk_global", "note_layer_name",
            "selection_scores"]
 
-_TOPK = _seam("topk", "merge_dcp_topk_global", "the top-K merge")
+_TOPK = vllm_seam("topk", "merge_dcp_topk_global", "the top-K merge")
 # vLLM 0.34's switch of its direct paths; the direct top-K follows it (sparse_attn_indexer.py).
 _ENV_DIRECT_A2A = "VLLM_USE_DIRECT_DCP_A2A"
 
