@@ -111,3 +111,47 @@ def test_the_engines_own_options_and_a_bad_switch(monkeypatch):
     with pytest.raises(SystemExit) as e:
         plugin_check.report(["--engine", "vllm", "--sdcp", "on"])
     assert e.value.code == 2
+
+
+VLLM_ARGS = ["--engine", "vllm", "--decode-context-parallel-size", "2", "--dcp-comm-backend", "a2a",
+             "--num-heads", "64", "--rows", "64"]
+
+
+@pytest.mark.parametrize("plugins,left_out", [(None, False), ("torch_sdcp", False), ("other,torch_sdcp", False),
+                                              ("", True), ("other", True), ("other, torch_sdcp", True)])
+def test_vllm_plugins_that_leave_the_plugin_out(plugins, left_out, monkeypatch):
+    """vLLM loads only the names of VLLM_PLUGINS (split on ',', unstripped):
+    one that leaves the plugin out is said, and the require mode exits 1,
+    since a plugin vLLM does not load can stop nothing."""
+    if plugins is None:
+        monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_PLUGINS", plugins)
+    for mode, status in (("1", 0), ("require", 1 if left_out else 0)):
+        monkeypatch.setenv("SDCP_VLLM", mode)
+        got, text = plugin_check.report(VLLM_ARGS)
+        assert ("leaves the plugin out" in text) == left_out, text
+        assert got == status, (mode, text)
+        assert ("the engine would run without the plugin" in text) == (left_out and mode == "require"), text
+
+
+@pytest.mark.parametrize("version,refused", [("0.33.0", False), ("0.34.0", False), ("0.32.1", True),
+                                             ("0.35.0", True)])
+def test_an_installed_vllm_the_plugin_refuses(version, refused, monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "vllm" else real(name))
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv("SDCP_VLLM", "require")
+    status, text = plugin_check.report(VLLM_ARGS)
+    assert f"vLLM {version} is installed" in text, text
+    assert ("the plugin would refuse it" in text) == refused, text
+    assert status == (1 if refused else 0), text
+
+
+def test_the_plugin_name_is_setups_vllm_entry_point():
+    from pathlib import Path
+
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert f'"vllm.general_plugins": ["{plugin_check.VLLM_PLUGIN_NAME} = ' in setup
