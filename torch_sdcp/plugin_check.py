@@ -27,7 +27,6 @@ turns every seam off, with its reason.
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing
 import os
 import queue
@@ -38,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from torch_sdcp.cli_types import positive_int, positive_seconds
 from torch_sdcp_settings import MODES, SGLANG, VLLM, EngineSettings
 
 __all__ = ["VLLM_PLUGIN_NAME", "main", "report", "vllm_environment"]
@@ -50,26 +50,6 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _COMM_BACKENDS = {"vllm": ("ag_rs", "a2a"), "sglang": ("ag_rs", "a2a", "fi_a2a")}
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse names the option in its usage error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,26 +57,26 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     # Required, but checked after the parse: an unknown option, or --gate alone, is then reported as such.
     p.add_argument("--engine", choices=tuple(_COMM_BACKENDS), default=None, help="required: vllm or sglang")
-    p.add_argument("--decode-context-parallel-size", "--dcp-size", "-dcp", dest="world", type=_positive_int,
+    p.add_argument("--decode-context-parallel-size", "--dcp-size", "-dcp", dest="world", type=positive_int,
                    default=2, help="ranks of the DCP group (default 2)")
     p.add_argument("--dcp-comm-backend", default="ag_rs", help="vLLM: ag_rs or a2a; SGLang: ag_rs, a2a or fi_a2a")
     p.add_argument("--dcp-replicate-q-proj", action="store_true", help="SGLang: the query projection is replicated")
     p.add_argument("--prefill-context-parallel", action="store_true", help="vLLM: PCP is on")
-    p.add_argument("--num-heads", type=_positive_int, default=128, help="attention heads of the model (all ranks)")
-    p.add_argument("--kv-lora-rank", type=_positive_int, default=512)
-    p.add_argument("--qk-rope-head-dim", type=_positive_int, default=64)
-    p.add_argument("--index-topk", type=_positive_int, default=None, help="the sparse indexer's top-K (DSA models)")
+    p.add_argument("--num-heads", type=positive_int, default=128, help="attention heads of the model (all ranks)")
+    p.add_argument("--kv-lora-rank", type=positive_int, default=512)
+    p.add_argument("--qk-rope-head-dim", type=positive_int, default=64)
+    p.add_argument("--index-topk", type=positive_int, default=None, help="the sparse indexer's top-K (DSA models)")
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="the attention output's dtype")
     p.add_argument("--query-dtype", choices=tuple(_DTYPES), default=None,
                    help="vLLM: the gathered query's dtype (default: --dtype)")
-    p.add_argument("--rows", type=_positive_int, default=1024,
+    p.add_argument("--rows", type=positive_int, default=1024,
                    help="the engine's DCP rows bound (widest decode batch)")
-    p.add_argument("--num-ubatches", type=_positive_int, default=1, help="vLLM: micro-batches (dual-batch overlap: 2)")
+    p.add_argument("--num-ubatches", type=positive_int, default=1, help="vLLM: micro-batches (dual-batch overlap: 2)")
     p.add_argument("--gate", action="store_true",
                    help="run the peer-memory gate on this node's GPUs 0..N-1 (N: the DCP size), as start-up would")
     p.add_argument("--gate-backend", choices=("cuda", "host"), default="cuda",
                    help="host: the shared-memory backend (the gate's plumbing on a machine without GPUs)")
-    p.add_argument("--gate-timeout-s", type=_positive_seconds, default=120.0, help="bound of the whole gate run")
+    p.add_argument("--gate-timeout-s", type=positive_seconds, default=120.0, help="bound of the whole gate run")
     # The engine's own options of the plugin (SGLang's --sdcp, ...): given, each wins over its variable, as in the
     # engine; checked by the settings' parsers (a bad value: exit 1, as a bad variable).
     for settings in (SGLANG, VLLM):

@@ -51,6 +51,7 @@ from torch_sdcp.bench.boundaries import bench_decode, bench_output_lse, bench_qu
 from torch_sdcp.bench.presets import PRESETS
 from torch_sdcp.bench.report import plot, tables, verdicts
 from torch_sdcp.bench.timing import Timer
+from torch_sdcp.cli_types import positive_int, positive_seconds
 
 BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
 
@@ -129,16 +130,6 @@ def run_rank(rank: int, world: int, args, store_path: str | None) -> None:
     dist.destroy_process_group()
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (argparse names the option in its usage error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
 
 def row_list(text: str) -> str:
     """argparse type: comma-separated ints >= 1; kept as text, parsed where the defaults are chosen."""
@@ -192,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
                      help="run N virtual ranks (1, 2, 4 or 8) in this process on one GPU against each other, world 1 "
                           "beside them: the kernel side of DCP-N with HBM in place of NVLink, not a multi-GPU figure "
                           f"(boundaries {','.join(one_gpu.BOUNDARIES)}; rows default {one_gpu.DEFAULT_ROWS})")
-    one.add_argument("--one-gpu-timeout", type=one_gpu.positive_seconds, default=None, metavar="SECONDS",
+    one.add_argument("--one-gpu-timeout", type=positive_seconds, default=None, metavar="SECONDS",
                      help="how long a wait on a virtual peer may take before the call gives up and is reported "
                           f"(default {one_gpu.DEFAULT_TIMEOUT_S:g}: a grid that cannot be resident fails fast)")
     one.add_argument("--blocks-per-sm", type=positive_int, default=None,

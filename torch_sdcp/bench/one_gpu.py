@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import math
 import os
 import sys
 import tempfile
@@ -243,16 +242,6 @@ def run(args) -> int:
         print(f"one-GPU bench: {failures} cell(s) failed (mismatch or error): see the table", file=sys.stderr)
     return 1 if failures else 0
 
-
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return value
 
 
 def method_name(text: str) -> str:
