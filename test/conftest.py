@@ -51,3 +51,21 @@ def setup_py():
     finally:
         os.chdir(cwd)  # setup.py changes to its own folder
     return module
+
+
+@pytest.fixture
+def collect():
+    """The records of the "vllm" logger (where the vLLM plugin logs), from INFO up
+    (test_vllm_plugin.py has its own, over the "torch_sdcp" logger too)."""
+    import logging
+
+    from _engine_stand_in import Collect
+
+    handler = Collect()
+    logger = logging.getLogger("vllm")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -7,15 +7,13 @@ getter taken over or left to vLLM with one line that says why."""
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 
-import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_workers
-from _vllm_stand_in import BOUND, H_LOC, Coordinator, D, FakeVllm, Layer, P, W, _Collect, build_fake_vllm
+from _vllm_stand_in import BOUND, H_LOC, Coordinator, D, FakeVllm, Layer, P, W, build_fake_vllm
 from _vllm_stand_in import config as _config
 
 from torch_sdcp_plugins import vllm as vllm_entry
@@ -106,17 +104,6 @@ def _worker(rank, world):
 def test_vllm_034_seams_equal_vllms_own():
     assert run_workers(_worker, 2, timeout=120, env={"SDCP_VLLM": "1"}) == [True, True]
 
-
-@pytest.fixture
-def collect():
-    handler = _Collect()
-    logger = logging.getLogger("vllm")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def test_direct_topk_stays_vllms_when_the_user_sets_its_switch(monkeypatch, collect):

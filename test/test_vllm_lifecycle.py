@@ -11,7 +11,6 @@ nothing behind)."""
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 from _dist import run_workers
 from _helpers import requires_gpus
-from _vllm_stand_in import H_LOC, Coordinator, D, FakeVllm, W, _Collect, build_fake_vllm
+from _vllm_stand_in import H_LOC, Coordinator, D, FakeVllm, W, build_fake_vllm
 from _vllm_stand_in import config as _config
 
 from torch_sdcp_plugins import vllm as vllm_entry
@@ -39,17 +38,6 @@ def env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
-
-@pytest.fixture
-def collect():
-    handler = _Collect()
-    logger = logging.getLogger("vllm")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 class _PeerStub:
