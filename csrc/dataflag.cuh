@@ -391,12 +391,22 @@ __device__ __forceinline__ bool check_call_header(const DeviceWorkspace& ws, uin
 // is compared as soon as it lands (before the word, which a peer with fewer
 // rows may never send), then the word is polled as poll_word does. `hv` and
 // `v` are the first loads of `h` and `p`, issued by the caller.
+// A peer's header whose first load `hv` the caller issued: polled until it
+// lands (once more after a give-up: it may have landed since), the sentinel
+// written back. Still holds a sentinel word when it never landed.
+template <typename Fail>
+__device__ __forceinline__ uint4 land_peer_header(const DeviceWorkspace& ws, uint4* h, uint4 hv, int src,
+                                                  uint64_t call, const Fail& fail) {
+  if (has_sentinel(hv)) hv = poll_vector(ws, h, src, call, kWaitHeader, fail);
+  if (has_sentinel(hv)) hv = ld_volatile_v4(h);  // gave up on an abort: the header may have landed since
+  *h = sentinel_vector();
+  return hv;
+}
+
 __device__ __forceinline__ uint32_t land_word_with_header(const DeviceWorkspace& ws, const uint32_t* p, uint32_t v,
                                                           uint4* h, uint4 hv, const CallHeader& mine, int src,
                                                           uint64_t call) {
-  if (has_sentinel(hv)) hv = poll_vector(ws, h, src, call, kWaitHeader);
-  if (has_sentinel(hv)) hv = ld_volatile_v4(h);  // gave up on an abort: the header may have landed since
-  *h = sentinel_vector();
+  hv = land_peer_header(ws, h, hv, src, call, ReportNow{ws});
   if (has_sentinel(hv) || !header_matches(ws, hv, mine, src, call)) return v;  // gave up: later polls return at once
   return v != kSentinel ? v : poll_word(ws, p, src, call);
 }

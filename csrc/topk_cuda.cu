@@ -262,7 +262,8 @@ __device__ __forceinline__ void tree_merge(const DeviceWorkspace& ws, const TopK
   const int kk = static_cast<int>(g.keys_per_row);
   uint64_t* slots = reinterpret_cast<uint64_t*>(smem + p.tmp);  // tree_plan
   // Row t of this rank's inbox from the peer `step` ranks on (peer_slot(me + step, me) = step - 1).
-  uint64_t* const inbox = reinterpret_cast<uint64_t*>(ws.buffer(me, call) + g.inbox_offset) + static_cast<int64_t>(t) * kk;
+  uint64_t* const inbox =
+      reinterpret_cast<uint64_t*>(ws.buffer(me, call) + g.inbox_offset) + static_cast<int64_t>(t) * kk;
   const int64_t peer_stride = g.max_rows * kk;
   // Lane s of warp 0 checks peer me + s + 1's header, loaded before the staging's loads.
   const bool header_lane = checks_header && static_cast<int>(threadIdx.x) < n - 1;
@@ -282,7 +283,8 @@ __device__ __forceinline__ void tree_merge(const DeviceWorkspace& ws, const TopK
         ulonglong2 x[kBatch];
 #pragma unroll
         for (int i = 0; i < kBatch; ++i)
-          if (s0 + i < n) x[i] = ld_volatile_keys(reinterpret_cast<const ulonglong2*>(inbox + (s0 + i - 1) * peer_stride) + v);
+          if (s0 + i < n)
+            x[i] = ld_volatile_keys(reinterpret_cast<const ulonglong2*>(inbox + (s0 + i - 1) * peer_stride) + v);
 #pragma unroll
         for (int i = 0; i < kBatch; ++i) {
           if (s0 + i < n) {
@@ -306,15 +308,9 @@ __device__ __forceinline__ void tree_merge(const DeviceWorkspace& ws, const TopK
       }
     }
   }
-  if (header_lane) {
-    if (has_sentinel(hv)) hv = poll_vector(ws, hp, hsrc, call, kWaitHeader, fail);
-    if (has_sentinel(hv)) hv = ld_volatile_v4(hp);  // gave up on an abort: the header may have landed since
-  }
+  if (header_lane) hv = land_peer_header(ws, hp, hv, hsrc, call, fail);
   __syncthreads();  // every list staged, every poll of the row done: no give_up runs while a mismatch is kept
-  if (header_lane) {
-    *hp = sentinel_vector();
-    if (!has_sentinel(hv)) header_matches(hv, hdr, hsrc, call, fail);
-  }
+  if (header_lane && !has_sentinel(hv)) header_matches(hv, hdr, hsrc, call, fail);
   // 4. The merges. The last level's one merge writes the ids (k <= world * kk:
   // every position holds a key, invalid ones are 0: id -1).
   const int levels = 32 - __clz(n - 1);  // log2 next_pow2(n), n >= 2
