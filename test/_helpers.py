@@ -130,3 +130,12 @@ def expect_failure(ws, mode, call, match, *, within=30.0):
     assert time.monotonic() - t0 < within
     expect_poisoned(ws, ws.check)  # check() asks the op too: a failed call of the raw op poisons as well
     assert ws.poisoned
+
+
+def expect_raises(cls, fn, *args, **kwargs) -> str:
+    """The message of the ``cls`` that ``fn(*args, **kwargs)`` raises (AssertionError if it raises none)."""
+    try:
+        fn(*args, **kwargs)
+    except cls as e:
+        return str(e)
+    raise AssertionError(f"{fn} did not raise {cls.__name__}")

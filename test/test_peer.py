@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_workers
-from _helpers import requires_gpus
+from _helpers import expect_raises, requires_gpus
 
 from torch_sdcp import peer as peer_mod
 from torch_sdcp.peer import PeerArena, fd_exchange
@@ -89,14 +89,6 @@ def _word(src, dst):
     return (src + 1) * 1_000_003 + dst * 7919 + 0x1234_0000_0000
 
 
-def _expect_raises(cls, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except cls as e:
-        return str(e)
-    raise AssertionError(f"{fn} did not raise {cls.__name__}")
-
-
 # ---------------------------------------------------------------------------------------------
 # workers
 # ---------------------------------------------------------------------------------------------
@@ -149,13 +141,13 @@ def _views_worker(rank, ws):
 
     # argument validation: ValueError naming the argument, the expectation and the value
     msgs = [
-        _expect_raises(ValueError, a.local_view, torch.int32, None, 2),
-        _expect_raises(ValueError, a.local_view, torch.uint8, (nbytes + 1,)),
-        _expect_raises(ValueError, a.local_view, torch.uint8, None, nbytes + 1),
-        _expect_raises(ValueError, a.peer_view, N),
-        _expect_raises(ValueError, a.local_view, "float32"),
-        _expect_raises(ValueError, a.rank_major_view, torch.int64, (4,), nbytes // 8 * 8 - 16),
-        _expect_raises(ValueError, a.local_view, torch.uint8, (-1,)),
+        expect_raises(ValueError, a.local_view, torch.int32, None, 2),
+        expect_raises(ValueError, a.local_view, torch.uint8, (nbytes + 1,)),
+        expect_raises(ValueError, a.local_view, torch.uint8, None, nbytes + 1),
+        expect_raises(ValueError, a.peer_view, N),
+        expect_raises(ValueError, a.local_view, "float32"),
+        expect_raises(ValueError, a.rank_major_view, torch.int64, (4,), nbytes // 8 * 8 - 16),
+        expect_raises(ValueError, a.local_view, torch.uint8, (-1,)),
     ]
     assert "'offset'" in msgs[0] and "multiple of 4" in msgs[0] and "got 2" in msgs[0], msgs[0]
     assert "'shape'" in msgs[1] and str(nbytes + 1) in msgs[1], msgs[1]
@@ -181,7 +173,7 @@ def _views_worker(rank, ws):
     assert len(_arena_mappings()) == N  # still mapped: views alive
     for fn, args in ((a.local_view, ()), (a.peer_view, (0,)), (a.rank_major_view, ()),
                      (a.address, (0,)), (a.barrier, ())):
-        msg = _expect_raises(RuntimeError, fn, *args)
+        msg = expect_raises(RuntimeError, fn, *args)
         assert "closed" in msg
     del keep
     assert len(_arena_mappings()) == N  # keep_rm still holds the mapping

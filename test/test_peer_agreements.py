@@ -13,19 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_workers
+from _helpers import expect_raises
 
 from torch_sdcp.peer import PeerArena
 from torch_sdcp.peer.groups import GroupOutOfStepError, group_store
 from torch_sdcp.peer.store_sync import AgreementAbandoned, StoreSync
-
-
-def _expect_raises(cls, fn, *args, **kwargs):
-    try:
-        fn(*args, **kwargs)
-    except cls as e:
-        return str(e)
-    raise AssertionError(f"{fn} did not raise {cls.__name__}")
-
 
 # ---------------------------------------------------------------------------------------------
 # agreements on the group's store: nothing left in flight, the group refused after a timeout
@@ -102,9 +94,9 @@ def _late_creation_worker(rank, ws):
         time.sleep(2.5)  # rank 0 gives up after 1 s
     for attempt in ("first", "retry"):
         t0 = time.monotonic()
-        out[attempt] = _expect_raises(GroupOutOfStepError, PeerArena, None, 4096, backend="host", timeout_s=1.0)
+        out[attempt] = expect_raises(GroupOutOfStepError, PeerArena, None, 4096, backend="host", timeout_s=1.0)
         out[attempt + "_s"] = time.monotonic() - t0
-    out["workspace"] = _expect_raises(GroupOutOfStepError, torch_sdcp.ExchangeWorkspace, None, 64, backend="host")
+    out["workspace"] = expect_raises(GroupOutOfStepError, torch_sdcp.ExchangeWorkspace, None, 64, backend="host")
     # the group's own collectives are in step: nothing was left in flight
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -178,7 +170,7 @@ def _close_one_rank_worker(rank, ws):
         out["close_s"] = time.monotonic() - t0
     out["sum"] = t.item()
     out["logged"] = [r.getMessage() for r in records]
-    out["next"] = _expect_raises(GroupOutOfStepError, PeerArena, None, 4096, backend="host", timeout_s=1.0)
+    out["next"] = expect_raises(GroupOutOfStepError, PeerArena, None, 4096, backend="host", timeout_s=1.0)
     return out
 
 
@@ -205,7 +197,7 @@ def _subgroup_worker(rank, ws):
             a.barrier()
         a = PeerArena(g, 4096, backend="host", timeout_s=1.0)
         if rank == 0:  # rank 2 of the world does not come: the subgroup is refused, not the world
-            out["barrier"] = _expect_raises(GroupOutOfStepError, a.barrier)
+            out["barrier"] = expect_raises(GroupOutOfStepError, a.barrier)
         a.close(barrier=False)
     with PeerArena(None, 4096, backend="host", timeout_s=20) as a:
         a.barrier()
