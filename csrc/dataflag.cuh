@@ -452,14 +452,30 @@ __device__ __forceinline__ bool check_call_header_tagged(const DeviceWorkspace& 
   return header_matches(ws, make_uint4(word[0], word[1], word[2], word[3]), mine, src, call);
 }
 
+// The SMs the grids on `device` are sized for: the device's, or fewer where
+// SDCP_BENCH_GRID_SMS asks. The one-GPU bench sets it: its N virtual ranks
+// share one GPU, and each sizes its grids for its share so that every rank's
+// grid is resident at once (a block waits for the same block of its peers).
+// Read once per process, at the first launch.
+inline int grid_sms(int device) {
+  static int sms[64] = {0};
+  int& n = sms[device & 63];
+  if (n == 0) {
+    int count = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    const char* env = std::getenv("SDCP_BENCH_GRID_SMS");
+    const int want = env != nullptr ? std::atoi(env) : 0;
+    n = want > 0 && want < count ? want : count;
+  }
+  return n;
+}
+
 // Blocks for `items` of `items_per_block`, at most `per_sm` per SM and
 // kDataFlagBlocks (every block of a data-as-flag kernel only waits for the
 // same block of its peers, so the grid need not be co-resident; the cap keeps
 // the launch small).
 inline int dataflag_grid(int64_t items, int64_t items_per_block, int device, int per_sm = 2) {
-  static int sms[64] = {0};
-  int& n = sms[device & 63];
-  if (n == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  const int n = grid_sms(device);
   const int64_t want = (items + items_per_block - 1) / items_per_block;
   const int64_t cap = std::min<int64_t>(static_cast<int64_t>(per_sm) * n, kDataFlagBlocks);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, cap)));

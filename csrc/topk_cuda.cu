@@ -541,13 +541,6 @@ void select_cuda(const at::Tensor& scores, const at::Tensor& ids, int64_t k, at:
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-int sm_count(int device) {
-  static int sms[64] = {0};
-  int& v = sms[device & 63];
-  if (v == 0) C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
-  return v;
-}
-
 void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tensor& ids) {
   const Workspace& ws = *c.ws;
   check_device_world(ws);
@@ -576,7 +569,7 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   // One block per row of this call, at most one per SM: up to one row per SM
   // the kernel without the row loop. Programmatic launch: the kernel waits
   // for the previous one in pdl_wait_and_release before it loads anything.
-  const int sms = sm_count(device);
+  const int sms = grid_sms(device);
   auto launch = [&](auto kernel, std::array<std::atomic<int64_t>, 64>& current) {
     set_smem(reinterpret_cast<const void*>(kernel), p.total, current, device, "scores",
              cat(cand, " candidates per rank and k = ", k).c_str());

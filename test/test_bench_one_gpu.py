@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -50,6 +51,7 @@ from torch_sdcp.families import WorkspaceKind
      "argument --one-gpu-steps: expected only with --one-gpu-method graph-per-rank, got it with one-graph"),
     (["--one-gpu-method", "one-graph"], "argument --one-gpu-method: expected only with --one-gpu, got it without"),
     (["--one-gpu-steps", "64"], "argument --one-gpu-steps: expected only with --one-gpu, got it without"),
+    (["--one-gpu-slice"], "argument --one-gpu-slice: expected only with --one-gpu, got it without"),
 ])
 def test_a_bad_one_gpu_option_is_a_usage_error_naming_it(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
@@ -153,6 +155,31 @@ def test_residency_follows_the_grid_sizes_of_the_kernels(name, rows, world, bloc
         need = world * blocks * (2 if pdl else 1)
         assert f"{world} grids of {blocks} blocks" in why and f"= {need} blocks" in why and f"{H200_SMS} SMs" in why
         assert ("twice over while PDL is on" in why and "SDCP_PDL=0" in why) == pdl, why
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_a_sliced_run_fits_every_grid_at_every_row_count(world, pdl):
+    fits = dict(one_gpu.ASSUMED_BLOCKS_PER_SM)
+    grid_sms = one_gpu.slice_sms(H200_SMS, world, pdl, fits)
+    assert grid_sms == H200_SMS // (world * (2 if pdl else 1))
+    for name in one_gpu.BOUNDARIES:
+        boundary = one_gpu_boundaries.BOUNDARY_CLASSES[name](GLM5, torch.device("cpu"))
+        for rows in (1, 32, 128, 1024, 4096):
+            blocks, why = one_gpu.residency(boundary, rows, world, H200_SMS, fits[name], pdl, grid_sms)
+            assert why is None and blocks <= one_gpu.GRID_BLOCKS_PER_SM[name] * grid_sms, (name, rows, why)
+    # a kernel that fits fewer blocks on an SM than it launches per SM of its grid takes a smaller slice
+    half = one_gpu.slice_sms(H200_SMS, world, pdl, {**fits, "output_lse": 1})
+    assert half == H200_SMS // (world * (2 if pdl else 1) * 2)
+
+
+def test_the_slice_reaches_the_kernels_before_their_first_launch(monkeypatch):
+    monkeypatch.delenv(one_gpu.GRID_SMS_ENV, raising=False)
+    assert one_gpu.grid_sms_setting(H200_SMS, 8, True, dict(one_gpu.ASSUMED_BLOCKS_PER_SM), False) is None
+    assert one_gpu.grid_sms_setting(H200_SMS, 8, True, dict(one_gpu.ASSUMED_BLOCKS_PER_SM), True) == 8
+    assert os.environ[one_gpu.GRID_SMS_ENV] == "8"
+    monkeypatch.setenv(one_gpu.GRID_SMS_ENV, "500")  # more than the GPU has: the kernels size for the GPU
+    assert one_gpu.grid_sms_setting(H200_SMS, 2, False, dict(one_gpu.ASSUMED_BLOCKS_PER_SM), False) is None
 
 
 @pytest.mark.parametrize("major, env, on", [(9, None, True), (10, None, True), (9, "0", False), (9, "1", True),
@@ -620,3 +647,20 @@ def test_one_gpu_world_2_one_graph(tmp_path):
                        "signal,output_lse")
     assert data["meta"]["method"] == "one-graph" and data["meta"]["figure_keys"] == ["k8", "k1"]
     figures_are_times(data, ["k8", "k1"])
+
+
+@requires_gpus(1)
+def test_one_gpu_slice_runs_the_rows_that_do_not_fit_a_whole_gpu(tmp_path):
+    out = tmp_path / "sliced"
+    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench", "--one-gpu", "4", "--one-gpu-slice", "--rows",
+                          "200", "--boundaries", "query,topk,output_lse", "--trials", "2", "--replays", "3",
+                          "--one-gpu-steps", "8", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads((out / "bench.json").read_text())
+    meta = data["meta"]
+    assert meta["sliced"] and meta["grid_sms"] == meta["sms"] // (4 * meta["grids_per_rank"]), meta
+    for name, rows in data["results"].items():  # 200 rows: more than a slice's SMs, so the row loops run too
+        for world in (1, 4):
+            assert rows[0][f"world{world}"]["check"] == "ok", (name, rows[0])
+    text = (out / "tables.txt").read_text()
+    assert f"grids sized for {meta['grid_sms']} of {meta['sms']} SMs (--one-gpu-slice)" in text

@@ -190,6 +190,10 @@ def parser() -> argparse.ArgumentParser:
                      help="blocks of one kernel assumed to fit on an SM, for the co-residency of the N grids "
                           "(default per kernel: " + ", ".join(f"{b} {v}" for b, v in
                                                              one_gpu.ASSUMED_BLOCKS_PER_SM.items()) + ")")
+    one.add_argument("--one-gpu-slice", action="store_true",
+                     help="size each virtual rank's grids for its share of the SMs (SDCP_BENCH_GRID_SMS), so that "
+                          "every row count runs: a cell's figure is then N ranks' work on one GPU, not a "
+                          "whole-GPU rank's (the table says so)")
     one.add_argument("--one-gpu-method", type=one_gpu.method_name, default=None, metavar="METHOD",
                      help="how a step is timed: graph-per-rank (default: each rank's steps in a CUDA graph of its "
                           "own, the N graphs launched on N streams) or one-graph (k8 / k1, every rank's call a "
@@ -206,8 +210,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.one_gpu is not None:
         return one_gpu_args(p, args)
-    for name in ("one_gpu_timeout", "blocks_per_sm", "one_gpu_method", "one_gpu_steps"):
-        if getattr(args, name) is not None:
+    for name in ("one_gpu_timeout", "blocks_per_sm", "one_gpu_method", "one_gpu_steps", "one_gpu_slice"):
+        if getattr(args, name) not in (None, False):
             p.error(f"argument --{name.replace('_', '-')}: expected only with --one-gpu, got it without")
     if args.world_size is None:
         args.world_size = torch.cuda.device_count() if cuda else 2

@@ -78,6 +78,11 @@ NOTE = "one GPU, {n} virtual ranks: kernel side, HBM in place of NVLink; not a m
 #: 125, docs/NOTES.md), 2 blocks per SM; the top-K merge runs 1024 threads with
 #: about 144 KiB of shared memory (k = C = 2048), 1 block per SM.
 ASSUMED_BLOCKS_PER_SM = {"signal": 2, "query": 2, "topk": 1, "output_lse": 2}
+#: Blocks the kernels launch per SM they size their grids for (csrc/dataflag.cuh
+#: dataflag_grid: 2; the top-K merge: one per row, at most one per SM).
+GRID_BLOCKS_PER_SM = {"signal": 2, "query": 2, "topk": 1, "output_lse": 2}
+#: The SMs the kernels size their grids for when set (csrc/dataflag.cuh grid_sms; read at the first launch).
+GRID_SMS_ENV = "SDCP_BENCH_GRID_SMS"
 
 
 def cuda_missing() -> str | None:
@@ -106,12 +111,13 @@ def grids_per_rank(pdl: bool) -> int:
 
 
 def residency(boundary: Boundary, rows: int, world: int, sms: int, blocks_per_sm: int,
-              pdl: bool) -> tuple[int, str | None]:
+              pdl: bool, grid_sms: int | None = None) -> tuple[int, str | None]:
     """(blocks of one rank's grid, why the N grids cannot all be resident, or None).
     While PDL is on every rank counts twice its grid: a rank's early-launched
     next kernel can take the slots a late peer's current kernel needs, and the
-    current one then waits for that peer until it gives up."""
-    blocks = boundary.grid(rows, world, sms)
+    current one then waits for that peer until it gives up. ``grid_sms``: the
+    SMs the kernels size their grids for (SDCP_BENCH_GRID_SMS), if fewer."""
+    blocks = boundary.grid(rows, world, grid_sms or sms)
     fit = blocks_per_sm * sms
     need = world * blocks * grids_per_rank(pdl)
     if world > 1 and need > fit:
@@ -120,6 +126,26 @@ def residency(boundary: Boundary, rows: int, world: int, sms: int, blocks_per_sm
         return blocks, (f"not co-resident: {world} grids of {blocks} blocks{pdl_note} = {need} blocks, "
                         f"{fit} fit ({sms} SMs x {blocks_per_sm} per SM, assumed)")
     return blocks, None
+
+
+def slice_sms(sms: int, world: int, pdl: bool, blocks_per_sm: dict[str, int]) -> int:
+    """--one-gpu-slice: the SMs each of ``world`` virtual ranks sizes its grids
+    for, so that all their grids (two each while PDL is on) are resident at
+    once at any row count: a kernel that launches more blocks per SM of its
+    grid than fit on an SM (``blocks_per_sm``) takes a smaller slice."""
+    over = max(-(-GRID_BLOCKS_PER_SM[b] // fit) for b, fit in blocks_per_sm.items())
+    return max(1, sms // (world * grids_per_rank(pdl) * over))
+
+
+def grid_sms_setting(sms: int, world: int, pdl: bool, blocks_per_sm: dict[str, int], sliced: bool) -> int | None:
+    """The SMs the kernels of this process size their grids for, when fewer
+    than ``sms``: set here for --one-gpu-slice (before the first launch, when
+    the kernels read it), else SDCP_BENCH_GRID_SMS as the user set it."""
+    if sliced:
+        os.environ[GRID_SMS_ENV] = str(slice_sms(sms, world, pdl, blocks_per_sm))
+    text = os.environ.get(GRID_SMS_ENV, "")
+    value = int(text) if text.isdigit() else 0
+    return value if 0 < value < sms else None
 
 
 def health(ranks, timeout_s: float, stage: str) -> None:
@@ -181,8 +207,10 @@ def run(args) -> int:
     worlds = sorted({1, n})
     blocks_per_sm = {b: args.blocks_per_sm or ASSUMED_BLOCKS_PER_SM[b] for b in args.boundaries}
     pdl = pdl_on(device)
+    grid_sms = grid_sms_setting(sms, n, pdl, blocks_per_sm, args.one_gpu_slice)
+    sized = f"; grids sized for {grid_sms} of {sms} SMs" if grid_sms else ""
     print(f"torch_sdcp bench: {NOTE.format(n=n)}; worlds {worlds}, rows {args.rows}, boundaries {args.boundaries}; "
-          f"method {args.one_gpu_method}; PDL {'on' if pdl else 'off'}; writing {args.out}", flush=True)
+          f"method {args.one_gpu_method}; PDL {'on' if pdl else 'off'}{sized}; writing {args.out}", flush=True)
     started = time.monotonic()
     failures = 0
     results: dict[str, list] = {}
@@ -201,7 +229,7 @@ def run(args) -> int:
                 for rows in ([1] if name == "signal" else args.rows):
                     row: dict = {"rows": rows}
                     for world in worlds:
-                        blocks, skip = residency(boundary, rows, world, sms, blocks_per_sm[name], pdl)
+                        blocks, skip = residency(boundary, rows, world, sms, blocks_per_sm[name], pdl, grid_sms)
                         cell: dict = {"grid_blocks": blocks}
                         if skip:
                             cell["skipped"] = skip
@@ -225,7 +253,8 @@ def run(args) -> int:
                 dist.destroy_process_group()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "one_gpu": n, "worlds": worlds,
             "note": NOTE.format(n=n), "multi_gpu": False, "device": torch.cuda.get_device_name(device),
-            "sms": sms, "blocks_per_sm": blocks_per_sm, "blocks_per_sm_assumed": args.blocks_per_sm is None,
+            "sms": sms, "grid_sms": grid_sms, "sliced": args.one_gpu_slice, "blocks_per_sm": blocks_per_sm,
+            "blocks_per_sm_assumed": args.blocks_per_sm is None,
             "timeout_s": args.one_gpu_timeout, "pdl": pdl, "grids_per_rank": grids_per_rank(pdl),
             "method": args.one_gpu_method, "figure_keys": list(method.keys), "steps_per_graph": args.one_gpu_steps,
             "replays": args.replays, "trials": args.trials,

@@ -56,6 +56,11 @@ def tables(data: dict) -> str:
              + f"; a row whose {n} grids cannot all be resident is skipped; waits give up after "
                f"{meta['timeout_s']:g} s",
              pdl_line(meta)]
+    if meta.get("grid_sms"):
+        how = "--one-gpu-slice" if meta.get("sliced") else "SDCP_BENCH_GRID_SMS"
+        lines.append(f"grids sized for {meta['grid_sms']} of {meta['sms']} SMs ({how}): every rank's grids are "
+                     f"resident at once, so a cell above the slice's rows is {n} ranks' work on one GPU, not a "
+                     "whole-GPU rank's; world 1 runs the same slice")
     for name, rows in data["results"].items():
         lines.append(f"\n{name}")
         for row in rows:
