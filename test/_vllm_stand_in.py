@@ -267,8 +267,8 @@ def _layers(ns, mla, kimi, dcp):
     ``**extra_impl_args``, Kimi-K3's ``config``; vLLM's read them from its
     configuration)."""
 
-    def build(layer, prefix, num_heads, manager_kwargs):
-        layer.layer_name = prefix
+    def build(layer, name, num_heads, manager_kwargs):  # one call below the constructor
+        layer.layer_name = name
         layer.dcp_manager = dcp.MLADCPManager(num_heads=num_heads, **manager_kwargs)
 
     class MLAAttention:
@@ -442,7 +442,7 @@ def config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, 
         model_config=types.SimpleNamespace(hf_text_config=hf), dcp_max_num_tokens=bound)
 
 
-def Layer(ns, prefix, *, positional=False, kimi=False, **manager_kwargs):  # noqa: N802 (builds a layer)
+def Layer(ns, prefix, *, positional=False, kimi=False, **manager_kwargs):
     """An MLA attention layer as vLLM builds one (``MLAAttention``, or
     Kimi-K3's ``MultiHeadLatentAttention`` with ``kimi``), named ``prefix``
     (passed by keyword, or by position with ``positional``), with its own

@@ -55,7 +55,6 @@ def _worker(rank, world):
     vllm_entry.register()
     assert plugin.is_installed()
     indexer = ns.mods["vllm.model_executor.layers.sparse_attn_indexer"]
-    dcp = ns.mods["vllm.v1.attention.ops.dcp"]
     # The indexer's construction: the direct top-K is not created, the plugin's top-K takes its rows.
     assert indexer.build_indexer("cpu", BOUND, K) == 0
     assert ("_get_direct_dcp_topk_workspace", 0) not in ns.calls

@@ -282,7 +282,6 @@ def _layer_tag_worker(rank, world):
     from torch_sdcp.integrations import vllm as plugin
 
     vllm_entry.register()
-    dcp = ns.mods["vllm.v1.attention.ops.dcp"]
     mgrs = [Layer(ns, f"model.layers.{3 + rank}.self_attn.mla_attn", vllm_config=_config(), device="cpu",
                   num_heads=H_LOC, query_head_dim=W, output_head_dim=D, query_dtype=torch.float8_e4m3fn,
                   output_dtype=torch.bfloat16, padded_num_heads=P, is_lse_base_on_e=True,
