@@ -2,7 +2,8 @@
 WITHOUT importing vLLM (importing it needs its CUDA stack): the version,
 every function the plugin replaces, wraps, mirrors or calls (module path and
 parameter list, defaults included), the MLADCPManager attributes the patched
-methods read, and the call shapes at vLLM's call sites. Skipped when vLLM is
+methods read, the call shapes at vLLM's call sites, and the functions that
+build an MLADCPManager (the wrapped layer constructors only). Skipped when vLLM is
 not installed; CI does not depend on vLLM.
 
 Run against a throwaway copy:
