@@ -324,14 +324,13 @@ def _install_step_check() -> None:
         if _state.step_check is not None or not _state.installed:
             return
         try:
-            original = patch(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens",
-                             lambda _: worker_sample_tokens, _state.patches)
+            patch(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens", lambda _: worker_sample_tokens,
+                  _state.patches, engine.originals)
         except Exception as e:
             _state.step_check = f"no step health check: {type(e).__name__}: {e}"
             _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
                       "stays vLLM's", _GPU_WORKER, _state.step_check)
             return
-        engine.originals["Worker.sample_tokens"] = original
         _state.step_check = ""
 
 

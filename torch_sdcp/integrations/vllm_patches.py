@@ -28,15 +28,18 @@ def resolve(module: Any, path: str) -> tuple[Any, str, Any]:
     return owner, name, value
 
 
-def patch(module: Any, path: str, make: Callable[[Any], Any], patches: list[Patch]) -> Any:
+def patch(module: Any, path: str, make: Callable[[Any], Any], patches: list[Patch],
+          originals: dict[str, Any] | None = None) -> None:
     """``path`` in ``module`` replaced by ``make(original)``, recorded in
-    ``patches``; returns the original. Raises (patching nothing) when
-    ``path`` is missing or ``make`` raises."""
+    ``patches`` (and the original in ``originals[path]``, before the
+    replacement is in place). Raises, patching nothing, when ``path`` is
+    missing or ``make`` raises."""
     owner, name, original = resolve(module, path)
     new = make(original)
+    if originals is not None:
+        originals[path] = original
     setattr(owner, name, new)
     patches.append((owner, name, original, new))
-    return original
 
 
 def by_name_copies(patches: list[Patch], originals: dict[str, Any], replacements: dict[str, Any],
