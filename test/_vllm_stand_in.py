@@ -8,7 +8,8 @@ signatures against vLLM's sources. ``build_fake_vllm(version)``: a 0.34
 version gives 0.34's shapes (the combine's ``out=``, the combine after the V
 up-projection, the merge's three parameters and its key, the direct top-K
 getter, the manager's ``v_up_proj_combine`` and
-``direct_query_gather_max_tokens``).
+``direct_query_gather_max_tokens``, MLAAttention's two parameters). The two
+layers that build a manager: ``Layer``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"
 GLM_INDEXER = "vllm.models.glm5next.nvidia.sparse_indexer"  # a model module that imports the merge by name
 PARALLEL_STATE = "vllm.distributed.parallel_state"
 GPU_WORKER = "vllm.v1.worker.gpu_worker"
+MLA_ATTENTION = "vllm.model_executor.layers.attention.mla_attention"
+KIMI_K3_MLA = "vllm.models.kimi_k3.nvidia.mla"
 VLLM_MODULES = (
     "vllm", "vllm.logger", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops", DCP,
     "vllm.v1.worker", "vllm.v1.worker.ubatching", GPU_WORKER, "vllm.distributed", PARALLEL_STATE,
-    "vllm.model_executor", "vllm.model_executor.layers", INDEXER,
-    "vllm.models", "vllm.models.glm5next", "vllm.models.glm5next.nvidia", GLM_INDEXER,
+    "vllm.model_executor", "vllm.model_executor.layers", INDEXER, "vllm.model_executor.layers.attention",
+    MLA_ATTENTION, "vllm.models", "vllm.models.glm5next", "vllm.models.glm5next.nvidia", GLM_INDEXER,
+    "vllm.models.kimi_k3", "vllm.models.kimi_k3.nvidia", KIMI_K3_MLA,
 )
 
 BOUND = 512  # vLLM's default DCP workspace bound (get_dcp_workspace_max_num_tokens)
@@ -256,6 +260,46 @@ def _manager(ns, dcp, get_dcp_group):
     dcp.MLADCPManager = MLADCPManager
 
 
+def _layers(ns, mla, kimi, dcp):
+    """The two layers that build an MLADCPManager, with vLLM's parameter
+    lists: each keeps its name (``prefix``) and builds its manager with its
+    ``num_heads`` and, here, the manager's other arguments (MLAAttention's
+    ``**extra_impl_args``, Kimi-K3's ``config``; vLLM's read them from its
+    configuration)."""
+
+    def build(layer, name, num_heads, manager_kwargs):  # one call below the constructor
+        layer.layer_name = name
+        layer.dcp_manager = dcp.MLADCPManager(num_heads=num_heads, **manager_kwargs)
+
+    class MLAAttention:
+        def __init__(self, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank,
+                     kv_lora_rank, kv_b_proj, dcp_q_replicate=False, cache_config=None, quant_config=None, prefix="",
+                     attn_backend=None, use_sparse=False, indexer=None, topk_indices_buffer=None,
+                     index_group_builder=None, non_causal_multi_token_decode=False, sliding_window=None,
+                     prefill_backend_cls=None, **extra_impl_args):
+            build(self, prefix, num_heads, extra_impl_args)
+
+    class MLAAttention034:
+        def __init__(self, num_heads, scale, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, q_lora_rank,
+                     kv_lora_rank, kv_b_proj, dcp_q_replicate=False, cache_config=None, quant_config=None, prefix="",
+                     attn_backend=None, use_sparse=False, indexer=None, topk_indices_buffer=None,
+                     index_group_builder=None, non_causal_multi_token_decode=False, shardq_eligible=False,
+                     sliding_window=None, prefill_backend_cls=None, kv_sharing_target_layer_name=None,
+                     **extra_impl_args):
+            build(self, prefix, num_heads, extra_impl_args)
+
+    class MultiHeadLatentAttention:
+        def __init__(self, config, hidden_size, num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim,
+                     q_lora_rank, kv_lora_rank, use_output_gate=False, cache_config=None, quant_config=None,
+                     prefix="", aux_stream=None, use_rope=False, non_causal_multi_token_decode=False,
+                     run_gemm_rs_ar=False):
+            build(self, prefix, num_heads, config)
+
+    MLAAttention034.__name__ = MLAAttention034.__qualname__ = "MLAAttention"
+    mla.MLAAttention = MLAAttention034 if is_034(ns) else MLAAttention
+    kimi.MultiHeadLatentAttention = MultiHeadLatentAttention
+
+
 def _indexer(ns, indexer, by_name):
     """_merge_dcp_topk_global (local positions in, global ids merged in
     place) and the decode step's call of it through the module global; on
@@ -350,6 +394,7 @@ def build_fake_vllm(version="0.33.0"):
     _combines(ns, mods[DCP])
     _manager(ns, mods[DCP], mods[PARALLEL_STATE].get_dcp_group)
     _indexer(ns, mods[INDEXER], mods[GLM_INDEXER])
+    _layers(ns, mods[MLA_ATTENTION], mods[KIMI_K3_MLA], mods[DCP])
     return ns
 
 
@@ -397,10 +442,16 @@ def config(num_ubatches=1, backend="ag_rs", index_topk=None, q_replicate=False, 
         model_config=types.SimpleNamespace(hf_text_config=hf), dcp_max_num_tokens=bound)
 
 
-class Layer:
-    """An MLA attention layer as vLLM builds one (MLAAttention.__init__):
-    its name (``prefix``) first, then its own MLADCPManager."""
-
-    def __init__(self, dcp, prefix, **manager_kwargs):
-        self.layer_name = prefix
-        self.dcp_manager = dcp.MLADCPManager(**manager_kwargs)
+def Layer(ns, prefix, *, positional=False, kimi=False, **manager_kwargs):
+    """An MLA attention layer as vLLM builds one (``MLAAttention``, or
+    Kimi-K3's ``MultiHeadLatentAttention`` with ``kimi``), named ``prefix``
+    (passed by keyword, or by position with ``positional``), with its own
+    MLADCPManager (``.dcp_manager``) built from ``manager_kwargs``."""
+    heads = manager_kwargs.pop("num_heads")
+    if kimi:
+        args = (manager_kwargs, 1, heads, 0, 0, 0, None, 0, False, None, None)
+        cls, manager_kwargs = ns.mods[KIMI_K3_MLA].MultiHeadLatentAttention, {}
+    else:
+        args = (heads, 1.0, 0, 0, 0, None, 0, None, False, None, None)
+        cls = ns.mods[MLA_ATTENTION].MLAAttention
+    return cls(*args, prefix, **manager_kwargs) if positional else cls(*args, prefix=prefix, **manager_kwargs)

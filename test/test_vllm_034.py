@@ -55,11 +55,10 @@ def _worker(rank, world):
     vllm_entry.register()
     assert plugin.is_installed()
     indexer = ns.mods["vllm.model_executor.layers.sparse_attn_indexer"]
-    dcp = ns.mods["vllm.v1.attention.ops.dcp"]
     # The indexer's construction: the direct top-K is not created, the plugin's top-K takes its rows.
     assert indexer.build_indexer("cpu", BOUND, K) == 0
     assert ("_get_direct_dcp_topk_workspace", 0) not in ns.calls
-    mgr = Layer(dcp, "model.layers.0.self_attn.mla_attn", vllm_config=_config(1, "a2a", index_topk=K, v_head_dim=VH),
+    mgr = Layer(ns, "model.layers.0.self_attn.mla_attn", vllm_config=_config(1, "a2a", index_topk=K, v_head_dim=VH),
                 device="cpu", num_heads=H_LOC, query_head_dim=W, output_head_dim=D, query_dtype=torch.bfloat16,
                 output_dtype=torch.bfloat16, padded_num_heads=P, is_lse_base_on_e=True, use_pcp=False).dcp_manager
     assert mgr.v_up_proj_combine.func is plugin.dcp_a2a_v_up_proj_lse_reduce

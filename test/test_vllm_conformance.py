@@ -2,7 +2,8 @@
 WITHOUT importing vLLM (importing it needs its CUDA stack): the version,
 every function the plugin replaces, wraps, mirrors or calls (module path and
 parameter list, defaults included), the MLADCPManager attributes the patched
-methods read, and the call shapes at vLLM's call sites. Skipped when vLLM is
+methods read, the call shapes at vLLM's call sites, and the functions that
+build an MLADCPManager (the wrapped layer constructors only). Skipped when vLLM is
 not installed; CI does not depend on vLLM.
 
 Run against a throwaway copy:
@@ -189,3 +190,32 @@ def test_destroy_model_parallel_imported_by_name(version):
     names = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module in
              ("vllm.distributed", "vllm.distributed.parallel_state") for a in n.names}
     assert "destroy_model_parallel" in names
+
+
+def _manager_builders() -> list:
+    """(module, "Class.method") of every function in vLLM's sources that calls MLADCPManager(...)."""
+    found = []
+    for folder, _, files in os.walk(_vllm_dir()):
+        for file in sorted(files):
+            path = os.path.join(folder, file)
+            if not file.endswith(".py"):
+                continue
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            if "MLADCPManager(" not in text:
+                continue
+            rel = os.path.relpath(path, os.path.dirname(_vllm_dir()))[:-3].replace(os.sep, ".")
+            for cls in ast.parse(text).body:
+                for fn in (cls.body if isinstance(cls, ast.ClassDef) else []):
+                    if isinstance(fn, ast.FunctionDef) and any(
+                            isinstance(c, ast.Call) and ast.unparse(c.func) == "MLADCPManager" for c in ast.walk(fn)):
+                        found.append((rel, f"{cls.name}.{fn.name}"))
+    return sorted(found)
+
+
+def test_managers_are_built_in_the_wrapped_layers(version):
+    """The call tag is the layer's whose wrapped constructor builds the
+    manager: vLLM builds MLADCPManager in those constructors only (a new
+    builder would call untagged)."""
+    layers = sorted(t for t in plugin.PATCHED if t[1] in plugin._LAYERS)
+    assert _manager_builders() == layers

@@ -25,12 +25,16 @@ signatures per series in :mod:`torch_sdcp.integrations.vllm_versions`), patches:
   so that vLLM's direct top-K is not created while the plugin's runs;
 - ``MLADCPManager.__init__``, wrapped to read the model's ``index_topk``,
   prepare the top-K workspaces and log each seam on or off, with why, once
-  per DCP group, and to read the index of the layer that builds the manager
-  (one manager per attention layer): its combine and query gather carry it
-  as their call tag (:func:`layer_index`), so a layer skipped or reordered
-  on one rank is named on every rank; the top-K merge, which vLLM calls
-  without its layer, carries the layer its indexer op resolved first
-  (``_resolve_layer_name``, wrapped in the modules that call the merge);
+  per DCP group;
+- the layers that build a manager, ``MLAAttention.__init__``
+  (``vllm.model_executor.layers.attention.mla_attention``) and Kimi-K3's
+  ``MultiHeadLatentAttention.__init__`` (``vllm.models.kimi_k3.nvidia.mla``,
+  patched when imported, not imported for it), wrapped to pass the layer's
+  ``prefix`` to its manager (:mod:`.vllm_layers`): the combine and query
+  gather carry its index as their call tag (:func:`layer_index`), so a layer
+  skipped or reordered on one rank is named on every rank (a manager built
+  outside them calls untagged); the top-K merge, called without its layer,
+  the layer its indexer op resolved (``_resolve_layer_name``, wrapped);
 - ``Worker.sample_tokens`` (``vllm.v1.worker.gpu_worker``, patched when the
   first manager is built, in the worker): the per-step health check over
   every live workspace, after the step's synchronisation (for an async
@@ -55,7 +59,7 @@ re-exported here, what the settings and vLLM's configuration decide in
 from __future__ import annotations
 
 import functools
-import sys
+import importlib
 import threading
 from typing import Any
 
@@ -83,7 +87,6 @@ from torch_sdcp.integrations.vllm_calls import (  # the replacements, re-exporte
 from torch_sdcp.integrations.vllm_config import (
     SUPPORTED_VLLM_SERIES,
     SUPPORTED_VLLM_VERSIONS,
-    builder_layer_index,
     configured_off,
     enable_hint,
     layer_index,
@@ -93,13 +96,17 @@ from torch_sdcp.integrations.vllm_config import (
     topk_geometry,
     v_head_dim,
 )
+from torch_sdcp.integrations.vllm_layers import building_layer_tag, layer_constructor
+from torch_sdcp.integrations.vllm_patches import AfterImport, by_name_copies, patch, resolve, restore
 from torch_sdcp.integrations.vllm_step import check_step, destroy_model_parallel, worker_sample_tokens
 from torch_sdcp.integrations.vllm_topk import direct_topk_workspace, merge_dcp_topk_global
 from torch_sdcp.integrations.vllm_versions import (
     DCP,
     GPU_WORKER,
     INDEXER,
+    KIMI_K3_MLA,
     MANAGER_ATTRIBUTES_BY_SERIES,
+    MLA_ATTENTION,
     PARALLEL_STATE,
     UBATCHING,
     VLLM_SIGNATURES_BY_SERIES,
@@ -123,6 +130,7 @@ _DCP, _INDEXER, _UBATCHING, _PARALLEL_STATE, _GPU_WORKER = DCP, INDEXER, UBATCHI
 
 # What install() replaces: (module, attribute path). The worker's step is
 # patched when the first MLADCPManager is built (in a worker process only);
+# Kimi-K3's layer when its module is imported (now, if it already is);
 # vLLM 0.34's direct top-K getter only where its table has it.
 PATCHED = (
     (_DCP, "MLADCPManager.__init__"),
@@ -132,8 +140,11 @@ PATCHED = (
     (_PARALLEL_STATE, "destroy_model_parallel"),
     (_GPU_WORKER, "Worker.sample_tokens"),
     (_INDEXER, "_get_direct_dcp_topk_workspace"),
+    (MLA_ATTENTION, "MLAAttention.__init__"),
+    (KIMI_K3_MLA, "MultiHeadLatentAttention.__init__"),
 )
-_AT_INSTALL = PATCHED[:5] + PATCHED[6:]
+_AT_INSTALL = tuple(p for p in PATCHED if p[0] not in (_GPU_WORKER, KIMI_K3_MLA))
+_LAYERS = ("MLAAttention.__init__", "MultiHeadLatentAttention.__init__")  # wrapped, not replaced
 _TOPK_PATCHES = ("_merge_dcp_topk_global", "_get_direct_dcp_topk_workspace")
 # Functions other vLLM modules import by name: their copies are patched too.
 _BY_NAME = ("_merge_dcp_topk_global", "destroy_model_parallel")
@@ -161,10 +172,12 @@ class _State:
         self.config = threading.local()
         self.step_check: str | None = None  # None: not patched yet; "" patched; else why it could not be
         self.series = "0.33"  # the installed vLLM's table (vllm_versions)
+        self.at_import: AfterImport | None = None  # patches Kimi-K3's layer when its module is imported
 
 
 _state = _State()
 _log_once = face.log_once  # once per reason, in vLLM's logger when vLLM is loaded
+_wrap_layer = functools.partial(layer_constructor, building=_state.config, note=vllm_topk.note_layer_name)
 
 
 # ---------------------------------------------------------------------------
@@ -184,15 +197,14 @@ def _decide(seam: str, on: bool, why: str) -> None:
 
 def _manager_init(self, *args, **kwargs):
     """Wraps MLADCPManager.__init__: lets the patched _init_* see the
-    vllm_config, prepares the top-K workspaces of a sparse-indexer model
-    (every layer shares them) and logs the seams once per DCP group."""
+    vllm_config and the building layer's call tag (None: untagged), prepares
+    the top-K workspaces (shared by every layer); logs the seams per group."""
     original = engine.originals["MLADCPManager.__init__"]
     vllm_config = kwargs.get("vllm_config", args[0] if args else None)
     stack = getattr(_state.config, "stack", None)
     if stack is None:
         stack = _state.config.stack = []
-    tag = builder_layer_index(sys._getframe(1), vllm_topk.note_layer_name)
-    building = {"config": vllm_config, "seams": {}, "tag": tag}
+    building = {"config": vllm_config, "seams": {}, "tag": building_layer_tag(_state.config)}
     stack.append(building)
     try:
         _install_step_check()
@@ -308,38 +320,35 @@ def _install_step_check() -> None:
     """Patch the worker's step (once, in the process that builds managers).
     If it cannot be patched, the seams stay vLLM's: without the check a
     failure inside a replayed graph could return wrong tokens."""
-    import importlib
-
     with _state.lock:
         if _state.step_check is not None or not _state.installed:
             return
         try:
-            owner, name, value = _resolve(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens")
+            patch(importlib.import_module(_GPU_WORKER), "Worker.sample_tokens", lambda _: worker_sample_tokens,
+                  _state.patches, engine.originals)
         except Exception as e:
             _state.step_check = f"no step health check: {type(e).__name__}: {e}"
             _log_once("error", "step-check", "torch_sdcp: cannot patch %s.Worker.sample_tokens (%s); every seam "
                       "stays vLLM's", _GPU_WORKER, _state.step_check)
             return
-        engine.originals["Worker.sample_tokens"] = value
-        setattr(owner, name, worker_sample_tokens)
-        _state.patches.append((owner, name, value, worker_sample_tokens))
         _state.step_check = ""
+
+
+def _wrap_kimi_layer(module: Any) -> None:
+    """Wraps Kimi-K3's layer constructor, once its module is imported; never
+    raises into vLLM's import: unwrapped, its managers call untagged."""
+    with _state.lock:
+        try:
+            if _state.installed:
+                patch(module, _LAYERS[1], _wrap_layer, _state.patches)
+        except Exception as e:
+            _log_once("warning", ("layer", KIMI_K3_MLA), "torch_sdcp: cannot wrap %s.%s (%s: %s); the DCP calls "
+                      "of its layers carry no layer tag", KIMI_K3_MLA, _LAYERS[1], type(e).__name__, e)
 
 
 # ---------------------------------------------------------------------------
 # Install
 # ---------------------------------------------------------------------------
-
-
-def _resolve(module: Any, path: str) -> tuple[Any, str, Any]:
-    """(owner, attribute, current value) of ``path`` ("Class.method" or "function") in ``module``."""
-    owner = module
-    parts = path.split(".")
-    for p in parts[:-1]:
-        owner = getattr(owner, p)
-    name = parts[-1]
-    value = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    return owner, name, value
 
 
 def _vllm_version() -> str:
@@ -374,8 +383,6 @@ def install() -> bool:
     """Patch vLLM (idempotent). Returns True when the patches are in place.
     On a vLLM version :func:`supported_version` refuses, or when a target is
     missing, logs an error naming the version and patches nothing."""
-    import importlib
-
     with _state.lock:
         if _state.installed:
             return True
@@ -390,31 +397,23 @@ def install() -> bool:
         table = VLLM_SIGNATURES_BY_SERIES[series]
         try:
             modules = {name: importlib.import_module(name) for name in (_DCP, _INDEXER, _UBATCHING,
-                                                                          _PARALLEL_STATE)}
+                                                                          _PARALLEL_STATE, MLA_ATTENTION)}
             wanted = [(name, path) for name, path in _AT_INSTALL if (name, path) in table
                       and (path not in _TOPK_PATCHES or "topk" in VLLM.seams())]
-            targets = [(path, *_resolve(modules[name], path)) for name, path in wanted]
+            targets = {path: resolve(modules[name], path) for name, path in wanted}
+            patches = [(owner, name, value, _wrap_layer(value) if path in _LAYERS else _REPLACEMENTS[path])
+                       for path, (owner, name, value) in targets.items()]
             originals = {name: getattr(modules[_DCP], name) for name in
                          ("cp_lse_ag_out_rs", "dcp_a2a_lse_reduce", "dcp_a2a_v_up_proj_lse_reduce")
                          if (_DCP, name) in table}
             ubatch_id = modules[_UBATCHING].dbo_current_ubatch_id
             dcp_group = modules[_PARALLEL_STATE].get_dcp_group
-        except (ImportError, AttributeError, KeyError) as e:
+        except (ImportError, AttributeError, KeyError, ValueError) as e:
             _log_once("error", ("targets", version), "torch_sdcp: vLLM %s lacks a DCP call site this plugin "
                       "patches (%s: %s); nothing is patched", version, type(e).__name__, e)
             return False
-        patches = []
-        for path, owner, name, value in targets:
-            originals[path] = value
-            patches.append((owner, name, value, _REPLACEMENTS[path]))
-        # Modules that imported a function by name before now hold the original.
-        homes = {id(owner) for owner, *_ in patches}
-        for mod in list(sys.modules.values()):
-            if mod is None or id(mod) in homes or not getattr(mod, "__name__", "").startswith("vllm"):
-                continue
-            for name in _BY_NAME:
-                if name in originals and getattr(mod, name, None) is originals[name]:
-                    patches.append((mod, name, originals[name], _REPLACEMENTS[name]))
+        originals.update({path: value for path, (_, _, value) in targets.items()})
+        patches += by_name_copies(patches, originals, _REPLACEMENTS, _BY_NAME)  # they hold the original
         patches += vllm_topk.layer_name_patches(patches)  # the indexer ops' layer: their merges' call tag
         for owner, name, _, new in patches:
             setattr(owner, name, new)
@@ -423,6 +422,8 @@ def install() -> bool:
         _state.series = series
         configure(ubatch_id=ubatch_id, dcp_group=dcp_group, originals=originals)
         _state.installed = True
+        kimi = (KIMI_K3_MLA, _LAYERS[1]) in table  # its module is not imported here: that imports the whole model
+        _state.at_import = AfterImport.now_or_later(KIMI_K3_MLA, _wrap_kimi_layer) if kimi else None
     _log_once("info", ("install", version), "torch_sdcp: installed behind vLLM %s's MLA DCP combine, query gather "
               "and sparse-indexer top-K merge (%s=1, seams: %s; the %s table)", version, ENV_ENABLE,
               ",".join(VLLM.seams()), series)
@@ -436,13 +437,11 @@ def uninstall() -> None:
     with _state.lock:
         if not _state.installed:
             return
-        for owner, name, original, new in reversed(_state.patches):
-            current = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
-            if current is new:
-                setattr(owner, name, original)
-            else:
-                _log_once("warning", ("uninstall", id(owner), name), "torch_sdcp: %s.%s was replaced again after "
-                          "install(); left as it is", getattr(owner, "__name__", owner), name)
+        if _state.at_import is not None:
+            _state.at_import.remove()
+        restore(_state.patches, lambda owner, name: _log_once(
+            "warning", ("uninstall", id(owner), name), "torch_sdcp: %s.%s was replaced again after install(); "
+            "left as it is", getattr(owner, "__name__", owner), name))
         _state.patches = []
         _state.installed = False
         _state.step_check = None

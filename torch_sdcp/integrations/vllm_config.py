@@ -21,7 +21,7 @@ from torch_sdcp.integrations.vllm_versions import (
 )
 from torch_sdcp_settings import VLLM
 
-__all__ = ["ENV_DIRECT", "SUPPORTED_VLLM_SERIES", "SUPPORTED_VLLM_VERSIONS", "builder_layer_index", "configured_off",
+__all__ = ["ENV_DIRECT", "SUPPORTED_VLLM_SERIES", "SUPPORTED_VLLM_VERSIONS", "configured_off",
            "enable_hint", "layer_index", "layer_tag", "row_bound", "series_of", "supported_version", "topk_geometry",
            "v_head_dim"]
 
@@ -124,18 +124,6 @@ def layer_tag(name: object, note: Callable[[str, int | None], None] | None = Non
     if note is not None:
         note(name, result)
     return result
-
-
-def builder_layer_index(frame: Any, note: Callable[[str, int | None], None] | None = None) -> int | None:
-    """The call tag (:func:`layer_tag`) of the layer whose constructor
-    (``frame``) builds the manager: its ``prefix`` argument (every vLLM layer
-    takes its name so), else its ``self.layer_name``. Read once per manager,
-    at model load."""
-    if frame is None:
-        return None
-    names = frame.f_locals
-    tag = layer_tag(names.get("prefix"), note)
-    return tag if tag is not None else layer_tag(getattr(names.get("self"), "layer_name", None), note)
 
 
 def enable_hint(seam: str, why: str) -> tuple[str, bool]:
