@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch_sdcp.bench.one_gpu_boundaries import BOUNDARY_CLASSES
 from torch_sdcp.bench.one_gpu_timing import ONE_GRAPH_KS, OneGraph
+from torch_sdcp.bench.step_figure import step_lines
 
 
 def _us(cell: dict, k: str) -> str:
@@ -92,6 +93,10 @@ def tables(data: dict) -> str:
             lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells)
                          + f"   (blocks per rank: {grids}; reference check {checked})")
             lines += [f"           {note}" for note in notes]
+    if len(worlds) > 1:
+        lines += step_lines(data["results"], (meta.get("args") or {}).get("preset", ""),
+                            {f"world{w}": f"world {w}" for w in worlds}, keys[0],
+                            f"one GPU, {n} virtual ranks: the kernel side only, the link is not in it", ratio=False)
     lines.append("\nlegend (what each virtual rank runs; every rank's region is its own allocation on this GPU, "
                  "so a store into a peer's buffer goes to this GPU's HBM, and the ranks' grids share its SMs)")
     for name in data["results"]:

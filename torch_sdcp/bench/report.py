@@ -7,6 +7,7 @@ import json
 import textwrap
 
 from torch_sdcp.bench.decode import DecodeStep
+from torch_sdcp.bench.step_figure import step_lines
 
 PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_tagged", "sdcp_masked",
          "sdcp_view")
@@ -222,6 +223,12 @@ def tables(data: dict) -> str:
                         lines.append(HOST_DECODE_NOTE.format(world=meta["world_size"]))
             else:
                 lines.append(f"  {json.dumps(row)}")
+    if cuda:
+        world = meta["world_size"]
+        where = ("one GPU: no link crossed" if world == 1
+                 else f"{world} GPUs: the link as this machine has it")
+        lines += step_lines(data["results"], (meta.get("args") or {}).get("preset", ""),
+                            {"collective": names["collective"], "sdcp": names["sdcp"]}, "k8", where)
     tagged = any("sdcp_tagged" in r for rows in data["results"].values() for r in rows)
     lines += legend(data["results"].keys(), host=not cuda, tagged=tagged)
     return "\n".join(lines)
