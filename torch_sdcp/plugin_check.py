@@ -17,7 +17,10 @@ version the plugin refuses (in the ``require`` mode either exits 1: the
 plugin cannot stop a start-up it is not loaded into, or is refused by).
 
 The engine's configuration is given here as the engine's flags that matter
-(this does not run the engine's own argument resolution). Peer memory is
+(this does not run the engine's own argument resolution); for vLLM the rows
+bound and the gathered query's dtype are derived from vLLM's own flags as
+vLLM derives them, when given (``plugin_check_engine``), and a ``--rows`` or
+``--query-dtype`` that differs is said. Peer memory is
 assumed unless ``--gate`` is given: then the workspaces' own peer-memory gate
 runs on this node, one process per rank of the DCP group on GPUs
 ``0 .. N-1`` (as the engine's first DCP group would), and a gate that fails
