@@ -158,7 +158,7 @@ def vllm_rows_bound(args: argparse.Namespace) -> DerivedRows | None:
                                   "is --rows"])
     k = int(spec.get("num_speculative_tokens") or 0)  # type: ignore[call-overload]
     method = spec.get("method")
-    extra = 1 if k and method == "draft_model" else 0
+    extra = 1 if method == "draft_model" else 0  # vLLM 0.34.0: max_num_new_slots_for_drafting
     per_request = 1 + k + extra
     graphs = capture_size(args.max_cudagraph_capture_size, seqs, tokens, 1 + k, bool(args.enforce_eager))
     rows = min(tokens, max(seqs * per_request, graphs))
