@@ -17,7 +17,10 @@ version the plugin refuses (in the ``require`` mode either exits 1: the
 plugin cannot stop a start-up it is not loaded into, or is refused by).
 
 The engine's configuration is given here as the engine's flags that matter
-(this does not run the engine's own argument resolution). Peer memory is
+(this does not run the engine's own argument resolution); for vLLM the rows
+bound and the gathered query's dtype are derived from vLLM's own flags as
+vLLM derives them, when given (``plugin_check_engine``), and a ``--rows`` or
+``--query-dtype`` that differs is said. Peer memory is
 assumed unless ``--gate`` is given: then the workspaces' own peer-memory gate
 runs on this node, one process per rank of the DCP group on GPUs
 ``0 .. N-1`` (as the engine's first DCP group would), and a gate that fails
@@ -38,6 +41,7 @@ from collections.abc import Sequence
 import torch
 
 from torch_sdcp.cli_types import positive_int, positive_seconds
+from torch_sdcp.plugin_check_engine import add_vllm_flags, check_vllm_flags, vllm_query_dtype, vllm_rows_bound
 from torch_sdcp_settings import MODES, SGLANG, VLLM, EngineSettings
 
 __all__ = ["VLLM_PLUGIN_NAME", "main", "report", "vllm_environment"]
@@ -69,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="bfloat16", help="the attention output's dtype")
     p.add_argument("--query-dtype", choices=tuple(_DTYPES), default=None,
                    help="vLLM: the gathered query's dtype (default: --dtype)")
-    p.add_argument("--rows", type=positive_int, default=1024,
-                   help="the engine's DCP rows bound (widest decode batch)")
+    p.add_argument("--rows", type=positive_int, default=None,
+                   help="the engine's DCP rows bound (widest decode batch; default 1024); with vLLM's flags below, "
+                        "vLLM's derivation wins and a difference is said")
     p.add_argument("--num-ubatches", type=positive_int, default=1, help="vLLM: micro-batches (dual-batch overlap: 2)")
     p.add_argument("--gate", action="store_true",
                    help="run the peer-memory gate on this node's GPUs 0..N-1 (N: the DCP size), as start-up would")
@@ -83,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
         for env, option in settings.options.items():
             p.add_argument(option, dest=_option_dest(option), default=None, metavar="VALUE",
                            help=f"{settings.engine}: the plugin's {option} (default: {env})")
+    add_vllm_flags(p)
     return p
 
 
@@ -114,6 +120,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             names = ", ".join(other.options[e] for e in _engine_options(args, other))
             p.error(f"argument {names}: {other.engine}'s option, expected with --engine {other.engine.lower()}, "
                     f"got --engine {args.engine}")
+    check_vllm_flags(p, args)
     known = _COMM_BACKENDS[args.engine]
     if args.dcp_comm_backend not in known:
         p.error(f"argument --dcp-comm-backend: expected one of {', '.join(known)} with --engine {args.engine}, "
@@ -122,6 +129,38 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         p.error(f"argument --num-heads: expected a multiple of the DCP size {args.world} "
                 f"(--decode-context-parallel-size), got {args.num_heads}")
     return args
+
+
+def _engine_rows(args: argparse.Namespace) -> tuple[int, list[str]]:
+    """(the engine's rows bound, lines on where it comes from): vLLM's own
+    derivation when its flags give it (a --rows that differs is said: start-up
+    uses vLLM's), else --rows (default 1024)."""
+    derived = vllm_rows_bound(args) if args.engine == "vllm" else None
+    if derived is None or derived.rows is None:
+        return args.rows or 1024, derived.lines if derived else []
+    if args.rows is not None and args.rows != derived.rows:
+        return derived.rows, [f"--rows {args.rows} differs from the bound vLLM derives from its flags, {derived.rows}: "
+                              f"start-up uses vLLM's {derived.rows}", *derived.lines]
+    return derived.rows, derived.lines
+
+
+def _query_dtype(args: argparse.Namespace) -> tuple[torch.dtype, list[str]]:
+    """(the gathered query's dtype the query workspace is sized for, lines):
+    with --kv-cache-dtype, what vLLM gives the query (a --query-dtype that it
+    cannot be is said: start-up uses vLLM's); of two candidates, the one
+    --query-dtype names, else the model's (the wider)."""
+    if args.kv_cache_dtype is None:
+        return _DTYPES[args.query_dtype or args.dtype], []
+    candidates, how = vllm_query_dtype(args.kv_cache_dtype, args.dtype)
+    if args.query_dtype in candidates or args.query_dtype is None:
+        chosen = args.query_dtype or args.dtype
+        return _DTYPES[chosen], [f"query dtype: {how}" + ("" if len(candidates) == 1 else
+                                                           f"; the query workspace is sized for {chosen}")]
+    return _DTYPES[candidates[-1]], [
+        f"query dtype: {how}",
+        f"--query-dtype {args.query_dtype} differs from what vLLM gives the query with --kv-cache-dtype "
+        f"{args.kv_cache_dtype} ({' or '.join(candidates)}): start-up uses vLLM's; the query workspace is sized "
+        f"for {candidates[-1]}"]
 
 
 def _gate_rank(rank: int, world: int, store_path: str, backend: str, timeout_s: float, results: object) -> None:
@@ -266,7 +305,8 @@ def _report(args: argparse.Namespace, settings: EngineSettings) -> tuple[int, st
                  f"{settings.TIMEOUT_S}={settings.timeout_s():g} s")
     world, heads = args.world, args.num_heads
     cap = settings.max_rows_cap()
-    rows = min(args.rows, cap) if cap else args.rows
+    engine_rows, rows_lines = _engine_rows(args)
+    rows = min(engine_rows, cap) if cap else engine_rows
     dtype = _DTYPES[args.dtype]
     local = heads // world
     from torch_sdcp.integrations._engine import SeamPlan
@@ -279,7 +319,8 @@ def _report(args: argparse.Namespace, settings: EngineSettings) -> tuple[int, st
         lines.extend(found)
         from torch_sdcp.integrations import vllm
 
-        qdtype = _DTYPES[args.query_dtype or args.dtype]
+        qdtype, qdtype_lines = _query_dtype(args)
+        rows_lines.extend(qdtype_lines)
         width = args.kv_lora_rank + args.qk_rope_head_dim
         topk = args.index_topk
         for seam in VLLM.all_seams:
@@ -336,8 +377,9 @@ def _report(args: argparse.Namespace, settings: EngineSettings) -> tuple[int, st
         lines.append(f"the plugin is off ({settings.ENABLE} unset or off): nothing would be replaced; with "
                      f"{settings.ENABLE}=1:")
     lines.append(plan.line())
-    lines.append(f"rows bound: {rows}" + (f" (the engine's {args.rows}, capped by {settings.MAX_ROWS})"
-                                          if cap and cap < args.rows else ""))
+    lines.append(f"rows bound: {rows}" + (f" (the engine's {engine_rows}, capped by {settings.MAX_ROWS})"
+                                          if cap and cap < engine_rows else ""))
+    lines.extend(rows_lines)
     for name, n in sizes.items():
         lines.append(f"{name} workspace: {n} bytes per rank ({n / 2**20:.1f} MiB) per micro-batch")
     total = sum(sizes.values()) * ubatches
