@@ -150,8 +150,45 @@ def test_an_installed_vllm_the_plugin_refuses(version, refused, monkeypatch):
     assert status == (1 if refused else 0), text
 
 
-def test_the_plugin_name_is_setups_vllm_entry_point():
+def test_the_plugin_name_is_setups_entry_point_in_both_engines():
     from pathlib import Path
 
+    from torch_sdcp.plugin_check_env import PLUGIN_NAME
+
     setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
-    assert f'"vllm.general_plugins": ["{plugin_check.VLLM_PLUGIN_NAME} = ' in setup
+    assert f'"vllm.general_plugins": ["{PLUGIN_NAME} = ' in setup
+    assert f'"sglang.srt.plugins": ["{PLUGIN_NAME} = ' in setup
+
+
+SGLANG_ARGS = ["--engine", "sglang", "--dcp-size", "2", "--num-heads", "64", "--rows", "64"]
+
+
+@pytest.mark.parametrize("plugins,left_out", [(None, False), ("", False), ("torch_sdcp", False),
+                                              ("other, torch_sdcp", False), (" , ", False), ("other", True)])
+def test_sglang_plugins_that_leave_the_plugin_out(plugins, left_out, monkeypatch):
+    """SGLang strips each name of SGLANG_PLUGINS and loads every plugin when
+    none is named: a list that leaves the plugin out is said, and the require
+    mode exits 1."""
+    if plugins is None:
+        monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_PLUGINS", plugins)
+    for mode, status in (("1", 0), ("require", 1 if left_out else 0)):
+        monkeypatch.setenv("SDCP_SGLANG", mode)
+        got, text = plugin_check.report(SGLANG_ARGS)
+        assert ("SGLANG_PLUGINS=" in text and "leaves the plugin out" in text) == left_out, text
+        assert got == status, (mode, text)
+
+
+@pytest.mark.parametrize("version,refused", [("0.5.23", False), ("0.5.22", True), ("0.6.0", True)])
+def test_an_installed_sglang_the_plugin_refuses(version, refused, monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "sglang" else real(name))
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    monkeypatch.setenv("SDCP_SGLANG", "require")
+    status, text = plugin_check.report(SGLANG_ARGS)
+    assert f"SGLang {version} is installed" in text, text
+    assert ("the plugin would refuse it" in text) == refused, text
+    assert status == (1 if refused else 0), text

@@ -11,9 +11,9 @@ plugin would log for the DCP group (each seam on or off, why, what turns it
 on), the rows bound, and the bytes per rank of every workspace it would
 create (the C++ layout's region sizes, per micro-batch), then exits 0, or 1
 when the ``require`` mode would stop the start-up or a setting is bad. For
-vLLM it also says what vLLM decides before the plugin runs: a
-``VLLM_PLUGINS`` that leaves the plugin out, and an installed vLLM whose
-version the plugin refuses (in the ``require`` mode either exits 1: the
+either engine it also says what the engine decides before the plugin runs:
+a ``VLLM_PLUGINS`` / ``SGLANG_PLUGINS`` that leaves the plugin out, and an
+installed engine whose version the plugin refuses (in the ``require`` mode either exits 1: the
 plugin cannot stop a start-up it is not loaded into, or is refused by).
 
 The engine's configuration is given here as the engine's flags that matter
@@ -42,9 +42,10 @@ import torch
 
 from torch_sdcp.cli_types import positive_int, positive_seconds
 from torch_sdcp.plugin_check_engine import add_vllm_flags, check_vllm_flags, vllm_query_dtype, vllm_rows_bound
+from torch_sdcp.plugin_check_env import engine_environment
 from torch_sdcp_settings import MODES, SGLANG, VLLM, EngineSettings
 
-__all__ = ["VLLM_PLUGIN_NAME", "main", "report", "vllm_environment"]
+__all__ = ["main", "report"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float8_e4m3fn": torch.float8_e4m3fn}
@@ -236,39 +237,6 @@ def _element(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-#: The plugin's entry-point name in vLLM's group (setup.py's entry_points), which VLLM_PLUGINS must name.
-VLLM_PLUGIN_NAME = "torch_sdcp"
-
-
-def vllm_environment() -> tuple[list[str], bool]:
-    """(lines, whether vLLM would run without the plugin) for what vLLM itself
-    decides before the plugin runs: ``VLLM_PLUGINS`` (vLLM splits it on ','
-    and loads only the names in it) and the installed vLLM's version (the
-    plugin patches only the releases of its tables). Neither imports vLLM."""
-    import importlib.metadata
-
-    from torch_sdcp.integrations.vllm_versions import SUPPORTED_VLLM_VERSIONS, supported_version
-
-    lines, without = [], False
-    allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and VLLM_PLUGIN_NAME not in allowed.split(","):
-        lines.append(f"VLLM_PLUGINS={allowed!r} leaves the plugin out: vLLM would not load it, so nothing would be "
-                     f"replaced and no start-up line logged (add {VLLM_PLUGIN_NAME} to the comma-separated list)")
-        without = True
-    try:
-        version = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        lines.append("vLLM is not installed here: its version is not checked")
-    else:
-        if supported_version(version):
-            lines.append(f"vLLM {version} is installed: the plugin supports it")
-        else:
-            lines.append(f"vLLM {version} is installed: the plugin would refuse it and replace nothing (it supports "
-                         f"{', '.join(SUPPORTED_VLLM_VERSIONS)})")
-            without = True
-    return lines, without
-
-
 def report(argv: Sequence[str]) -> tuple[int, str]:
     """(exit status, the report's text) for the command line ``argv``; the
     engine's own plugin options given there win over their variables while
@@ -313,10 +281,10 @@ def _report(args: argparse.Namespace, settings: EngineSettings) -> tuple[int, st
 
     plan = SeamPlan(settings, "dcp", world)
     sizes: dict[str, int] = {}
-    without_plugin = False
+    found, without_plugin = engine_environment(args.engine)
+    lines.extend(found)
     if args.engine == "vllm":
-        found, without_plugin = vllm_environment()
-        lines.extend(found)
+
         from torch_sdcp.integrations import vllm
 
         qdtype, qdtype_lines = _query_dtype(args)
