@@ -278,6 +278,12 @@ def test_the_table_says_what_the_figure_is():
     assert "method one-graph: k8, 8 steps in ONE CUDA graph" in text and "branches run concurrently" in text
     meta["pdl"] = False
     assert "PDL off (SDCP_PDL=0" in one_gpu_report.tables({"meta": meta, "results": results})
+    assert "grids sized for" not in text
+    meta.update(grid_sms=16, sliced=True)  # --one-gpu-slice: the table says the cells are not whole-GPU ranks'
+    sliced = one_gpu_report.tables({"meta": meta, "results": results})
+    assert "grids sized for 16 of 132 SMs (--one-gpu-slice)" in sliced and "not a whole-GPU rank's" in sliced
+    meta["sliced"] = False
+    assert "(SDCP_BENCH_GRID_SMS)" in one_gpu_report.tables({"meta": meta, "results": results})
 
 
 def test_the_table_names_the_graph_per_rank_method_and_its_figure():
