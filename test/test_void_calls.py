@@ -8,6 +8,10 @@ an error (docs/PROTOCOL.md "Failure behaviour").
   every family (the cross-family table, _family_calls.py): the
   bad rank raises its own ValueError/TypeError, the peer raises
   VoidedCallError naming it, and the next good calls pair and are right.
+- A void call pairs with a peer's call of other options (the LSE base,
+  whether a ``q_scale`` was given; on the peer path and from a call over
+  ``max_rows``): void on every rank, nothing poisoned; the op is still
+  compared (a void gather against an all_gather_heads is a call mismatch).
 - A view call while the last view is still open, and a call from a second
   thread while another is inside a call, poison and abort on every rank (each
   rank raises a named error).
@@ -38,7 +42,8 @@ def _families(rank):
     families["output_lse_combine base 2"] = (
         lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=60, **HOST),
         lambda ws: ws.combine(po, pl, lse_base="2"), [
-            # The placeholder takes the call's valid base, not the default.
+            # The placeholder takes the call's valid base, not the default (it would pair with
+            # any: test_a_void_call_pairs_with_a_call_of_other_options).
             ("a misspelt keyword beside lse_base '2'",
              lambda ws: ws.combine(po, pl, lse_base="2", retrun_lse=True), TypeError, None),
         ])
