@@ -220,7 +220,7 @@ SDCP_DATAFLAG_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32
 // pairs with any tag. Rows, dtype and geometry stay compared against a void
 // header: its rows are the call's leading tensor's or its peers' (a rank
 // with more rows would wait for rows never sent), its dtype the
-// workspace's, its geometry the workspace's own.
+// workspace's (the exchange: x's), its geometry the workspace's own.
 SDCP_DATAFLAG_HD uint32_t header_flags_difference(const CallHeader& mine, const CallHeader& theirs,
                                                   uint32_t op_bits) {
   const uint32_t d = mine.w[kHeaderFlags] ^ theirs.w[kHeaderFlags];
