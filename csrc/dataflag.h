@@ -125,7 +125,7 @@ SDCP_DATAFLAG_HD uint32_t abort_word_reason(uint64_t w) { return static_cast<uin
 enum CallHeaderField : uint32_t {
   kHeaderRows = 0,      // rows (the exchange: bytes)
   kHeaderDtype = 1,     // c10::ScalarType of the payload
-  kHeaderFlags = 2,     // family-defined (Output/LSE: the LSE base; exchange: a shape hash)
+  kHeaderFlags = 2,     // family-defined (Output/LSE: the LSE base; exchange: a shape hash; query: the op, options)
   kHeaderGeometry = 3,  // Workspace::geometry_hash (kind, world size, parameters)
   kHeaderFields = 4,
 };
@@ -138,7 +138,9 @@ struct CallHeader {
 // argument checks before anything was published makes the call anyway, with
 // placeholder inputs and this bit in its dtype word (a c10::ScalarType never
 // has it), so that every rank stays in step; a consumer that meets it
-// records the void (below) and the call raises there without poisoning.
+// records the void (below) and the call raises there without poisoning. A
+// void header pairs with any options (header_flags_difference) and, when it
+// has no tag, with any tag (header_dtype_difference).
 constexpr uint32_t kHeaderVoidBit = 0x80000000u;
 
 SDCP_DATAFLAG_HD bool header_is_void(const CallHeader& h) { return (h.w[kHeaderDtype] & kHeaderVoidBit) != 0; }
@@ -208,16 +210,39 @@ SDCP_DATAFLAG_HD CallHeader make_call_header(int64_t rows, int64_t dtype, uint32
   return h;
 }
 
+// The bits in which two flags words differ. Against a void header (either
+// side) only `op_bits` count, the bits that name the op (the query's; 0 for
+// the other families): the rest are the call's options (Output/LSE's base,
+// the query's RoPE style and q_scale, the exchange's shape hash), which a
+// void placeholder cannot know when the call's own were not valid (a base
+// "10", a misspelt keyword), and which change nothing that is moved (the
+// rows and the dtype say that), so it pairs with any, as an untagged one
+// pairs with any tag. Rows, dtype and geometry stay compared against a void
+// header: its rows are the call's leading tensor's or its peers' (a rank
+// with more rows would wait for rows never sent), its dtype the
+// workspace's (the exchange: x's), its geometry the workspace's own.
+SDCP_DATAFLAG_HD uint32_t header_flags_difference(const CallHeader& mine, const CallHeader& theirs,
+                                                  uint32_t op_bits) {
+  const uint32_t d = mine.w[kHeaderFlags] ^ theirs.w[kHeaderFlags];
+  return header_is_void(mine) || header_is_void(theirs) ? d & op_bits : d;
+}
+
 // The first field in which two headers differ, or kHeaderFields (the void
-// bit is not a difference: a void call is otherwise the same call). Calls of
-// different tags are another call, whatever else differs: that is named
-// first (the dtype word), so every rank names the tags. Symmetric, so both
-// sides of a pair reach the same verdict.
-SDCP_DATAFLAG_HD uint32_t call_header_mismatch(const CallHeader& mine, const CallHeader& theirs) {
+// bit is not a difference: a void call is otherwise the same call, of any
+// options: header_flags_difference). Calls of different tags are another
+// call, whatever else differs: that is named first (the dtype word), so
+// every rank names the tags. Symmetric, so both sides of a pair reach the
+// same verdict. `op_bits`: the flags bits that name the op (the query's
+// kQueryOpBits), compared against a void header too.
+SDCP_DATAFLAG_HD uint32_t call_header_mismatch(const CallHeader& mine, const CallHeader& theirs,
+                                               uint32_t op_bits = 0) {
   const uint32_t dtype = header_dtype_difference(mine.w[kHeaderDtype], theirs.w[kHeaderDtype]);
   if ((dtype & kHeaderTagMask) != 0) return kHeaderDtype;
   for (uint32_t f = 0; f < kHeaderFields; ++f)
-    if (f == kHeaderDtype ? dtype != 0 : mine.w[f] != theirs.w[f]) return f;
+    if (f == kHeaderDtype    ? dtype != 0
+        : f == kHeaderFlags ? header_flags_difference(mine, theirs, op_bits) != 0
+                            : mine.w[f] != theirs.w[f])
+      return f;
   return kHeaderFields;
 }
 

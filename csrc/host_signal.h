@@ -108,10 +108,10 @@ inline void host_store_call_header(uint32_t* dst, const CallHeader& h) {
 
 // Fails the call (and aborts the workspace on every rank) when `theirs`
 // differs from `mine`, naming both sides; `wait` says which header (the
-// call's, or the query view's).
+// call's, or the query view's); `op_bits` as for call_header_mismatch.
 inline void host_compare_call_header(const Workspace& ws, int64_t src, uint64_t call, const CallHeader& mine,
-                                     const CallHeader& theirs, uint32_t wait = kWaitHeader) {
-  const uint32_t f = call_header_mismatch(mine, theirs);
+                                     const CallHeader& theirs, uint32_t wait = kWaitHeader, uint32_t op_bits = 0) {
+  const uint32_t f = call_header_mismatch(mine, theirs, op_bits);
   if (f == kHeaderFields) {
     if (header_is_void(theirs)) {  // the first void met stays until the host takes it
       uint64_t none = 0;

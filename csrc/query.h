@@ -77,6 +77,10 @@ enum QueryOp : uint32_t { kQueryGatherOp = 1, kQueryHeadsOp = 2, kQueryPublishOp
 inline uint32_t query_call_flags(QueryOp op, bool neox = false, bool scaled = false) {
   return op | (neox ? 4u : 0u) | (scaled ? 8u : 0u);
 }
+// The flags bits that name the op: compared against a void header too (a
+// void gather is still not an all_gather_heads), unlike the options
+// (call_header_mismatch in dataflag.h).
+constexpr uint32_t kQueryOpBits = 3u;
 
 // Rank dst's entry for source src in the rotating buffer of call `call`.
 inline uint8_t* query_entry(const Workspace& ws, const QueryGeometry& g, int64_t dst, int64_t src, uint64_t call) {

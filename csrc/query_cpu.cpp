@@ -115,7 +115,7 @@ void take_query_header(const Workspace& ws, int64_t src, uint64_t call, uint32_t
     theirs.w[f] = __atomic_load_n(p + f, __ATOMIC_RELAXED);
     __atomic_store_n(p + f, kSentinel, __ATOMIC_RELAXED);
   }
-  host_compare_call_header(ws, src, call, mine, theirs, wait);
+  host_compare_call_header(ws, src, call, mine, theirs, wait, kQueryOpBits);
 }
 
 // The items [rows][H_loc][W] of this rank, as 32-bit words, into the

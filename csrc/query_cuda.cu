@@ -149,7 +149,7 @@ __device__ __forceinline__ void land_header(const DeviceWorkspace& ws, uint4* h,
   *h = sentinel_vector();
   if (has_sentinel(hv)) return;
   const CallHeader theirs{{hv.x, hv.y, hv.z, hv.w}};
-  const uint32_t f = call_header_mismatch(mine, theirs);
+  const uint32_t f = call_header_mismatch(mine, theirs, kQueryOpBits);
   if (f == kHeaderFields) {
     if (header_is_void(theirs)) dataflag_void(ws, src, call);
     return;

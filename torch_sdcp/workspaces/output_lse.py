@@ -126,8 +126,8 @@ class OutputLSEWorkspace(PeerWorkspace):
     def void_placeholder(self, what, arguments, rows=None):
         """A void combine: the rows of ``partial_out``, every shard empty
         (LSE -inf), the call's LSE base and tag; base e when the call's is not a base
-        (a peer that called with base 2 then meets a base mismatch, and the
-        call poisons)."""
+        (a void header pairs with a peer's call of any base: csrc/dataflag.h
+        call_header_mismatch)."""
         if rows is None:
             rows = leading_rows((arguments.get("partial_out"), 3), (arguments.get("partial_lse"), 2))
         base = arguments.get("lse_base", "e")
