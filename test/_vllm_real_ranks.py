@@ -6,7 +6,9 @@ inputs: the combine of both backends (both LSE bases, masked and not) within
 one bf16 ulp of vLLM's plain-torch combine and vLLM's own mask, the query
 gather bitwise equal to the manager's own ``_gather_query``, the top-K merge
 exactly equal to a plain-torch merge (vLLM's own merge and its Triton
-combines need a GPU).
+combines need a GPU); a real ``MLAAttention`` (vLLM's CPU backends) builds
+its manager with the layer index of its ``prefix`` as the call tag, a
+manager built outside a layer calls untagged.
 
     RANK=r WORLD_SIZE=2 MASTER_PORT=p python test/_vllm_real_ranks.py
 
@@ -97,8 +99,10 @@ def main() -> None:
             mine_q = manager.query_gather(query)
             theirs_q = manager._gather_query(query)
             assert torch.equal(mine_q, theirs_q), "query gather differs from vLLM's _gather_query"
+            assert (manager.combine.keywords["tag"], manager.query_gather.keywords["tag"]) == (None, None)
             checks += 1
         checks += check_topk(indexer, plugin, group)
+        checks += check_layer_tag()
         seams = [m for m in logged.messages if "DCP group" in m]  # info_once: the node's first rank logs it
         assert len(seams) == (RANK == 0) and all("combine ON" in m and "query ON" in m for m in seams), seams
         checks += 1
@@ -119,6 +123,35 @@ def vllm_combine(dcp, group, out, lse, base_e, kw):
     combined = dcp._lse_weighted_combine(outs, lses, is_lse_base_on_e=base_e)
     heads = out.shape[1] // WORLD
     return combined[:, RANK * heads:(RANK + 1) * heads].to(out.dtype)
+
+
+def check_layer_tag() -> int:
+    """A real MLAAttention built as a model builds it (its name as ``prefix``,
+    vLLM's CPU MLA decode and prefill backends: the platform cannot be
+    inferred without a GPU): the wrapped constructor passes the layer's index
+    to the manager it builds, as the call tag of its combine and query gather."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.linear import ColumnParallelLinear
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
+    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+
+    nope, v_head, layer = 128, 128, 7
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # the layer's activation dtype, as a bf16 model sets it
+    try:
+        kv_b_proj = ColumnParallelLinear(KV_LORA, LOCAL_HEADS * WORLD * (nope + v_head), bias=False,
+                                         prefix=f"model.layers.{layer}.self_attn.kv_b_proj")
+        attn = MLAAttention(LOCAL_HEADS, nope ** -0.5, nope, ROPE, v_head, None, KV_LORA, kv_b_proj,
+                            prefix=f"model.layers.{layer}.self_attn.attn", attn_backend=AMXMLABackend,
+                            prefill_backend_cls=CPUSDPAMLAPrefillBackend)
+    finally:
+        torch.set_default_dtype(dtype)
+    manager = attn.dcp_manager
+    assert manager is not None, "a DCP group of 2 and no MLADCPManager"
+    assert manager.query_gather is not None
+    tags = (manager.combine.keywords["tag"], manager.query_gather.keywords["tag"])
+    assert tags == (layer, layer), f"MLAAttention model.layers.{layer}: the manager's call tags are {tags}"
+    return 1
 
 
 def check_topk(indexer, plugin, group) -> int:

@@ -1,4 +1,4 @@
-"""The plugin inside a real vLLM 0.33 (vLLM and its Python dependencies
+"""The plugin inside a real vLLM 0.33 or 0.34 (vLLM and its Python dependencies
 installed, e.g. by tools/vllm_env.sh, with torch_sdcp installed so that its
 entry point is registered): loaded by vLLM's own ``load_general_plugins``,
 every patch lands on vLLM's real classes and functions, and a plugin that
@@ -54,6 +54,34 @@ print("patched")
 def test_loaded_by_vllm_and_patches_land():
     out = _run(PATCHES_LAND, SDCP_VLLM="1")
     assert out.returncode == 0 and "patched" in out.stdout, out.stdout + out.stderr
+
+
+LAYERS_WRAPPED = """
+import sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from torch_sdcp.integrations import vllm as p
+import vllm.model_executor.layers.attention.mla_attention as mla
+kimi = "vllm.models.kimi_k3.nvidia.mla"
+mla_init = mla.MLAAttention.__init__
+assert mla_init.__wrapped__.__module__ == mla.__name__, "MLAAttention not wrapped"
+assert kimi not in sys.modules, "the plugin imported Kimi-K3's module"
+import vllm.models.kimi_k3.nvidia.mla as k
+kimi_init = k.MultiHeadLatentAttention.__init__
+assert kimi_init.__wrapped__.__module__ == kimi, "Kimi-K3's layer not wrapped on import"
+p.uninstall()
+assert mla.MLAAttention.__init__ is mla_init.__wrapped__, "MLAAttention not restored"
+assert k.MultiHeadLatentAttention.__init__ is kimi_init.__wrapped__, "Kimi-K3's layer not restored"
+print("wrapped")
+"""
+
+
+def test_layer_constructors_wrapped_and_kimi_k3_on_import():
+    """vLLM's real MLAAttention is wrapped at install; Kimi-K3's real layer
+    module is not imported by the plugin, and is wrapped when imported (by
+    the finder); uninstall() restores both."""
+    out = _run(LAYERS_WRAPPED, SDCP_VLLM="1")
+    assert out.returncode == 0 and "wrapped" in out.stdout, out.stdout + out.stderr
 
 
 def test_off_loads_nothing_of_ours():
