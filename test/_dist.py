@@ -41,7 +41,18 @@ import time
 import traceback
 
 
+def python_ctrl_c() -> None:
+    """Give SIGINT Python's own handler where the process inherited it
+    ignored (a command started in the background of a shell without job
+    control ignores SIGINT, and Python then keeps it ignored): the tests of
+    Ctrl-C check what the library does with a KeyboardInterrupt, which an
+    ignored signal never raises."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _worker_main(fn, rank, world_size, args, workdir, worker_tmp, store_path, env, backend, deadline):
+    python_ctrl_c()
     log = open(os.path.join(workdir, f"log{rank}.txt"), "w", buffering=1)  # noqa: SIM115  (stdout and stderr until exit)
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)

@@ -10,6 +10,12 @@ import pytest
 import torch.distributed as dist
 
 
+def pytest_configure(config):
+    from _dist import python_ctrl_c
+
+    python_ctrl_c()
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks `gpu` every test that needs a GPU: skipped without one
     (_helpers.requires_gpus), or parametrised on a CUDA device or mode."""
