@@ -135,21 +135,6 @@ def test_vllm_plugins_that_leave_the_plugin_out(plugins, left_out, monkeypatch):
         assert ("the engine would run without the plugin" in text) == (left_out and mode == "require"), text
 
 
-@pytest.mark.parametrize("version,refused", [("0.33.0", False), ("0.34.0", False), ("0.32.1", True),
-                                             ("0.35.0", True)])
-def test_an_installed_vllm_the_plugin_refuses(version, refused, monkeypatch):
-    import importlib.metadata
-
-    real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "vllm" else real(name))
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    monkeypatch.setenv("SDCP_VLLM", "require")
-    status, text = plugin_check.report(VLLM_ARGS)
-    assert f"vLLM {version} is installed" in text, text
-    assert ("the plugin would refuse it" in text) == refused, text
-    assert status == (1 if refused else 0), text
-
-
 def test_the_plugin_name_is_setups_entry_point_in_both_engines():
     from pathlib import Path
 
@@ -180,15 +165,18 @@ def test_sglang_plugins_that_leave_the_plugin_out(plugins, left_out, monkeypatch
         assert got == status, (mode, text)
 
 
-@pytest.mark.parametrize("version,refused", [("0.5.23", False), ("0.5.22", True), ("0.6.0", True)])
-def test_an_installed_sglang_the_plugin_refuses(version, refused, monkeypatch):
+@pytest.mark.parametrize("engine,version,refused", [
+    ("vllm", "0.33.0", False), ("vllm", "0.34.0", False), ("vllm", "0.32.1", True), ("vllm", "0.35.0", True),
+    ("sglang", "0.5.23", False), ("sglang", "0.5.22", True), ("sglang", "0.6.0", True)])
+def test_an_installed_engine_the_plugin_refuses(engine, version, refused, monkeypatch):
     import importlib.metadata
 
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == "sglang" else real(name))
-    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
-    monkeypatch.setenv("SDCP_SGLANG", "require")
-    status, text = plugin_check.report(SGLANG_ARGS)
-    assert f"SGLang {version} is installed" in text, text
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version if name == engine else real(name))
+    monkeypatch.delenv(f"{engine.upper()}_PLUGINS", raising=False)
+    monkeypatch.setenv(f"SDCP_{engine.upper()}", "require")
+    status, text = plugin_check.report(VLLM_ARGS if engine == "vllm" else SGLANG_ARGS)
+    name = "vLLM" if engine == "vllm" else "SGLang"
+    assert f"{name} {version} is installed" in text, text
     assert ("the plugin would refuse it" in text) == refused, text
     assert status == (1 if refused else 0), text

@@ -55,7 +55,9 @@ from _sglang_stand_in import (
 from torch_sdcp.integrations import sglang_step as face_step
 
 
-def _protocol_worker(rank, world, rows_list):
+def _installed_in_worker():
+    """A rank's fake SGLang with the plugin registered and its hooks applied:
+    (the fake's namespace, the face, the DCP group)."""
     torch.set_num_threads(1)
     ns = build_fake_sglang()
     sys.modules.update(ns.mods)
@@ -68,6 +70,11 @@ def _protocol_worker(rank, world, rows_list):
     entry.register()
     assert face.is_installed()
     ns.mods[REGISTRY].HookRegistry.apply_hooks()
+    return ns, face, coord
+
+
+def _protocol_worker(rank, world, rows_list):
+    ns, face, coord = _installed_in_worker()
     fm, comm = ns.mods[FORWARD_MLA], ns.mods[COMM]
     assert fm.cp_lse_ag_out_rs_mla is comm.cp_lse_ag_out_rs_mla and fm.cp_lse_ag_out_rs_mla.__wrapped__ is not None
     assert fm.all_gather_q_for_mla_decode is comm.all_gather_q_for_mla_decode, "a by-name import was not rewritten"
@@ -346,17 +353,9 @@ def _layer_tag_worker(rank, world):
     gather and the combine."""
     import types
 
-    torch.set_num_threads(1)
-    ns = build_fake_sglang()
-    sys.modules.update(ns.mods)
-    coord = Coordinator(dist.group.WORLD)
-    ns.parallel.dcp_group = coord
-    import torch_sdcp_plugins.sglang as entry
-    from torch_sdcp.integrations import sglang as face
     from torch_sdcp.integrations.sglang_calls import LAYER
 
-    entry.register()
-    ns.mods[REGISTRY].HookRegistry.apply_hooks()
+    ns, face, coord = _installed_in_worker()
     mixin = ns.mods[FORWARD_MLA].DeepseekMLAForwardMixin
     assert face.prepare(coord, max_rows=BOUND, local_heads=H_LOC, kv_lora_rank=D, rope_dim=R, dtype=torch.bfloat16,
                         device="cpu") == {"output_lse": True, "query": True}

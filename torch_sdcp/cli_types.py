@@ -7,18 +7,27 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["positive_int", "positive_seconds"]
+__all__ = ["non_negative_int", "positive_int", "positive_seconds"]
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+    return value
 
 
 def positive_int(text: str) -> int:
     """An int >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An int >= 0."""
+    return _int_at_least(text, 0)
 
 
 def positive_seconds(text: str) -> float:

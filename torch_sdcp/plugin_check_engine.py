@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from torch_sdcp.cli_types import positive_int
+from torch_sdcp.cli_types import non_negative_int, positive_int
 
 __all__ = ["KV_CACHE_DTYPES", "VLLM_FLAGS", "add_vllm_flags", "capture_size", "check_vllm_flags",
            "vllm_query_dtype", "vllm_rows_bound"]
@@ -41,16 +41,6 @@ VLLM_FLAGS = {"max_num_seqs": "--max-num-seqs", "max_num_batched_tokens": "--max
               "speculative_config": "--speculative-config", "spec_method": "--spec-method",
               "spec_tokens": "--spec-tokens", "max_cudagraph_capture_size": "--max-cudagraph-capture-size",
               "enforce_eager": "--enforce-eager", "kv_cache_dtype": "--kv-cache-dtype"}
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
 
 
 def _json_object(text: str) -> dict[str, object]:
@@ -71,7 +61,7 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", "-sc", type=_json_object, default=None,
                    help="JSON; its num_speculative_tokens and method are read")
     g.add_argument("--spec-method", default=None)
-    g.add_argument("--spec-tokens", type=_non_negative_int, default=None, help="num_speculative_tokens")
+    g.add_argument("--spec-tokens", type=non_negative_int, default=None, help="num_speculative_tokens")
     g.add_argument("--max-cudagraph-capture-size", type=positive_int, default=None)
     g.add_argument("--enforce-eager", action="store_true", default=None)
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
