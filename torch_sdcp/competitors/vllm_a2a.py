@@ -1,15 +1,4 @@
-"""The strongest public alternatives for the Output/LSE boundary, for the
-benchmark: both are direct all-to-alls on torch.distributed._symmetric_memory
-(CUDA only; importable anywhere, the CUDA parts load on first use).
-
-``SymmMemOutputLSE`` ("symm-mem"): each rank copies every destination's head
-shard (payload and LSE) into that peer's symmetric inbox with one copy kernel
-per destination and tensor, a device-side barrier signals, then the owner
-combines locally with the fp32 kernel torch_sdcp uses (``sdcp::lse_combine``).
-A second barrier before the stores keeps a fast rank from overwriting an
-inbox that a slow peer is still reading: two signal rounds per call.
-
-``VllmA2AOutputLSE`` ("vLLM a2a"): the algorithm of vLLM's direct symmetric-
+"""``VllmA2AOutputLSE`` ("vLLM a2a"): the algorithm of vLLM's direct symmetric-
 memory all-to-all (``DirectDCPA2AWorkspace.lse_reduce``, vLLM PR #50484; the
 path ``--dcp-comm-backend a2a`` selects on one node), written here in Triton
 over torch symmetric memory:
@@ -39,87 +28,26 @@ it by 0); the global LSE is also returned (``return_lse``); the engine's
 empty-shard mask (seq_lens) is not fused into the dispatch (the benchmark
 passes no mask to any path). NVLink multicast stays off
 (TORCH_SYMM_MEM_DISABLE_MULTICAST=1); no multimem instruction is used.
-
-Benchmark-only: a module for comparisons, not part of the torch_sdcp API.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-
-def _symmetric_memory():
-    """torch's symmetric memory with NVLink multicast off (set before the first
-    rendezvous of the process)."""
-    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    import torch.distributed._symmetric_memory as symm_mem
-
-    return symm_mem
-
-
-def _default_group() -> dist.ProcessGroup:
-    group = dist.group.WORLD
-    if group is None:
-        raise RuntimeError("torch_sdcp competitors: initialise torch.distributed first")
-    return group
-
-
-def _enable_for_group(symm_mem, group) -> None:
-    # Older torch needs this call; the torch this project builds against
-    # (2.11 on) deprecates it as no longer needed, with a FutureWarning that
-    # every benchmark run would print.
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        with contextlib.suppress(Exception), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-
-
-class SymmMemOutputLSE:
-    def __init__(self, group, max_rows: int, total_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
-        symm_mem = _symmetric_memory()
-
-        self.group = group if group is not None else _default_group()
-        self.n = dist.get_world_size(self.group)
-        self.rank = dist.get_rank(self.group)
-        self.hl = total_heads // self.n
-        self.dim = head_dim
-        self.dtype = dtype
-        _enable_for_group(symm_mem, self.group)
-        out_elems = self.n * max_rows * self.hl * head_dim
-        self.out_buf = symm_mem.empty(out_elems, dtype=dtype, device=device)
-        self.lse_buf = symm_mem.empty(self.n * max_rows * self.hl, dtype=torch.float32, device=device)
-        self.h_out = symm_mem.rendezvous(self.out_buf, self.group.group_name)
-        self.h_lse = symm_mem.rendezvous(self.lse_buf, self.group.group_name)
-        self.peer_out = [self.h_out.get_buffer(r, (out_elems,), dtype) for r in range(self.n)]
-        self.peer_lse = [self.h_lse.get_buffer(r, (self.n * max_rows * self.hl,), torch.float32)
-                         for r in range(self.n)]
-        self.physical_bytes = (out_elems * self.out_buf.element_size() + self.lse_buf.numel() * 4)
-
-    def combine(self, partial_out: torch.Tensor, partial_lse: torch.Tensor, base2: bool = False):
-        t, hl, d, n, r = partial_out.shape[0], self.hl, self.dim, self.n, self.rank
-        block = t * hl * d
-        self.h_out.barrier(channel=0)  # every peer finished reading the previous call's inbox
-        for dst in range(n):
-            heads = slice(dst * hl, (dst + 1) * hl)
-            self.peer_out[dst][r * block:(r + 1) * block].view(t, hl, d).copy_(partial_out[:, heads])
-            self.peer_lse[dst][r * t * hl:(r + 1) * t * hl].view(t, hl).copy_(partial_lse[:, heads])
-        self.h_out.barrier(channel=1)  # every producer's stores are visible
-        inbox = self.out_buf[: n * block].view(n, t, hl, d)
-        inbox_lse = self.lse_buf[: n * t * hl].view(n, t, hl)
-        return torch.ops.sdcp.lse_combine(inbox, inbox_lse, base2)
-
+from torch_sdcp.competitors._symm import (
+    LN2,
+    LOG2E,
+    _default_group,
+    _enable_for_group,
+    _pow2,
+    _symmetric_memory,
+    element_offsets,
+)
 
 # ---------------------------------------------------------------------------
 # vLLM a2a: the math of the combine step in plain torch (the specification of
@@ -232,10 +160,6 @@ def _a2a_kernels():
     return dispatch, combine
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def a2a_dispatch(partial_out: Tensor, partial_lse: Tensor, inbox: Tensor, inbox_lse: Tensor, out_offsets: Tensor,
                  lse_offsets: Tensor, epoch: Tensor, rank: int) -> None:
     """Step 2: store every destination's head shard of ``partial_out [T, H, D]``
@@ -265,19 +189,6 @@ def a2a_combine(inbox: Tensor, inbox_lse: Tensor, epoch: Tensor, rows: int, base
         combine[(rows * hl,)](inbox, inbox_lse, epoch, out, out_lse, max_rows, N=n, N_POW2=max(2, _pow2(n)),
                               HL=hl, D=d, BLOCK_D=_pow2(d), BASE_E=not base2, num_warps=4)
     return out, out_lse
-
-
-def element_offsets(peers, local: Tensor, device) -> Tensor:
-    """int64 [N] element offsets of every rank's buffer from ``local``'s, each a
-    multiple of 16 bytes (the kernels move 16-byte vectors)."""
-    es = local.element_size()
-    offs = []
-    for p in peers:
-        delta = p.data_ptr() - local.data_ptr()
-        if delta % 16:
-            raise RuntimeError(f"symmetric buffers are not 16-byte aligned to each other (offset {delta} bytes)")
-        offs.append(delta // es)
-    return torch.tensor(offs, dtype=torch.int64, device=device)
 
 
 class VllmA2AOutputLSE:

@@ -1,0 +1,17 @@
+"""The strongest public alternatives to torch_sdcp's boundaries, for the
+benchmark, each on torch.distributed._symmetric_memory (CUDA only; importable
+anywhere, the CUDA parts load on first use). NVLink multicast stays off
+(TORCH_SYMM_MEM_DISABLE_MULTICAST=1); no multimem instruction is used.
+
+- ``SymmMemOutputLSE`` ("symm-mem", symm_mem.py): copies into the peers'
+  inboxes between two barriers, then the local combine.
+- ``VllmA2AOutputLSE`` ("vLLM a2a", vllm_a2a.py): vLLM's direct all-to-all
+  for the Output/LSE boundary.
+
+Benchmark-only: modules for comparisons, not part of the torch_sdcp API.
+"""
+
+from torch_sdcp.competitors.symm_mem import SymmMemOutputLSE
+from torch_sdcp.competitors.vllm_a2a import VllmA2AOutputLSE
+
+__all__ = ["SymmMemOutputLSE", "VllmA2AOutputLSE"]
