@@ -286,6 +286,27 @@ def test_the_table_says_what_the_figure_is():
     assert "(SDCP_BENCH_GRID_SMS)" in one_gpu_report.tables({"meta": meta, "results": results})
 
 
+def test_the_table_gives_the_bytes_the_ranks_move_from_1024_rows():
+    geo = one_gpu_boundaries.Geometry(heads=64, head_dim=512, rope_dim=64, k=8, query_dtype=torch.bfloat16)
+    olse = one_gpu_boundaries.OutputLSE(geo, torch.device("cpu"))
+    # 1024 rows x 64 heads x (512 bf16 + an fp32 LSE) read, a quarter of the heads written
+    assert olse.rank_bytes(1024, 4) == 1024 * 64 * 1028 + 1024 * 16 * 1028
+    meta = {"date": "d", "one_gpu": 4, "worlds": [1, 4], "note": "n", "device": "NVIDIA H200", "torch": "t",
+            "sms": 132, "blocks_per_sm": {"output_lse": 2}, "blocks_per_sm_assumed": True, "timeout_s": 3.0,
+            "failures": 0, "pdl": True}
+    moved = olse.rank_bytes(1024, 4)
+    results = {"output_lse": [
+        {"rows": 128, "world1": {"check": "ok", "k8": 6.0, "rank_bytes": 1}, "world4": {"check": "ok", "k8": 9.0}},
+        {"rows": 1024, "world1": {"check": "ok", "k8": 50.0, "rank_bytes": olse.rank_bytes(1024, 1)},
+         "world4": {"check": "ok", "k8": 100.0, "rank_bytes": moved}}]}
+    text = one_gpu_report.tables({"meta": meta, "results": results})
+    lines = [line for line in text.splitlines() if "bytes the ranks move" in line]
+    assert len(lines) == 1, text  # from 1024 rows only
+    rate = 4 * moved / 100e-6
+    assert f"world 4 4 x {moved / 1e6:.1f} MB, {rate / 1e12:.2f} TB/s ({rate / 4.8e12:.0%})" in lines[0]
+    assert "of 4.80 TB/s, the datasheet's" in lines[0]
+
+
 def test_the_table_names_the_graph_per_rank_method_and_its_figure():
     meta = {"date": "d", "one_gpu": 8, "worlds": [1, 8], "note": one_gpu.NOTE.format(n=8), "device": "gpu",
             "torch": "t", "sms": 132, "blocks_per_sm": {"query": 2}, "blocks_per_sm_assumed": True,

@@ -231,6 +231,9 @@ def run(args) -> int:
                     for world in worlds:
                         blocks, skip = residency(boundary, rows, world, sms, blocks_per_sm[name], pdl, grid_sms)
                         cell: dict = {"grid_blocks": blocks}
+                        moved = boundary.rank_bytes(rows, world)
+                        if moved is not None:
+                            cell["rank_bytes"] = moved
                         if skip:
                             cell["skipped"] = skip
                         else:

@@ -75,6 +75,11 @@ class Boundary:
         """Blocks of one rank's grid."""
         raise NotImplementedError
 
+    def rank_bytes(self, rows: int, world: int) -> int | None:
+        """The least bytes one rank's call moves through memory (None: not counted), as the
+        plain bench's tables count them at world ``world``."""
+        return None
+
     def check(self, results: Sequence[Any], inputs: Sequence[tuple], rows: int, world: int) -> None:
         """Raise CheckFailed unless every rank's result is the reference's."""
         raise NotImplementedError
@@ -132,6 +137,10 @@ class OutputLSE(Boundary):
 
     def grid(self, rows, world, sms):
         return dataflag_grid(rows * (self.geo.heads // world), ITEMS_PER_BLOCK, sms)
+
+    def rank_bytes(self, rows, world):  # partials and LSEs read once, the rank's heads written once (bf16)
+        h, d = self.geo.heads, self.geo.head_dim
+        return rows * h * (d * 2 + 4) + rows * (h // world) * (d * 2 + 4)
 
     def check(self, results, inputs, rows, world):
         from torch_sdcp import reference
@@ -213,6 +222,12 @@ class Query(Boundary):
 
     def grid(self, rows, world, sms):
         return dataflag_grid(rows * (self.geo.heads // world), ITEMS_PER_BLOCK, sms)
+
+    def rank_bytes(self, rows, world):  # the rank's parts, positions and cache rows read, the gathered query written
+        g = self.geo
+        hl, out = g.heads // world, torch.empty((), dtype=g.query_dtype).element_size()
+        return rows * hl * (g.head_dim + g.rope_dim) * 2 + rows * (8 + g.rope_dim * 4) + rows * g.heads * (
+            g.head_dim + g.rope_dim) * out
 
     def check(self, results, inputs, rows, world):
         from torch_sdcp import reference

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch_sdcp.bench.one_gpu_boundaries import BOUNDARY_CLASSES
 from torch_sdcp.bench.one_gpu_timing import ONE_GRAPH_KS, OneGraph
+from torch_sdcp.bench.report import BANDWIDTH_ROWS, datasheet_bandwidth
 from torch_sdcp.bench.step_figure import step_lines
 
 
@@ -20,6 +21,27 @@ def pdl_line(meta: dict) -> str:
         return ("PDL on (SDCP_PDL not 0): a rank's next kernel may hold SM slots while its current one runs, so "
                 "every rank counts twice its grid (SDCP_PDL=0 turns PDL off and counts it once)")
     return "PDL off (SDCP_PDL=0 or before compute capability 9.0): every rank counts its grid once"
+
+
+def bandwidth_cells(row: dict, worlds: list, key: str, device: str) -> str | None:
+    """From BANDWIDTH_ROWS rows: per world, the bytes its N ranks must move (N times one rank's,
+    as the plain bench counts a rank's) over the step time, with the share of the GPU's
+    datasheet bandwidth; all N ranks share this one GPU's memory. None below those rows."""
+    if row["rows"] < BANDWIDTH_ROWS:
+        return None
+    peak = datasheet_bandwidth(device)
+    cells = []
+    for w in worlds:
+        cell = row.get(f"world{w}", {})
+        us, moved = cell.get(key), cell.get("rank_bytes")
+        if isinstance(us, (int, float)) and us > 0 and moved:
+            rate = w * moved / (us * 1e-6)
+            cells.append(f"world {w} {w} x {moved / 1e6:.1f} MB, {rate / 1e12:.2f} TB/s"
+                         + (f" ({rate / peak:.0%})" if peak else ""))
+    if not cells:
+        return None
+    of = f"of {peak / 1e12:.2f} TB/s, the datasheet's" if peak else "no datasheet bandwidth known"
+    return f"           bytes the ranks move ({key}; {of}): " + ", ".join(cells)
 
 
 def method_lines(meta: dict) -> list[str]:
@@ -93,6 +115,9 @@ def tables(data: dict) -> str:
             lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells)
                          + f"   (blocks per rank: {grids}; reference check {checked})")
             lines += [f"           {note}" for note in notes]
+            moved_line = bandwidth_cells(row, worlds, first, meta["device"])
+            if moved_line:
+                lines.append(moved_line)
     if len(worlds) > 1:
         lines += step_lines(data["results"], (meta.get("args") or {}).get("preset", ""),
                             {f"world{w}": f"world {w}" for w in worlds}, keys[0],
