@@ -1,7 +1,8 @@
 """close() on one rank while a peer is inside a call of that workspace
 (docs/PROTOCOL.md "Failure behaviour"): the closing rank leaves "left" on
 the group's store and aborts the workspace before its close barrier, so the
-peer's call fails within a second naming it (not after timeout_s), both
+peer's call fails within a second naming it (not after timeout_s), and so
+does a peer that enters a call while the close barrier waits; both
 closes return, and the group stays usable: a new workspace on it pairs and
 is right. Host backend, spawned gloo ranks."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_workers
@@ -17,7 +19,9 @@ from _helpers import rank_partials
 TIMEOUT_S = 20
 
 
-def _close_during_call_worker(rank, world):
+def _close_during_call_worker(rank, world, late):
+    """Without ``late``, rank 1 is inside its call when rank 0 closes; with it, rank 1 enters its
+    call while rank 0's close barrier waits (after rank 0 looked for a peer in a call)."""
     import torch_sdcp
 
     wrong = []
@@ -26,9 +30,12 @@ def _close_during_call_worker(rank, world):
     dist.barrier()
     t0 = time.monotonic()
     if rank == 0:
-        time.sleep(0.5)  # the peer is inside its call by now
+        if not late:
+            time.sleep(0.5)  # the peer is inside its call by now
         ws.close()
     else:
+        if late:
+            time.sleep(0.5)  # rank 0 is waiting in its close barrier by now
         try:
             ws.combine(po, pl)
             wrong.append("the call returned although the peer closed the workspace")
@@ -47,8 +54,9 @@ def _close_during_call_worker(rank, world):
     return wrong
 
 
-def test_close_during_a_peers_call_fails_that_call_at_once():
-    results = run_workers(_close_during_call_worker, 2, timeout=180)
+@pytest.mark.parametrize("late", [False, True], ids=["in_a_call", "enters_during_the_close"])
+def test_close_during_a_peers_call_fails_that_call_at_once(late):
+    results = run_workers(_close_during_call_worker, 2, args=(late,), timeout=180)
     assert results == [[], []], "\n".join(results[0] + results[1])
 
 

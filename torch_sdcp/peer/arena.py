@@ -312,13 +312,15 @@ class PeerArena:
         self._barriers += 1
         self._meet(f"barrier{self._barriers}", "barrier")
 
-    def _meet(self, name: str, stage: str, leftovers: list[str] | None = None) -> None:
+    def _meet(self, name: str, stage: str, leftovers: list[str] | None = None,
+              watch: Callable[[], None] | None = None) -> None:
         assert self._agreements is not None
+        exited = peers_exited(self.peer_pids, watch=watch)
         try:
             if leftovers is None:
-                self._agreements.meet(name, self.timeout_s, give_up=peers_exited(self.peer_pids))
+                self._agreements.meet(name, self.timeout_s, give_up=exited)
             else:  # the closing agreement: what every rank left on the store goes with it
-                self._agreements.finish(name, self.timeout_s, True, leftovers, peers_exited(self.peer_pids))
+                self._agreements.finish(name, self.timeout_s, True, leftovers, exited)
         except AgreementAbandoned as e:
             err = out_of_step(self._group, stage, e, self.rank, self.timeout_s)
             raise GroupOutOfStepError(f"torch_sdcp: PeerArena {stage} failed: {err}") from None
@@ -354,13 +356,19 @@ class PeerArena:
         assert self._agreements is not None
         return group_order(self._group).enter(f"{self._agreements.prefix}/{name}", timeout_s, give_up)
 
-    def close(self, barrier: bool = True) -> None:
+    def close(self, barrier: bool = True, watch: Callable[[], None] | None = None,
+              released: Callable[[], None] | None = None) -> None:
         """Idempotent. Synchronise the device, barrier over the group's store (if `barrier`, the
         process group is still initialised and the interpreter is not exiting; failures are logged;
         a timeout refuses the group), then release locally: the memory is unmapped and freed now
         if no view is alive, else when the last view is released. Without `barrier` this rank is
-        counted as come to the close barrier, so that peers closing with it do not wait for it."""
+        counted as come to the close barrier, so that peers closing with it do not wait for it.
+        ``watch`` is called while the barrier waits (at most every 20 ms: a closing workspace
+        tells a peer that entered a call meanwhile that this rank left it); ``released`` once the
+        barrier is over, before the memory is unmapped (a workspace drops its handle there)."""
         if getattr(self, "_closed", True):
+            if released is not None:
+                released()
             return
         self._closed = True
         try:
@@ -371,7 +379,7 @@ class PeerArena:
                 if is_refused(self._group):
                     pass  # nothing to agree on after a timed-out agreement: release locally
                 elif barrier:
-                    self._meet("close", "close barrier", self._leftovers())
+                    self._meet("close", "close barrier", self._leftovers(), watch)
                 else:  # peers that hold the close barrier complete it instead of waiting out timeout_s
                     gave_up = self._agreements.finish("close", self.timeout_s, False, self._leftovers())
                     if gave_up is not None:  # a peer gave it up before: the group is out of step
@@ -380,9 +388,13 @@ class PeerArena:
             logger.warning("torch_sdcp: PeerArena rank %d: close() could not synchronise with "
                            "the group (%s); releasing locally", self.rank, e)
         finally:
-            if self._agreements is not None:
-                forget_arena(self._group, self._agreements.prefix)
-            self._release_local()
+            try:
+                if released is not None:
+                    released()
+            finally:
+                if self._agreements is not None:
+                    forget_arena(self._group, self._agreements.prefix)
+                self._release_local()
 
     def _leftovers(self) -> list[str]:
         """The keys that may stay under this arena's prefix until every rank closed it: every

@@ -367,15 +367,24 @@ class PeerWorkspace:
         watch = self._calls.take_watch()
         if watch is not None:
             watch.cancel()
+        tell: Callable[[], None] | None = None
+        detach: Callable[[], None] | None = None
         if self.handle is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # this rank's calls are over: its abort words end none of them
-            if barrier:
-                self._calls.tell_left(self, f"left: its {type(self).__name__} was {why} in pid {os.getpid()}")
-            self._calls.detach(self._unregister)  # no abort() stores into memory about to be unmapped
+            if barrier:  # a peer inside a call now, or one that enters a call while the close barrier waits
+                tell = functools.partial(self._calls.tell_left, self,
+                                         f"left: its {type(self).__name__} was {why} in pid {os.getpid()}")
+                tell()
+            # Once the barrier is over: no abort() stores into memory about to be unmapped.
+            detach = functools.partial(self._calls.detach, self._unregister)
         if self.arena is not None:
-            arena, self.arena = self.arena, None
-            arena.close(barrier=barrier)
+            try:  # the arena stays this workspace's while the barrier waits: a "left" note goes through it
+                self.arena.close(barrier=barrier, watch=tell, released=detach)
+            finally:
+                self.arena = None
+        elif detach is not None:
+            detach()
 
     def _unregister(self) -> None:
         assert self.handle is not None
