@@ -6,14 +6,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "stress.py")
 
 SYNTHETIC = '''
+import os
 import time
 
 import pytest
@@ -39,6 +42,8 @@ def test_skipped():
 
 @pytest.mark.slowpoke
 def test_hangs():
+    with open("hang.pid", "w") as f:
+        f.write(str(os.getpid()))
     time.sleep(120)
 '''
 
@@ -124,3 +129,18 @@ def test_bad_arguments_are_usage_errors():
                        (["--timeout", "-1"], "--timeout: expected a positive number of seconds, got -1.0")):
         proc = subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
+
+
+def test_ctrl_c_reports_the_rounds_that_finished_and_leaves_no_pytest_process(tmp_path):
+    (tmp_path / "test_synthetic.py").write_text(SYNTHETIC)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slowpoke: sleeps\n")
+    out = tmp_path / "stress.json"
+    proc = subprocess.Popen([sys.executable, TOOL, "--out", str(out), "--rounds", "2", "--parallel", "1",
+                             "-m", "slowpoke", "test_synthetic.py"], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # the round's pytest process is inside test_hangs
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "INTERRUPTED" in stdout, stdout
+    assert json.loads(out.read_text())["interrupted"] is True
+    pid = int((tmp_path / "hang.pid").read_text())
+    assert not os.path.exists(f"/proc/{pid}"), pid  # the round's pytest process is killed (and reaped)

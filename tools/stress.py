@@ -158,6 +158,10 @@ def run_round(args: argparse.Namespace, workdir: str, round_no: int) -> tuple[li
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             kill_group(proc)
+        except BaseException:  # Ctrl-C: no pytest process of this round outlives the run
+            for _, other, *_ in procs:
+                kill_group(other)
+            raise
         seconds = time.monotonic() - started
         with open(log_path, errors="replace") as f:
             log = f.read()
@@ -215,6 +219,8 @@ def render(report: dict) -> str:
         tail = e["tail"].strip().splitlines()[-3:]
         lines.append(f"PROCESS ERROR round {e['round']} process {e['process']}: exit {e['exit']}")
         lines += [f"    {line[:200]}" for line in tail]
+    if report["interrupted"]:
+        lines.append("INTERRUPTED: only the rounds that finished are counted")
     if report["ran"] == 0:
         lines.append("NOTHING RAN: 0 ran (every selected test was skipped, or none was selected)")
     lines.append(f"{report['ran']} ran: {report['passed']} passed, {report['failed']} failed "
@@ -231,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     burners = [subprocess.Popen([sys.executable, "-c", BURNER], start_new_session=True) for _ in range(args.burn)]
     start = time.monotonic()
     cases, hangs, errors = [], [], []
+    interrupted = False
     try:
         with tempfile.TemporaryDirectory(prefix="sdcp-stress-") as workdir:
             for r in range(args.rounds):
@@ -241,13 +248,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}/{args.rounds}: {sum(c['outcome'] != 'skipped' for c in got[0])} ran, "
                       f"{sum(c['outcome'] == 'failed' for c in got[0])} failed, {len(got[1])} hangs "
                       f"({time.monotonic() - start:.0f} s)", flush=True)
+    except KeyboardInterrupt:  # the rounds that finished are still reported
+        interrupted = True
     finally:
         for b in burners:
             kill_group(b)
     report = summarize(cases, hangs, errors)
     report.update(command=pytest_command(args, "JUNIT")[1:], rounds=args.rounds, parallel=args.parallel,
                   burn=args.burn, timeout_s=args.timeout, wall_s=round(time.monotonic() - start, 1))
-    report["exit"] = exit_status(report)
+    report["interrupted"] = interrupted
+    report["exit"] = 1 if interrupted else exit_status(report)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(render(report))
