@@ -139,3 +139,54 @@ def expect_raises(cls, fn, *args, **kwargs) -> str:
     except cls as e:
         return str(e)
     raise AssertionError(f"{fn} did not raise {cls.__name__}")
+
+
+def stopped_wait(rank: int, stop: str, *, after_s: float = 0.3, timeout_s: float = 60.0) -> dict:
+    """A worker step of two ranks: rank 0 calls combine() on a fresh host workspace whose peer never
+    makes the call, and a thread stops its wait after ``after_s``: ``stop`` "abort" (ws.abort from
+    the thread) or "sigint" (Ctrl-C: SIGINT to this process). Raises nothing of the wait's own: the
+    caller asserts. Returns, on rank 0, what ended the wait (``raised``: the exception's type name, or
+    None; ``message``), ``call_s`` (the call's seconds), ``after_stop_s`` (the seconds from the stop
+    to the call's end) and ``poisoned``; on both ranks ``check``: what ws.check() then raised (None if
+    nothing)."""
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    import torch_sdcp
+
+    if stop not in ("abort", "sigint"):
+        raise ValueError(f"stop: expected 'abort' or 'sigint', got {stop!r}")
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, backend="host", timeout_s=timeout_s)
+    out: dict = {}
+    if rank == 0:
+        stopped: list[float] = []
+
+        def act():
+            stopped.append(time.monotonic())
+            if stop == "abort":
+                ws.abort("watchdog")
+            else:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        timer = threading.Timer(after_s, act)
+        timer.start()
+        start = time.monotonic()
+        try:
+            ws.combine(torch.zeros(2, 8, 64), torch.zeros(2, 8))
+            out.update(raised=None, message="")
+        except (RuntimeError, KeyboardInterrupt) as e:
+            out.update(raised=type(e).__name__, message=str(e))
+        end = time.monotonic()
+        timer.join()
+        out.update(call_s=end - start, after_stop_s=end - stopped[0], poisoned=ws.poisoned)
+    dist.barrier()
+    try:
+        ws.check()
+        out["check"] = None
+    except RuntimeError as e:
+        out["check"] = str(e)
+    ws.close()
+    ws.abort("after close")  # nothing once closed
+    return out

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 from _dist import run_workers
-from _helpers import GPU_WORLD, rank_workspace_args, requires_gpus
+from _helpers import GPU_WORLD, rank_workspace_args, requires_gpus, stopped_wait
 
 
 def _collective_mode_worker(rank, world):
@@ -274,39 +274,17 @@ def test_combine_layout_and_forks_refused():
 
 
 def _abort_interrupt_worker(rank, world):
-    import os
-    import signal
-    import threading
-    import time
-
-    import torch.distributed as dist
-
-    import torch_sdcp
-
-    for stop in ("abort", "sigint"):
-        ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, dtype=torch.float32, backend="host", timeout_s=60)
-        if rank == 0:  # waits for a peer that never calls; a thread aborts, or Ctrl-C arrives
-            act = (lambda: ws.abort("watchdog")) if stop == "abort" else (lambda: os.kill(os.getpid(), signal.SIGINT))
-            threading.Timer(0.3, act).start()
-            start = time.monotonic()
-            with pytest.raises(RuntimeError if stop == "abort" else KeyboardInterrupt):
-                ws.combine(torch.zeros(2, 8, 64), torch.zeros(2, 8))
-            assert time.monotonic() - start < 1.3, (stop, time.monotonic() - start)
-            assert ws.poisoned
-        dist.barrier()
-        if rank == 1:  # the peer is told at once
-            with pytest.raises(RuntimeError, match="peer 0 aborted"):
-                ws.check()
-        else:
-            with pytest.raises(RuntimeError, match="watchdog" if stop == "abort" else "KeyboardInterrupt"):
-                ws.check()
-        ws.close()
-        ws.abort("after close")  # nothing once closed
-    return True
+    return [stopped_wait(rank, stop) for stop in ("abort", "sigint")]
 
 
 def test_abort_from_a_thread_and_ctrl_c_end_a_wait_at_once():
-    assert run_workers(_abort_interrupt_worker, 2, timeout=120) == [True, True]
+    r0s, r1s = run_workers(_abort_interrupt_worker, 2, timeout=120)
+    for stop, r0, r1 in zip(("abort", "sigint"), r0s, r1s, strict=True):
+        # rank 0 waits for a peer that never calls; a thread aborts, or Ctrl-C arrives
+        assert r0["raised"] == ("RuntimeError" if stop == "abort" else "KeyboardInterrupt"), (stop, r0)
+        assert r0["call_s"] < 1.3 and r0["poisoned"], (stop, r0)
+        assert ("watchdog" if stop == "abort" else "KeyboardInterrupt") in (r0["check"] or ""), (stop, r0)
+        assert "peer 0 aborted" in (r1["check"] or ""), (stop, r1)  # the peer is told at once
 
 
 def _stale_socket_worker(rank, world):
