@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <limits>
 #include <string>
 #include <utility>
 
@@ -502,15 +501,6 @@ inline bool dataflag_pdl(int device) {
 inline bool kernel_opt_in(const char* name) {
   const char* env = std::getenv(name);
   return env != nullptr && std::string(env) == "1";
-}
-
-// The least world size that merges the peers' top-K lists in a tree
-// (SDCP_TOPK_TREE, read once per process): unset, 4 (at 2 ranks the chain is
-// 0.6 us faster, NOTES Version 16) and any other value; "1", 2; "0", never.
-inline int tree_min_world() {
-  const char* env = std::getenv("SDCP_TOPK_TREE");
-  const std::string v = env == nullptr ? "" : env;
-  return v == "1" ? 2 : v == "0" ? std::numeric_limits<int>::max() : 4;
 }
 
 // Launches a data-as-flag kernel with `shared_bytes` of dynamic shared memory

@@ -555,7 +555,7 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   const c10::cuda::CUDAGuard guard(scores.device());
   const int device = scores.get_device();
   const int world = static_cast<int>(ws.world_size);
-  // From 4 ranks (SDCP_TOPK_TREE: "1" from 2, "0" never), the tree where its slots fit (every peer's list
+  // With SDCP_TOPK_TREE=1, the tree where its slots fit (every peer's list
   // and the odd levels' outputs: DCP8 at k = 2,048 takes 192 KiB); else, and
   // at one rank, one peer's list at a time: acc and tmp hold up to k keys
   // (the merged result), stage one peer's kk.
@@ -563,8 +563,8 @@ void merge_cuda(const TopKMergeCall& c, const at::Tensor& scores, const at::Tens
   static std::array<std::atomic<int64_t>, 64> tree_limit{};  // per device, 0 until asked
   auto& limit = tree_limit[device & 63];
   if (limit.load() == 0) limit.store(smem_limit(reinterpret_cast<const void*>(topk_merge_kernel<true, true>), device));
-  static const int tree_from = tree_min_world();
-  const bool use_tree = world >= tree_from && tree.total <= limit.load();
+  static const bool tree_on = kernel_opt_in("SDCP_TOPK_TREE");  // off until a GPU run has checked the tree
+  const bool use_tree = tree_on && world > 1 && tree.total <= limit.load();
   const SmemPlan p = use_tree ? tree : plan_smem(cand, kk, k, kk);
   // One block per row of this call, at most one per SM: up to one row per SM
   // the kernel without the row loop. Programmatic launch: the kernel waits

@@ -247,9 +247,8 @@ SHARED_GPU_CASES = [(1, 2048, 2048, False), (17, 1024, 1024, True), (3, 77, 77, 
                     (0, 2048, 2048, False), (2, 2048, 2048, False, "tied80"), (2, 2048, 2048, False, "equal")]
 
 
-# SDCP_TOPK_TREE: "1" merges the peers' lists in a tree (csrc/topk_cuda.cu, tree_merge) from 2 ranks, "0"
-# one after the other (unset: the tree from 4 ranks, which these two cover); the ranks' processes read it at
-# their first launch.
+# SDCP_TOPK_TREE: "1" merges the peers' lists in a tree (csrc/topk_cuda.cu, tree_merge), "0" one after the
+# other; the ranks' processes read it at their first launch.
 TREE = pytest.mark.parametrize("tree", ["0", "1"])
 
 
