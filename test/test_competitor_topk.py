@@ -203,3 +203,23 @@ def _interpreted_publish(rank, world):
 @needs_triton
 def test_publish_and_wait_is_bounded_under_the_triton_interpreter():
     assert run_workers(_interpreted_publish, 1, env={"TRITON_INTERPRET": "1"}, timeout=240) == [1]
+
+
+def test_bench_cell_skips_over_the_bound_and_needs_cuda(world1):
+    """The bench's "vllm_direct" cell: rows over vLLM's direct bound are
+    skipped with the reason (no rank enters a collective); on the host backend
+    the path says it needs CUDA; the legend names what it reproduces."""
+    import types
+
+    from torch_sdcp.bench import boundaries, report
+
+    ctx = types.SimpleNamespace(device=torch.device("cpu"), k=4, timer=None)
+    over = vd.direct_max_rows() + 1
+    comps: dict = {}
+    cell = boundaries.vllm_direct(ctx, comps, over, torch.zeros(over, 4), torch.zeros(over, 4, dtype=torch.int32))
+    assert cell["error"].startswith(f"skipped: {over} rows are over vLLM 0.34.0's direct bound, 4096 rows")
+    cell = boundaries.vllm_direct(ctx, comps, 8, torch.zeros(8, 4), torch.zeros(8, 4, dtype=torch.int32))
+    assert cell == {"error": "RuntimeError: needs CUDA symmetric memory"} and not comps
+    legend = "\n".join(report.legend(["topk"]))
+    assert "topk / vLLM direct: a reproduction of vLLM 0.34.0's DirectDCPTopKWorkspace" in legend
+    assert "sdcp::topk_select" in legend and report.PATH_NAMES["vllm_direct"] == "vLLM direct"
