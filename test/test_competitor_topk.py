@@ -197,6 +197,12 @@ def _interpreted_publish(rank, world):
     with pytest.raises(RuntimeError, match="did not publish within 5 spins"):
         vd.publish_and_wait(sig[0][:1], offs[0], status, max_spins=5)
     assert int(sig[0][0]) == 1
+    # The pack with 16 score bits stores select_score's bits too.
+    scores, ids = random_candidates(3, 40, seed=7)
+    packed = torch.empty(2 * 3 * 40)
+    vd.pack_candidates(scores, ids, packed, 16)
+    assert torch.equal(packed[:120].view(3, 40).view(torch.int32), vd.select_score(scores, 16).view(torch.int32))
+    assert torch.equal(packed[120:].view(3, 40).view(torch.int32), ids.float().to(torch.int32))
     return 1
 
 

@@ -163,9 +163,8 @@ def _kernels():
         mask = c < C
         b = tl.load(scores_ptr + t * C + c, mask=mask).to(tl.int32, bitcast=True)
         neg = b < 0
-        if SCORE_BITS < 32:
-            low: tl.constexpr = (1 << (32 - SCORE_BITS)) - 1
-            b = tl.where(neg, b | low, b & ~low)
+        if SCORE_BITS < 32:  # the class of equal high bits, by its extreme member
+            b = tl.where(neg, b | ((1 << (32 - SCORE_BITS)) - 1), b & -(1 << (32 - SCORE_BITS)))
         nan = (b & 0x7FFFFFFF) > 0x7F800000
         b = tl.where(neg & ~nan, b + 1, b)
         b = tl.where(~neg & nan, 0x7F800000, b)
@@ -210,7 +209,7 @@ def _kernels():
             pending = tl.max(tl.where(mask & (seen < epoch), 1, 0), axis=0)
             spins += 1
         if TRAP:  # a peer that never came: trap rather than read a stale slot
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $1, 0; @p trap; mov.u32 $0, 0; }",
+            tl.inline_asm_elementwise("{ .reg .pred late; setp.ne.s32 late, $1, 0; @late trap; mov.u32 $0, 0; }",
                                       "=r,r", [pending], dtype=tl.int32, is_pure=False, pack=1)
         else:
             tl.store(status_ptr, pending)
