@@ -1,5 +1,5 @@
 """One function per boundary: each times the collective path, the competitors
-(Output/LSE) and torch_sdcp for every row count and appends one row per count."""
+(Output/LSE, top-K) and torch_sdcp for every row count and appends one row per count."""
 
 from __future__ import annotations
 
@@ -124,11 +124,13 @@ def bench_topk(ctx, rows_list, out: list) -> None:
 
     k, dev, n, r = ctx.k, ctx.device, ctx.world, ctx.rank
     ws = torch_sdcp.TopKWorkspace(None, max(rows_list), k, candidates_per_rank=k, backend=ctx.backend, device=dev)
+    comps: dict = {}
     for t in rows_list:
         g = torch.Generator().manual_seed(t * 31 + r)
         scores, ids = topk_inputs(g, t, k, r, n, dev)
         row = {"rows": t}
         row["collective"] = guarded(ctx.timer, lambda: lambda: collective.topk_all_gather_merge(scores, ids, k))
+        row["vllm_direct"] = vllm_direct(ctx, comps, max(rows_list), scores, ids)
         time_ours(ctx, row, lambda **tag: ws.merge(scores, ids, **tag))
         row["bytes"] = t * k * (4 + 4) + t * k * 4  # scores and ids read once, k ids written
         # The selection kernel alone: over the gathered N*C candidates (the
@@ -146,8 +148,39 @@ def bench_topk(ctx, rows_list, out: list) -> None:
                 row["kernels"][f"sort_{kind}"] = guarded(ctx.timer, select, ks=(8,))
         out.append(row)
         ctx.progress(f"topk rows={t}")
-    out.append({"workspace_bytes_per_rank": ws.physical_bytes})
+    sizes = {"workspace_bytes_per_rank": ws.physical_bytes}
+    sizes.update({f"{name}_bytes_per_rank": c.physical_bytes for name, c in comps.items()})
+    out.append(sizes)
     ws.close()
+
+
+def vllm_direct(ctx, comps: dict, max_rows: int, scores: torch.Tensor, ids: torch.Tensor) -> dict:
+    """The "vllm_direct" cell of a top-K row: vLLM 0.34.0's direct top-K
+    (CUDA only, created on first use, checked once against the collective
+    path), k8 only (a graph of an even number of calls keeps its slots
+    alternating); rows over vLLM's direct bound are skipped, as vLLM sends
+    them to the NCCL all-gather."""
+    from torch_sdcp.competitors.vllm_direct_topk import direct_max_rows
+
+    bound, t, k = direct_max_rows(), scores.size(0), ctx.k
+    if t > bound:
+        return {"error": f"skipped: {t} rows are over vLLM 0.34.0's direct bound, {bound} rows (its DCP workspace "
+                         f"bound at the H100/H200 defaults with 3 MTP tokens); vLLM all-gathers them (NCCL)"}
+
+    def make():
+        from torch_sdcp import collective
+
+        if ctx.device.type != "cuda":
+            raise RuntimeError("needs CUDA symmetric memory")
+        if "vllm_direct" not in comps:
+            from torch_sdcp.competitors import VllmDirectTopK
+            comps["vllm_direct"] = VllmDirectTopK(None, min(max_rows, bound), k, ctx.device)
+        got, want = comps["vllm_direct"].merge(scores, ids), collective.topk_all_gather_merge(scores, ids, k)
+        if not torch.equal(got, want):
+            raise RuntimeError("vLLM direct: its ids differ from the collective path's")
+        return lambda: comps["vllm_direct"].merge(scores, ids)
+
+    return guarded(ctx.timer, make, ks=(8,))
 
 
 def bench_query(ctx, rows_list, out: list) -> None:

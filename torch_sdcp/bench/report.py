@@ -9,12 +9,12 @@ import textwrap
 from torch_sdcp.bench.decode import DecodeStep
 from torch_sdcp.bench.step_figure import step_lines
 
-PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "sdcp", "sdcp_tagged", "sdcp_masked",
-         "sdcp_view")
+PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "vllm_direct", "sdcp", "sdcp_tagged",
+         "sdcp_masked", "sdcp_view")
 OURS = ("sdcp", "sdcp_tagged", "sdcp_masked", "sdcp_view")
 PATH_NAMES = {"collective": "collective", "collective_eager": "collective (eager ops)", "symm_mem": "symm-mem",
-              "vllm_a2a": "vLLM a2a", "sdcp": "torch_sdcp", "sdcp_tagged": "torch_sdcp tagged",
-              "sdcp_masked": "torch_sdcp masked", "sdcp_view": "torch_sdcp view"}
+              "vllm_a2a": "vLLM a2a", "vllm_direct": "vLLM direct", "sdcp": "torch_sdcp",
+              "sdcp_tagged": "torch_sdcp tagged", "sdcp_masked": "torch_sdcp masked", "sdcp_view": "torch_sdcp view"}
 #: The boundaries that time a tagged call with --tag.
 TAG_BOUNDARIES = ("signal", "query", "topk", "output_lse")
 #: What the "torch_sdcp tagged" path (--tag) runs, for every boundary that has it.
@@ -59,6 +59,11 @@ LEGEND = {
     "topk": [
         ("collective", "pack (score, id) pairs, all_gather (NCCL), permute copies, sdcp::topk_select (this "
                        "library's stable top-K kernel) over the N x C gathered candidates"),
+        ("vLLM direct", "a reproduction of vLLM 0.34.0's DirectDCPTopKWorkspace on torch symmetric memory, in "
+                        "Triton: pack (score, id) pairs, one push kernel into every peer's ping-pong slot, one "
+                        "publish-and-wait kernel (system-scope release add, bounded acquire spins), PDL on SM90+; "
+                        "the selection is sdcp::topk_select (vLLM's is CuTeDSL) over the N x C received "
+                        "candidates; k8 only; rows over vLLM's direct bound (4096) skipped"),
         ("torch_sdcp", "sdcp::topk_merge: one kernel, data-as-flag: each owner bucket-ranks its candidates, stores "
                        "its best min(C, k) keys into every peer's buffer (peer memory), and merges the peers' "
                        "sorted lists (merge path) as they land in its own buffer"),
