@@ -51,8 +51,11 @@ flags are published with a release exchange (an atomic) instead of a release
 store, and polled without a sleep; every spin is bounded (``spin_limit``
 polls), after which the kernel records the peer in a status word and goes on,
 and the host raises a RuntimeError naming it (``check``, and every call made
-outside CUDA graph capture); a block holds a whole head row (4 warps), not
-128 threads striding over it; the source is read through strides, so the
+outside CUDA graph capture); in the merge every thread of a program (4 warps,
+FlashInfer's 128 threads) forms the max and the weight sum itself, where
+FlashInfer's thread 0 forms them and shares them through shared memory (the
+same operations in the same order); exp is Triton's (base e: exp, where
+FlashInfer calls the fast ``__expf``); the source is read through strides, so the
 benchmark's ``[T, H, D]`` (destination-major heads, the layout every path
 gets) needs no permute copy (FlashInfer takes ``[T, H/N, N, D]``); the global
 LSE is also written (one fp32 per entry; ``return_lse``). NVLink multicast
