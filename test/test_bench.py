@@ -29,33 +29,39 @@ def test_bench_runs_every_boundary_on_the_host_backend(tmp_path):
     data = json.loads((out / "bench.json").read_text())
     assert data["meta"]["backend"] == "host" and data["meta"]["world_size"] == 2
     assert data["meta"]["performance"] is False and "not performance" in data["meta"]["note"]
-    assert list(data["results"]) == ["signal", "query", "topk", "output_lse", "decode"]
-    for name in ("query", "topk", "output_lse"):
+    assert list(data["results"]) == ["signal", "query", "topk", "output_lse", "output_lse_up", "decode"]
+    for name in ("query", "topk", "output_lse", "output_lse_up"):
         rows = [r for r in data["results"][name] if "rows" in r]
         assert [r["rows"] for r in rows] == [1, 3], name
         for r in rows:
             assert r["sdcp"]["k8"] > 0 and r["collective"]["k8"] > 0, (name, r)
             assert r["sdcp_tagged"]["k8"] > 0, (name, r)  # --tag: the same call with a call tag
-    olse = [r for r in data["results"]["output_lse"] if "rows" in r]
-    assert all("needs CUDA" in r["symm_mem"]["error"] for r in olse)  # says so instead of failing
-    assert all("needs CUDA" in r["vllm_a2a"]["error"] for r in olse)
-    assert all(r["collective"]["k8"] > 0 for r in olse)  # the fused collective path
+    for name, head_dim in (("output_lse", 512), ("output_lse_up", 128)):  # every path at both widths
+        olse = [r for r in data["results"][name] if "rows" in r]
+        for path in ("symm_mem", "vllm_a2a", "flashinfer"):  # says so instead of failing
+            assert all("needs CUDA" in r[path]["error"] for r in olse), (name, path)
+        assert all(r["collective"]["k8"] > 0 and r["sdcp_masked"]["k8"] > 0 for r in olse), name
+        assert data["results"][name][-1]["head_dim"] == head_dim
+        # The least bytes a call moves: the partials at this width (8 heads a rank, bf16 + fp32 LSE).
+        assert olse[-1]["bytes"] == 3 * 16 * (head_dim * 2 + 4) + 3 * 8 * (head_dim * 2 + 4)
     text = tables(data)
     assert "are not performance" in text and "x |" not in text and "lower" not in text  # no ratio on the host
     assert "legend" in text and "sdcp::lse_correct" in text and "PR #50484" in text
     assert "torch_sdcp tagged" in text and "(--tag)" in text
+    assert "\noutput_lse_up (Output/LSE after the V up-projection: head_dim 128" in text
+    assert "FlashInfer fused" in text and "flashinfer-python 0.7.4" in text
     decode = data["results"]["decode"][0]
     assert decode["agree"] and decode["sparse"] and decode["sdcp"]["k1"] > 0, decode
     assert (out / "latency.png").stat().st_size > 1000
     assert "decode" in (out / "tables.txt").read_text() and "torch_sdcp" in res.stdout
     assert tables(data) in res.stdout
     # The closing lines: a verdict per boundary (none about speed on the host), then every file written.
-    closing = res.stdout.rstrip("\n").split("\n")[-11:]
+    closing = res.stdout.rstrip("\n").split("\n")[-12:]
     assert closing == [
         "verdict (host backend: not performance, so no speed verdict)",
         "  signal: ran at row 1 (host backend: a protocol check, no speed verdict)",
         *(f"  {name}: ran at rows 1, 3 (host backend: a protocol check, no speed verdict)"
-          for name in ("query", "topk", "output_lse")),
+          for name in ("query", "topk", "output_lse", "output_lse_up")),
         "  decode: outputs agree: True (host backend: no speed verdict)",
         "",
         f"wrote {out}:",
@@ -85,7 +91,8 @@ def test_bench_rejects_unknown_boundaries(tmp_path):
     ("--layers", "0", "expected an integer >= 1, got 0"),
     ("--replays", "0", "expected an integer >= 1, got 0"),
     ("--trials", "-1", "expected an integer >= 1, got -1"),
-    ("--boundaries", ",", "expected names from ('signal', 'query', 'topk', 'output_lse', 'decode'), got none"),
+    ("--boundaries", ",", "expected names from ('signal', 'query', 'topk', 'output_lse', 'output_lse_up', "
+                          "'decode'), got none"),
     ("--backend", "gpu", "invalid choice: 'gpu'"),
 ])
 def test_a_bad_option_is_a_usage_error_naming_it(option, value, says, capsys):
@@ -185,6 +192,22 @@ def test_tables_give_ratios_against_the_strongest_baseline():
     assert "output_lse / vLLM a2a:" in text and "not performance" not in text
     row["vllm_a2a"] = {"error": "RuntimeError: x"}
     assert "symm-mem/torch_sdcp 2.50x" in tables({"meta": meta, "results": {"output_lse": [row]}})
+    row["flashinfer"] = {"k8": 12.0, "k1": 13.0}
+    text = tables({"meta": meta, "results": {"output_lse": [row]}})
+    assert "FlashInfer fused 12.0 / 13.0" in text and "FlashInfer fused/torch_sdcp 1.50x" in text
+    assert "output_lse / FlashInfer fused: a reproduction in Triton" in text
+
+
+@pytest.mark.parametrize("boundaries", [["output_lse", "output_lse_up"], ["output_lse_up"]])
+def test_the_up_projected_table_has_its_title_and_every_path_in_the_legend(boundaries):
+    """output_lse_up prints its own table, titled with its width; its legend
+    line refers to output_lse's lines, which are printed once either way."""
+    meta = {"date": "d", "world_size": 2, "backend": "cuda", "device": "gpu", "torch": "t"}
+    row = cuda_row(8, 8.0, {"collective": 30.0, "flashinfer": 12.0})
+    text = tables({"meta": meta, "results": {b: [row] for b in boundaries}})
+    assert "\noutput_lse_up (Output/LSE after the V up-projection: head_dim 128, the same heads" in text
+    assert "  output_lse_up / every path: the output_lse paths" in text
+    assert text.count("/ FlashInfer fused: a reproduction") == 1 and text.count("sdcp::lse_correct") == 1
 
 
 @pytest.mark.parametrize("device, share", [("NVIDIA H200", "(50%) (of 4.80 TB/s, NVIDIA H200's datasheet)"),

@@ -68,18 +68,20 @@ def bench_signal(ctx, rows_list, out: list) -> None:
     ws.close()
 
 
-def bench_output_lse(ctx, rows_list, out: list) -> None:
+def bench_output_lse(ctx, rows_list, out: list, head_dim: int | None = None) -> None:
+    """The Output/LSE boundary at ``head_dim`` values per head (default the preset's latent width)."""
     import torch_sdcp
     from torch_sdcp import collective
 
-    h, d, dev = ctx.heads, ctx.head_dim, ctx.device
+    h, d, dev = ctx.heads, head_dim or ctx.head_dim, ctx.device
+    name_of_run = "output_lse" if head_dim is None else "output_lse_up"
     ws = torch_sdcp.OutputLSEWorkspace(None, max(rows_list), h, d, backend=ctx.backend, device=dev)
 
     def competitor(name):
         if dev.type != "cuda":
             raise RuntimeError("needs CUDA symmetric memory")
-        from torch_sdcp.competitors import SymmMemOutputLSE, VllmA2AOutputLSE
-        cls = {"symm_mem": SymmMemOutputLSE, "vllm_a2a": VllmA2AOutputLSE}[name]
+        from torch_sdcp.competitors import FlashInferFusedCombine, SymmMemOutputLSE, VllmA2AOutputLSE
+        cls = {"symm_mem": SymmMemOutputLSE, "vllm_a2a": VllmA2AOutputLSE, "flashinfer": FlashInferFusedCombine}[name]
         return cls(None, max(rows_list), h, d, torch.bfloat16, dev)
 
     comps: dict = {}
@@ -99,7 +101,7 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
                 return lambda: comps[name].combine(po, pl)
             return make
 
-        for name in ("symm_mem", "vllm_a2a"):
+        for name in ("symm_mem", "vllm_a2a", "flashinfer"):
             row[name] = guarded(ctx.timer, comp_fn(name))
         time_ours(ctx, row, lambda **tag: ws.combine(po, pl, return_lse=True, **tag))
         # The least a rank's memory must move: its partials and LSEs read once, its heads' result written once.
@@ -111,11 +113,21 @@ def bench_output_lse(ctx, rows_list, out: list) -> None:
         row["sdcp_masked"] = guarded(ctx.timer, lambda: lambda: ws.combine(
             po, pl, return_lse=True, seq_lens=seq_lens, query_start_loc=qsl))
         out.append(row)
-        ctx.progress(f"output_lse rows={t}")
+        ctx.progress(f"{name_of_run} rows={t}")
     sizes = {"workspace_bytes_per_rank": ws.physical_bytes}
     sizes.update({f"{name}_bytes_per_rank": c.physical_bytes for name, c in comps.items()})
-    out.append(sizes)
+    out.append({**sizes, "head_dim": d})
     ws.close()
+
+
+#: Values per head of the Output/LSE combine after the V up-projection: vLLM
+#: 0.34 combines there from 8 rows on (the same heads, 128 values in place of 512).
+UP_PROJECTED_HEAD_DIM = 128
+
+
+def bench_output_lse_up(ctx, rows_list, out: list) -> None:
+    """The Output/LSE boundary after the V up-projection (head_dim 128), every path as in bench_output_lse."""
+    bench_output_lse(ctx, rows_list, out, head_dim=UP_PROJECTED_HEAD_DIM)
 
 
 def bench_topk(ctx, rows_list, out: list) -> None:

@@ -1,10 +1,12 @@
 """Side by side: what each DCP boundary costs through the collective path, the
 symmetric-memory competitors (Output/LSE, CUDA only) and torch_sdcp, plus a
-synthetic MLA decode step. Every table is printed with a legend that names
-each path's kernels and communication (LEGEND below).
+synthetic MLA decode step. Output/LSE runs twice: at the preset's latent
+width (output_lse) and after the V up-projection, head_dim 128
+(output_lse_up). Every table is printed with a legend that names each path's
+kernels and communication (LEGEND below).
 
     python -m torch_sdcp.bench [--world-size N] [--preset glm-5] [--rows 1,8,32]
-                               [--boundaries query,topk,output_lse,decode] [--out DIR]
+                               [--boundaries query,topk,output_lse,output_lse_up,decode] [--out DIR]
                                [--topk-distributions]
     python -m torch_sdcp.bench --one-gpu N [--rows 1,32,128] [--boundaries signal,query,topk,output_lse]
                                [--one-gpu-method graph-per-rank|one-graph] [--one-gpu-steps 64]
@@ -47,13 +49,20 @@ import torch
 import torch.distributed as dist
 
 from torch_sdcp.bench import one_gpu
-from torch_sdcp.bench.boundaries import bench_decode, bench_output_lse, bench_query, bench_signal, bench_topk
+from torch_sdcp.bench.boundaries import (
+    bench_decode,
+    bench_output_lse,
+    bench_output_lse_up,
+    bench_query,
+    bench_signal,
+    bench_topk,
+)
 from torch_sdcp.bench.presets import PRESETS
 from torch_sdcp.bench.report import plot, tables, verdicts
 from torch_sdcp.bench.timing import Timer
 from torch_sdcp.cli_types import positive_int, positive_seconds
 
-BOUNDARIES = ("signal", "query", "topk", "output_lse", "decode")
+BOUNDARIES = ("signal", "query", "topk", "output_lse", "output_lse_up", "decode")
 
 
 class Context:
@@ -112,7 +121,7 @@ def run_rank(rank: int, world: int, args, store_path: str | None) -> None:
                 bench_decode(ctx, results[name])
             else:
                 {"signal": bench_signal, "query": bench_query, "topk": bench_topk,
-                 "output_lse": bench_output_lse}[name](
+                 "output_lse": bench_output_lse, "output_lse_up": bench_output_lse_up}[name](
                     ctx, args.rows, results[name])
         except Exception as e:
             results[name].append({"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]})

@@ -9,18 +9,24 @@ import textwrap
 from torch_sdcp.bench.decode import DecodeStep
 from torch_sdcp.bench.step_figure import step_lines
 
-PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "vllm_direct", "sdcp", "sdcp_tagged",
-         "sdcp_masked", "sdcp_view")
+PATHS = ("collective", "collective_eager", "symm_mem", "vllm_a2a", "flashinfer", "vllm_direct", "sdcp",
+         "sdcp_tagged", "sdcp_masked", "sdcp_view")
 OURS = ("sdcp", "sdcp_tagged", "sdcp_masked", "sdcp_view")
 PATH_NAMES = {"collective": "collective", "collective_eager": "collective (eager ops)", "symm_mem": "symm-mem",
-              "vllm_a2a": "vLLM a2a", "vllm_direct": "vLLM direct", "sdcp": "torch_sdcp",
+              "vllm_a2a": "vLLM a2a", "flashinfer": "FlashInfer fused", "vllm_direct": "vLLM direct",
+              "sdcp": "torch_sdcp",
               "sdcp_tagged": "torch_sdcp tagged", "sdcp_masked": "torch_sdcp masked", "sdcp_view": "torch_sdcp view"}
 #: The boundaries that time a tagged call with --tag.
-TAG_BOUNDARIES = ("signal", "query", "topk", "output_lse")
+TAG_BOUNDARIES = ("signal", "query", "topk", "output_lse", "output_lse_up")
 #: What the "torch_sdcp tagged" path (--tag) runs, for every boundary that has it.
 TAGGED = ("torch_sdcp tagged", "(--tag) the torch_sdcp call above with a call tag (tag=7): the tag rides in the "
                                "call header's dtype word, compared by every peer; its cost against the untagged call")
 PATH_KEYS = {name: path for path, name in PATH_NAMES.items()}
+#: The title of a boundary's table where it is not the boundary's name.
+TITLES = {"output_lse_up": "output_lse_up (Output/LSE after the V up-projection: head_dim 128, the same heads; "
+                           "vLLM 0.34 combines here from 8 rows on)"}
+UP_LEGEND = ("every path", "the output_lse paths (legend lines of output_lse) at head_dim 128 in place of the "
+                           "preset's latent width")
 
 # The host backend runs every path on the CPU: the collective path over gloo,
 # torch_sdcp's ops as CPU code spinning on shared memory. Its figures check the
@@ -79,12 +85,19 @@ LEGEND = {
         ("vLLM a2a", "vLLM's direct all-to-all (PR #50484) on torch symmetric memory: device epoch, one Triton "
                      "dispatch kernel into every peer's slot epoch % 2, one barrier (signal round), one Triton "
                      "combine kernel (fp32)"),
+        ("FlashInfer fused", "a reproduction in Triton on torch symmetric memory (NCCL LSA windows in FlashInfer) "
+                             "of FlashInfer's fused decode_cp_a2a_lse_reduce (read: flashinfer-python 0.7.4; vLLM "
+                             "0.33 pins 0.7.2.post1): one persistent kernel: device epoch, puts into every peer's "
+                             "slot epoch % 2, a release flag per peer, bounded acquire waits, grid barriers, the "
+                             "LSE-weighted merge (fp32)"),
         ("torch_sdcp", "sdcp::output_lse_combine: one kernel, data-as-flag: stores every peer's head shard and "
                        "LSE into that peer's buffer (peer memory), polls its own buffer as the peers' shards land, "
                        "reads its own shard in place, combines in fp32"),
         ("torch_sdcp masked", "the same kernel with vLLM's empty-shard mask inside (seq_lens, query_start_loc: "
                               "one request per row, every 8th shard empty, the last row padding)"),
     ],
+    # The same paths after the V up-projection; legend() says so in one line.
+    "output_lse_up": [],
     "decode": [
         ("collective", "query: collective path above; attention; Output/LSE: the fused collective path "
                        "(all_gather, sdcp::lse_correct, reduce_scatter); with --sparse, top-K: collective path"),
@@ -148,8 +161,12 @@ def legend(names, host: bool = False, tagged: bool = False) -> list:
     else:
         lines = [("\nlegend (what each path runs; on the host backend every sdcp:: op runs its CPU implementation "
                   "and the collectives run over gloo)")]
+    names = list(names)
     for name in names:
-        for path, what in LEGEND.get(name, []) + ([TAGGED] if tagged and name in TAG_BOUNDARIES else []):
+        paths = LEGEND.get(name, [])
+        if name == "output_lse_up":  # the output_lse lines, once, where that table is not printed
+            paths = [UP_LEGEND] + ([] if "output_lse" in names else LEGEND["output_lse"])
+        for path, what in paths + ([TAGGED] if tagged and name in TAG_BOUNDARIES else []):
             if host:
                 what = what.replace("NCCL; gloo on the host backend", "gloo").replace("NCCL", "gloo")
                 path = HOST_PATH_NAMES.get(PATH_KEYS.get(path, ""), path)
@@ -178,7 +195,7 @@ def tables(data: dict) -> str:
                      "performance, and no speed-up ratio is printed")
         lines.append(HOST_PATHS_NOTE)
     for name, rows in data["results"].items():
-        lines.append(f"\n{name}")
+        lines.append(f"\n{TITLES.get(name, name)}")
         unavailable = {} if cuda else unavailable_paths(rows)  # said once, above the rows
         for error in dict.fromkeys(unavailable.values()):
             which = ", ".join(names[p] for p, e in unavailable.items() if e == error)
