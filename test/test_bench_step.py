@@ -76,3 +76,16 @@ def test_the_one_gpu_bench_prints_world_n_minus_world_1_per_step():
     assert "the kernel side only, the link is not in it" in text
     assert f"rows    1  world 1 {w1} us | world 4 {w4} us | world 4 - world 1 {w4 - w1:+d} us" in text
     assert "rows   32" not in text.split("one decode step")[1]  # only the row counts every boundary ran
+
+
+def test_a_run_with_the_up_projected_combine_sums_it_from_8_rows():
+    data = plain_run()
+    data["results"]["output_lse_up"] = [plain_row(1, 1.0, 0.5), plain_row(32, 2.0, 1.0)]
+    lines = step_lines(data["results"], "glm-5", {"collective": "collective", "sdcp": "torch_sdcp"}, "k8", "x")
+    at = next(i for i, line in enumerate(lines) if "after the V up-projection" in line)
+    assert "from 8 rows" in lines[at]
+    c32, s32 = 78 * (5 + 2) + 21 * 11, 78 * (3 + 1) + 21 * 6  # query + the up-projected combine, top-K
+    assert lines[at + 1].startswith(f"  rows   32  collective {c32} us | torch_sdcp {s32} us")
+    assert len(lines) == at + 2  # 1 row is below vLLM's threshold: not summed with it
+    assert not any("V up-projection" in line for line in step_lines(
+        plain_run()["results"], "glm-5", {"sdcp": "torch_sdcp"}, "k8", "x"))

@@ -35,6 +35,8 @@ STEP_MODELS = {
 
 #: The boundaries a step is summed from.
 STEP_BOUNDARIES = ("query", "topk", "output_lse")
+#: vLLM 0.34's a2a combine after the V up-projection (head_dim 128): from this many rows on.
+UP_PROJECTED_FROM_ROWS = 8
 
 
 def step_us(model: StepModel, query: float, topk: float, output_lse: float) -> float:
@@ -64,12 +66,27 @@ def step_lines(results: dict, preset: str, columns: dict[str, str], key: str, wh
     if missing:
         return [head, f"  not summed: the run has no {', '.join(missing)} (a step needs "
                       f"{', '.join(STEP_BOUNDARIES)})"]
-    by_rows = {b: {r["rows"]: r for r in results[b] if "rows" in r} for b in STEP_BOUNDARIES}
-    lines = [head]
-    for rows in sorted(set.intersection(*(set(v) for v in by_rows.values()))):
+    lines = [head] + _row_lines(results, model, STEP_BOUNDARIES, columns, key, ratio, 0)
+    if len(lines) == 1:
+        lines.append("  not summed: no row count has all three boundaries")
+    if "output_lse_up" in results:  # the run measured the combine after the V up-projection too
+        up = _row_lines(results, model, ("query", "topk", "output_lse_up"), columns, key, ratio,
+                        UP_PROJECTED_FROM_ROWS)
+        if up:
+            lines += [f"  with the combine after the V up-projection (output_lse_up, head_dim 128), as vLLM 0.34's "
+                      f"a2a runs it from {UP_PROJECTED_FROM_ROWS} rows:"] + up
+    return lines
+
+
+def _row_lines(results: dict, model: StepModel, boundaries: tuple[str, ...], columns: dict[str, str], key: str,
+               ratio: bool, from_rows: int) -> list[str]:
+    """One line per row count (from ``from_rows``) that every boundary of ``boundaries`` ran."""
+    by_rows = {b: {r["rows"]: r for r in results[b] if "rows" in r} for b in boundaries}
+    lines = []
+    for rows in sorted(r for r in set.intersection(*(set(v) for v in by_rows.values())) if r >= from_rows):
         parts, sums = [], {}
         for cell, label in columns.items():
-            figs = [_figure(by_rows[b][rows].get(cell), key) for b in STEP_BOUNDARIES]
+            figs = [_figure(by_rows[b][rows].get(cell), key) for b in boundaries]
             if all(f is not None for f in figs):
                 q, t, o = figs
                 assert q is not None and t is not None and o is not None
@@ -83,6 +100,4 @@ def step_lines(results: dict, preset: str, columns: dict[str, str], key: str, wh
             parts.append(f"{labels[0]}/{labels[-1]} {first / last:.2f}x ({last - first:+.0f} us)" if ratio
                          else f"{labels[-1]} - {labels[0]} {last - first:+.0f} us")
         lines.append(f"  rows {rows:>4}  " + " | ".join(parts))
-    if len(lines) == 1:
-        lines.append("  not summed: no row count has all three boundaries")
     return lines
