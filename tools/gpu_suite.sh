@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build against the machine's torch, run the whole test
 # suite (GPU tests included), then the boundary benchmarks. Logs go to $OUT.
-#   tools/gpu_suite.sh [build|tests|gpu|check|bench|onegpu|all]
+#   tools/gpu_suite.sh [build|tests|gpu|check|bench|onegpu|stress|all]
 # gpu: only the tests that need a GPU (pytest -m gpu), JOBS (default 6) at a
 # time through pytest-xdist when it is installed: the whole suite no longer
 # fits one 10-minute call on one GPU (the DCP4/DCP8 tests spawn many ranks).
@@ -22,6 +22,10 @@
 # $OUT/onegpu-N-nopdl; exits 1 when a run fails (a reference check, an
 # error); ONEGPU_ARGS adds options (e.g. --blocks-per-sm 3, --one-gpu-method
 # one-graph).
+# stress: tools/stress.py on the shared-GPU failure tests (rows mismatch, void
+# calls, call tags, query view, CUDA aborts), STRESS_ROUNDS (default 2) rounds of
+# STRESS_PARALLEL (default 6) pytest processes at once, each bounded by
+# STRESS_TIMEOUT (default 270 s); counts wrong results; $OUT/stress.json.
 # SDCP_GPU_WORLD=N (default 2) runs the boundary GPU tests and the benchmarks
 # at world size N (DCP4 / DCP8 on machines with 4 or 8 GPUs); the benchmarks
 # then also run the sparse decode step.
@@ -82,4 +86,9 @@ if [[ $what == onegpu ]]; then
     done
   done
   exit $failed
+fi
+if [[ $what == stress ]]; then
+  python3 tools/stress.py --rounds "${STRESS_ROUNDS:-2}" --parallel "${STRESS_PARALLEL:-6}" \
+    --timeout "${STRESS_TIMEOUT:-270}" -m gpu --out "$OUT/stress.json" 2>&1 | tee "$OUT/stress.log" | tail -40
+  exit "${PIPESTATUS[0]}"
 fi
