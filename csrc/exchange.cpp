@@ -45,6 +45,12 @@ AllGatherCall prepare_all_gather(const at::Tensor& x, int64_t workspace, int64_t
 // A call header's flags word: a hash of x's shape.
 namespace {
 std::string exchange_flags_text(uint32_t v) { return cat("x of shape hash ", hex32(v)); }
+
+const uint64_t* exchange_header_entry(const Workspace& ws, int64_t src, uint64_t call) {
+  return reinterpret_cast<const uint64_t*>(ws.slot_data(ws.rank, static_cast<int64_t>(call % kDataFlagBuffers)) +
+                                           ExchangeGeometry::of(ws).header_offset) +
+         peer_slot(src, ws.rank, ws.world_size) * kHeaderFields;
+}
 }  // namespace
 
 const FamilyInfo kExchangeFamily = {
@@ -52,6 +58,7 @@ const FamilyInfo kExchangeFamily = {
     .layout = exchange_layout,
     .rows_unit = " bytes",
     .flags_text = exchange_flags_text,
+    .tagged_header_entry = exchange_header_entry,
 };
 
 }  // namespace sdcp

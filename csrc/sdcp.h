@@ -146,10 +146,14 @@ struct FamilyInfo {
   // Where this rank finds source src's call header of call `call` (of its
   // view call with `view`), in its own region: what a call over max_rows on
   // this rank looks for, to learn that a peer took the peer path and with
-  // how many rows (workspace_peer_headers). Null where the family has no
-  // such header (the exchange's are tagged words); `view` only for a family
-  // with a view_counter.
+  // how many rows (workspace_peer_headers), or that a peer is inside a call
+  // that this rank leaves (close, resize). Null where the family's header is
+  // tagged words (tagged_header_entry); `view` only for a family with a
+  // view_counter.
   const uint32_t* (*header_entry)(const Workspace& ws, int64_t src, uint64_t call, bool view);
+  // The same, for a family whose header is kHeaderFields tagged 64-bit words
+  // (the exchange): a word has landed when it carries call_tag(call).
+  const uint64_t* (*tagged_header_entry)(const Workspace& ws, int64_t src, uint64_t call);
   // The counter of this rank's view calls, in its own region (the query).
   const uint64_t* (*view_counter)(const Workspace& ws);
 };

@@ -165,8 +165,9 @@ int64_t workspace_void_address(int64_t handle) { return static_cast<int64_t>(rei
 std::vector<int64_t> workspace_peer_headers(int64_t handle, bool view) {
   const auto ws = lookup(handle);
   const FamilyInfo& f = family(ws->kind);
-  TORCH_CHECK_VALUE(f.header_entry != nullptr && (!view || f.view_counter != nullptr),
-                    cat("torch_sdcp: argument 'handle': expected a workspace whose calls carry untagged call headers",
+  TORCH_CHECK_VALUE((f.header_entry != nullptr || (f.tagged_header_entry != nullptr && !view)) &&
+                        (!view || f.view_counter != nullptr),
+                    cat("torch_sdcp: argument 'handle': expected a workspace whose calls carry call headers",
                         view ? " and a view" : "", ", got a ", f.name, " workspace"));
   const bool device = ws->device.is_cuda();
   TORCH_CHECK(!device || dataflag_device_hooks().read != nullptr,
@@ -185,6 +186,13 @@ std::vector<int64_t> workspace_peer_headers(int64_t handle, bool view) {
   out[0] = static_cast<int64_t>(call);
   for (int64_t src = 0; src < ws->world_size; ++src) {
     if (src == ws->rank) continue;
+    if (f.header_entry == nullptr) {  // tagged words: a word of another call is one that has not landed
+      uint64_t tagged[kHeaderFields];
+      load(tagged, f.tagged_header_entry(*ws, src, call), sizeof(tagged));
+      for (uint32_t w = 0; w < kHeaderFields; ++w)
+        if ((tagged[w] >> 32) == call_tag(call)) out[1 + src * kHeaderFields + w] = static_cast<uint32_t>(tagged[w]);
+      continue;
+    }
     uint32_t words[kHeaderFields];
     load(words, f.header_entry(*ws, src, call, view), sizeof(words));
     for (uint32_t w = 0; w < kHeaderFields; ++w) out[1 + src * kHeaderFields + w] = words[w];

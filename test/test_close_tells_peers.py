@@ -19,14 +19,25 @@ from _helpers import rank_partials
 TIMEOUT_S = 20
 
 
-def _close_during_call_worker(rank, world, late):
-    """Without ``late``, rank 1 is inside its call when rank 0 closes; with it, rank 1 enters its
-    call while rank 0's close barrier waits (after rank 0 looked for a peer in a call)."""
+def _family(name, rank):
+    """(make() -> a workspace, call(ws) -> its result) of the family ``name`` on the host backend."""
     import torch_sdcp
 
-    wrong = []
-    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host")
+    if name == "exchange":  # its header is tagged words, read apart from the others'
+        x = torch.full((4,), float(rank))
+        return (lambda: torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=TIMEOUT_S, backend="host"),
+                lambda ws: ws.all_gather(x))
     po, pl = rank_partials(2, seed=rank)
+    return (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host"),
+            lambda ws: ws.combine(po, pl))
+
+
+def _close_during_call_worker(rank, world, late, family="output_lse"):
+    """Without ``late``, rank 1 is inside its call when rank 0 closes; with it, rank 1 enters its
+    call while rank 0's close barrier waits (after rank 0 looked for a peer in a call)."""
+    wrong = []
+    make, call = _family(family, rank)
+    ws = make()
     dist.barrier()
     t0 = time.monotonic()
     if rank == 0:
@@ -37,7 +48,7 @@ def _close_during_call_worker(rank, world, late):
         if late:
             time.sleep(0.5)  # rank 0 is waiting in its close barrier by now
         try:
-            ws.combine(po, pl)
+            call(ws)
             wrong.append("the call returned although the peer closed the workspace")
         except RuntimeError as e:
             if "left" not in str(e):
@@ -46,8 +57,8 @@ def _close_during_call_worker(rank, world, late):
     waited = time.monotonic() - t0
     if waited > TIMEOUT_S / 4:
         wrong.append(f"rank {rank}: the call and the close took {waited:.1f} s")
-    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host")
-    got = ws.combine(po, pl)
+    ws = make()
+    got = call(ws)
     if not torch.isfinite(got.float()).all():
         wrong.append(f"rank {rank}: the next workspace's call is wrong")
     ws.close()
@@ -55,8 +66,9 @@ def _close_during_call_worker(rank, world, late):
 
 
 @pytest.mark.parametrize("late", [False, True], ids=["in_a_call", "enters_during_the_close"])
-def test_close_during_a_peers_call_fails_that_call_at_once(late):
-    results = run_workers(_close_during_call_worker, 2, args=(late,), timeout=180)
+@pytest.mark.parametrize("family", ["output_lse", "exchange"])
+def test_close_during_a_peers_call_fails_that_call_at_once(late, family):
+    results = run_workers(_close_during_call_worker, 2, args=(late, family), timeout=180)
     assert results == [[], []], "\n".join(results[0] + results[1])
 
 

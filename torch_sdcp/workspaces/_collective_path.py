@@ -66,12 +66,8 @@ def peer_rows(handle: int, rank: int, view: bool) -> dict[int, int]:
 
 def peer_in_a_call(handle: int, rank: int, two_kinds: bool) -> bool:
     """Whether a peer's call header of this rank's next call has landed here (of either kind of
-    call, for a workspace with ``two_kinds``): that peer is inside a call this rank has not made.
-    False where the headers cannot be read here (the exchange's)."""
-    try:
-        return bool(peer_rows(handle, rank, False) or (two_kinds and peer_rows(handle, rank, True)))
-    except ValueError:
-        return False
+    call, for a workspace with ``two_kinds``): that peer is inside a call this rank has not made."""
+    return bool(peer_rows(handle, rank, False) or (two_kinds and peer_rows(handle, rank, True)))
 
 
 def describe_peer_rows(landed: dict[int, int]) -> str:
