@@ -106,3 +106,55 @@ def _resize_during_call_worker(rank, world):
 def test_resize_during_a_peers_call_fails_that_call_at_once():
     results = run_workers(_resize_during_call_worker, 2, timeout=180)
     assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+def _resize_against_close_worker(rank, world, first):
+    """Rank 0 resizes the workspace while the others close it, ``first`` ("resize" or "close")
+    half a second before the other: the resize fails at once naming the closing ranks and
+    closes the workspace on rank 0 too, every close returns, the store keeps no key of it, and
+    the group stays usable (the next workspace pairs)."""
+    import torch_sdcp
+    from torch_sdcp.peer.groups import group_store
+
+    wrong = []
+    store = group_store(dist.group.WORLD)
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host")
+    dist.barrier()
+    keys0 = store.num_keys()
+    t0 = time.monotonic()
+    if (rank == 0) != (first == "resize"):
+        time.sleep(0.5)  # the other side waits by now
+    if rank == 0:
+        try:
+            ws.resize(8)
+            wrong.append("the resize returned although the peers closed the workspace")
+        except RuntimeError as e:
+            closers = ", ".join(map(str, range(1, world)))
+            if f"rank(s) {closers} closed the workspace instead of resizing it" not in str(e):
+                wrong.append(f"the resize's error does not name the closing ranks: {e}")
+        if not ws.closed:
+            wrong.append("the workspace is still open on the resizing rank")
+    else:
+        ws.close()
+    waited = time.monotonic() - t0
+    if waited > TIMEOUT_S / 4:
+        wrong.append(f"rank {rank}: the resize or the close took {waited:.1f} s")
+    dist.barrier()
+    deadline = time.monotonic() + 2.0
+    while store.num_keys() > keys0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if store.num_keys() > keys0:
+        wrong.append(f"rank {rank}: the store grew: {keys0} -> {store.num_keys()} keys")
+    dist.barrier()  # every rank has counted before any creates the next workspace
+    po, pl = rank_partials(2, seed=rank)
+    ws = torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host")
+    if not torch.isfinite(ws.combine(po, pl).float()).all():
+        wrong.append(f"rank {rank}: the next workspace's call is wrong")
+    ws.close()
+    return wrong
+
+
+@pytest.mark.parametrize("world, first", [(2, "resize"), (2, "close"), (4, "resize")])
+def test_a_resize_against_a_close_fails_the_resize_at_once_and_closes_it(world, first):
+    results = run_workers(_resize_against_close_worker, world, args=(first,), timeout=180)
+    assert results == [[]] * world, "\n".join(w for r in results for w in r)

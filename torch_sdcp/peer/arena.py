@@ -38,6 +38,7 @@ from .groups import (
 from .lifetime import _interpreter_exiting, _Mapping, interrupts_kept
 from .plan import local_plan, verdict
 from .probe import probe_mapping
+from .replacing import ReplacingPeers, publish_replacing, ranks_at, unpublish_replacing
 from .store_sync import AgreementAbandoned, StoreSync, peek
 from .views import contiguous_strides, view_geometry
 
@@ -68,6 +69,8 @@ class PeerArena:
             naming each value that differs and every rank's value, before anything is allocated.
         watch: called while creation waits for the peers (at most every 20 ms; a resize tells a
             peer inside a call of the workspace being replaced that this rank left it).
+        replacing: the ``store_prefix`` of the arena this one replaces (a resize): a peer that
+            closes that arena meanwhile fails this creation at once (peer/replacing.py).
 
     Attributes: rank, world_size, backend ("cuda" | "host"), device (local device of the views;
     cpu for host), stride (bytes between ranks' regions: nbytes_per_rank rounded up to the CUDA
@@ -82,7 +85,8 @@ class PeerArena:
     def __init__(self, group: dist.ProcessGroup | None, nbytes_per_rank: int, *,
                  backend: str = "auto", device: torch.device | None = None,
                  allow_shared_device: bool = False, timeout_s: float = 60.0,
-                 agree: dict[str, Any] | None = None, watch: Callable[[], None] | None = None) -> None:
+                 agree: dict[str, Any] | None = None, watch: Callable[[], None] | None = None,
+                 replacing: str | None = None) -> None:
         self._closed = True  # until creation completes; guards __del__ and close()
         self._mapping: _Mapping | None = None
         self._base_u8: torch.Tensor | None = None
@@ -112,12 +116,12 @@ class PeerArena:
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             self.timeout_s = 60.0  # the bound of the agreement that reports the bad value on every rank
         self._agree = dict(agree or {})
-        self._watch = watch
+        self._watch, self._replacing = watch, replacing
         self._barriers = 0
         self._agreements: StoreSync | None = None
         check_group(group, "PeerArena creation")
-        number = next_arena_number(group)  # the same on every rank: creations on a group are collective
-        self._agreements = StoreSync(group_store(group), rank, self.world_size, f"sdcp/arena{number}")
+        self._number = next_arena_number(group)  # the same on every rank: creations on a group are collective
+        self._agreements = StoreSync(group_store(group), rank, self.world_size, f"sdcp/arena{self._number}")
         self._create(nbytes_per_rank, backend, device, bool(allow_shared_device), timeout_s)
 
     # ---------------------------------------------------------------------------------------
@@ -156,10 +160,12 @@ class PeerArena:
                 return plan
 
             steps.publish_pid()  # before any wait: a rank killed in 'validate' is found by its exit
+            publish_replacing(self._agreements, self._number, self._replacing)
             try:
                 plans = self._step(steps, "validate", validate)
             finally:
                 steps.unpublish_pid()
+                unpublish_replacing(self._agreements, self._number, self._replacing)
             self.peer_pids = steps.peer_pids = {r: p["pid"] for r, p in enumerate(plans) if r != me}
             remember_pids(self._group, self.peer_pids)
             self.backend, self.stride = verdict(plans)
@@ -243,6 +249,16 @@ class PeerArena:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def store_prefix(self) -> str:
+        """Where this arena's agreements live on the group's store (``replacing`` of a resize)."""
+        assert self._agreements is not None
+        return self._agreements.prefix
+
+    def peers_closing(self) -> list[int]:
+        """The peers that came to this arena's close barrier (a resize that failed against them closes too)."""
+        return [] if self._agreements is None else ranks_at(self._agreements, "close")
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -378,8 +394,9 @@ class PeerArena:
                 assert self._agreements is not None
                 if is_refused(self._group):
                     pass  # nothing to agree on after a timed-out agreement: release locally
-                elif barrier:
-                    self._meet("close", "close barrier", self._leftovers(), watch)
+                elif barrier:  # a peer resizing this arena meanwhile is told (peer/replacing.py)
+                    self._meet("close", "close barrier", self._leftovers(),
+                               ReplacingPeers(self._group, self._agreements, self.timeout_s, watch))
                 else:  # peers that hold the close barrier complete it instead of waiting out timeout_s
                     gave_up = self._agreements.finish("close", self.timeout_s, False, self._leftovers())
                     if gave_up is not None:  # a peer gave it up before: the group is out of step

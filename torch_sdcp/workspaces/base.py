@@ -22,6 +22,7 @@ from torch_sdcp.peer import PeerArena, liveness
 from torch_sdcp.peer.agreements import creation_errors_posted, post_creation_error
 from torch_sdcp.peer.groups import arena_count
 from torch_sdcp.peer.plan import RankMismatchError
+from torch_sdcp.peer.replacing import CLOSED_AGAINST_RESIZE
 from torch_sdcp.peer.timeout import default_timeout_s, validate_timeout
 from torch_sdcp.workspaces._call import CallRefused, CallState
 from torch_sdcp.workspaces._guard import _Call
@@ -111,7 +112,8 @@ class PeerWorkspace:
         try:
             arena = PeerArena(self.group, layout.region_bytes, backend=kw["backend"], device=kw["device"],
                               allow_shared_device=kw["allow_shared_device"], timeout_s=self.timeout_s,
-                              agree=self._agreement(params, fallback), watch=self._tell_peers_in_a_call())
+                              agree=self._agreement(params, fallback), watch=self._tell_peers_in_a_call(),
+                              replacing=None if self.arena is None else self.arena.store_prefix)
         except Exception as e:  # the arena's failures are collective: every rank is here
             if not fallback or isinstance(e, RankMismatchError):  # disagreeing ranks are an error, not a fallback
                 raise
@@ -328,7 +330,8 @@ class PeerWorkspace:
         refusal (a bad ``max_rows``, a family's precondition, a captured
         workspace, a layout too large) reaches the peers in the creation's
         first step, as at creation: every rank raises it at once, and the group
-        stays in step."""
+        stays in step. A peer that closes the workspace instead fails the
+        resize at once, and the workspace is closed here too (RuntimeError)."""
         with self._call("resize", poison=False):
             begun = arena_count(self.group if self.group is not None else dist.group.WORLD)
             try:
@@ -350,6 +353,14 @@ class PeerWorkspace:
                 # its first step; post this rank's error there, then raise it.
                 if arena_count(self.group if self.group is not None else dist.group.WORLD) == begun:
                     post_creation_error(self.group, e, self.timeout_s)
+                closed = self.arena is not None and CLOSED_AGAINST_RESIZE in str(e)
+                closing = self.arena.peers_closing() if closed and self.arena is not None else []
+                if closing:  # they closed it instead (close() against resize()): close it here too
+                    self._release(barrier=self._calls.close(self), why="closed (a peer closed it during resize())")
+                    raise RuntimeError(
+                        f"torch_sdcp: {type(self).__name__}.resize on rank {self.rank}: rank(s) "
+                        f"{', '.join(map(str, closing))} closed the workspace instead of resizing it; every rank "
+                        "must make the same calls in the same order; it is closed on this rank too") from e
                 raise
             self._release(barrier=self._calls.poisoned is None, why="resized (resize())")
             self._adopt(built)
