@@ -4,7 +4,9 @@ the group's store and aborts the workspace before its close barrier, so the
 peer's call fails within a second naming it (not after timeout_s), and so
 does a peer that enters a call while the close barrier waits; both
 closes return, and the group stays usable: a new workspace on it pairs and
-is right. Host backend, spawned gloo ranks."""
+is right. Host backend, spawned gloo ranks; the close during a call also with
+both ranks on GPU 0 (a kernel's wait ends at the abort; the error is raised by
+check())."""
 
 from __future__ import annotations
 
@@ -14,29 +16,41 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_workers
-from _helpers import rank_partials
+from _helpers import rank_partials, rank_workspace_args, requires_gpus
 
 TIMEOUT_S = 20
 
 
-def _family(name, rank):
-    """(make() -> a workspace, call(ws) -> its result) of the family ``name`` on the host backend."""
+def _family(name, rank, mode="host"):
+    """(make() -> a workspace, call(ws) -> its result, on the host once the call is over) of the
+    family ``name`` (``mode``: rank_workspace_args's; on CUDA, the call synchronises and checks)."""
     import torch_sdcp
 
-    if name == "exchange":  # its header is tagged words, read apart from the others'
-        x = torch.full((4,), float(rank))
-        return (lambda: torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=TIMEOUT_S, backend="host"),
-                lambda ws: ws.all_gather(x))
-    po, pl = rank_partials(2, seed=rank)
-    return (lambda: torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, backend="host"),
-            lambda ws: ws.combine(po, pl))
+    where = rank_workspace_args(rank, mode)
+    device = where.get("device", torch.device("cpu"))
+    x = torch.full((4,), float(rank), device=device)
+    po, pl = (t.to(device) for t in rank_partials(2, seed=rank))
+
+    def make():
+        if name == "exchange":  # its header is tagged words, read apart from the others'
+            return torch_sdcp.ExchangeWorkspace(None, 64, timeout_s=TIMEOUT_S, **where)
+        return torch_sdcp.OutputLSEWorkspace(None, 4, 8, 64, timeout_s=TIMEOUT_S, **where)
+
+    def call(ws):
+        got = ws.all_gather(x) if name == "exchange" else ws.combine(po, pl)
+        if device.type == "cuda":  # the kernel's wait ends at the abort; check() raises its error
+            torch.cuda.synchronize()
+            ws.check()
+        return got.cpu()
+
+    return make, call
 
 
-def _close_during_call_worker(rank, world, late, family="output_lse"):
+def _close_during_call_worker(rank, world, late, family="output_lse", mode="host"):
     """Without ``late``, rank 1 is inside its call when rank 0 closes; with it, rank 1 enters its
     call while rank 0's close barrier waits (after rank 0 looked for a peer in a call)."""
     wrong = []
-    make, call = _family(family, rank)
+    make, call = _family(family, rank, mode)
     ws = make()
     dist.barrier()
     t0 = time.monotonic()
@@ -65,10 +79,23 @@ def _close_during_call_worker(rank, world, late, family="output_lse"):
     return wrong
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["in_a_call", "enters_during_the_close"])
-@pytest.mark.parametrize("family", ["output_lse", "exchange"])
+LATE = pytest.mark.parametrize("late", [False, True], ids=["in_a_call", "enters_during_the_close"])
+FAMILY = pytest.mark.parametrize("family", ["output_lse", "exchange"])
+
+
+@LATE
+@FAMILY
 def test_close_during_a_peers_call_fails_that_call_at_once(late, family):
     results = run_workers(_close_during_call_worker, 2, args=(late, family), timeout=180)
+    assert results == [[], []], "\n".join(results[0] + results[1])
+
+
+@pytest.mark.gpu
+@requires_gpus(1)
+@LATE
+@FAMILY
+def test_close_during_a_peers_call_fails_that_call_at_once_cuda_shared_gpu(late, family):
+    results = run_workers(_close_during_call_worker, 2, args=(late, family, "cuda_shared"), timeout=240)
     assert results == [[], []], "\n".join(results[0] + results[1])
 
 
