@@ -29,7 +29,7 @@ import contextlib
 import ctypes
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Self
+from typing import TypeVar
 
 import torch
 
@@ -41,6 +41,8 @@ from torch_sdcp.workspaces import PeerWorkspace, WorkspaceLayout, workspace_layo
 __all__ = ["VirtualRanks", "VirtualRegions"]
 
 logger = logging.getLogger("torch_sdcp")
+
+_Regions = TypeVar("_Regions", bound="VirtualRegions")
 
 
 def _probe_word(src: int, dst: int) -> int:
@@ -217,7 +219,7 @@ class VirtualRegions:
     def _what(self) -> str:
         return f"{self.region_bytes} bytes"
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _Regions) -> _Regions:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
