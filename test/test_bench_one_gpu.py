@@ -36,7 +36,8 @@ from torch_sdcp.families import WorkspaceKind
     (["--one-gpu", "4", "--backend", "host"],
      "argument --backend: expected 'cuda' or 'auto' with --one-gpu, got 'host'"),
     (["--one-gpu", "2", "--boundaries", "query,decode"], "argument --boundaries: expected names from ('signal', "
-                                                         "'query', 'topk', 'output_lse') with --one-gpu, got 'decode'"),
+                                                         "'query', 'topk', 'output_lse', 'output_lse_up') with "
+                                                         "--one-gpu, got 'decode'"),
     (["--one-gpu", "4", "--heads", "6"], "argument --heads: expected a multiple of --one-gpu 4, got 6"),
     (["--one-gpu", "2", "--tag"], "argument --tag: expected only without --one-gpu"),
     (["--one-gpu", "2", "--one-gpu-timeout", "0"], "argument --one-gpu-timeout: expected a number of seconds > 0, "
@@ -201,7 +202,7 @@ def reference_results(boundary, inputs, rows, world):
     """What every rank must return, made by the reference (a CPU stand-in for the kernels)."""
     if boundary.name == "signal":
         return [torch.stack([x for (x,) in inputs])] * world
-    if boundary.name == "output_lse":
+    if boundary.name in ("output_lse", "output_lse_up"):
         out, lse = reference.lse_combine_ref64(torch.stack([po for po, _ in inputs]),
                                                torch.stack([pl for _, pl in inputs]))
         return [tuple(t for t in reference.output_lse_shard(out.to(torch.bfloat16), lse.float(), r, world))

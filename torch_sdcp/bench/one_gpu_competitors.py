@@ -137,8 +137,10 @@ class CompetitorRanks:
     def setup(self) -> None:
         raise NotImplementedError
 
-    def grid(self, rows: int, world: int, sms: int) -> int:
-        """Blocks of one rank's waiting grid (the grid that must be resident beside its peers')."""
+    @classmethod
+    def grid(cls, boundary: Boundary, rows: int, world: int, sms: int) -> int:
+        """Blocks of one rank's waiting grid at ``boundary`` (the grid that must be resident beside its
+        peers'; the others wait for none), its grid sized for ``sms`` SMs."""
         return 1
 
     def call(self, rank: int, inputs: tuple) -> Any:
@@ -246,10 +248,11 @@ class FlashInferRanks(CompetitorRanks):
 
         return SAFE_BLOCKS_PER_SM * self.grid_sms
 
-    def grid(self, rows, world, sms):
+    @classmethod
+    def grid(cls, boundary, rows, world, sms):  # fi_launch's grid at grid_cap()
         from torch_sdcp.competitors.flashinfer_combine import SAFE_BLOCKS_PER_SM
 
-        return max(1, min(max(rows * (self.boundary.geo.heads // world), world), SAFE_BLOCKS_PER_SM * sms))
+        return max(1, min(max(rows * (boundary.geo.heads // world), world), SAFE_BLOCKS_PER_SM * sms))
 
     def _launch(self, rank: int, inputs: tuple, phase: str, grid_cap: int) -> tuple:
         from torch_sdcp.competitors.flashinfer_combine import fi_launch
@@ -345,6 +348,16 @@ class VllmDirectRanks(CompetitorRanks):
                 bad = int((got.cpu() != want).sum())
                 raise CheckFailed(f"{self.name}: topk, world {world}, rows {rows}: rank {r}: {bad} of "
                                   f"{want.numel()} ids differ from vLLM's selection (direct_topk_spec)")
+
+
+class WaitingGrid:
+    """Competitor ``cls``'s waiting grid at ``boundary``, for one_gpu.residency."""
+
+    def __init__(self, cls: type[CompetitorRanks], boundary: Boundary):
+        self.cls, self.boundary = cls, boundary
+
+    def grid(self, rows: int, world: int, sms: int) -> int:
+        return self.cls.grid(self.boundary, rows, world, sms)
 
 
 COMPETITORS: dict[str, type[CompetitorRanks]] = {c.name: c for c in (VllmA2ARanks, FlashInferRanks, VllmDirectRanks)}
