@@ -35,6 +35,13 @@ csrc/ and an assumed number of blocks per SM) is skipped and said so, and the
 workspaces' short timeout turns a wrong assumption into a reported error
 instead of a hang.
 
+Beside torch_sdcp's cells of a row, the competitors of the boundary (vLLM a2a
+and FlashInfer fused at output_lse and output_lse_up, vLLM direct at topk) run
+on virtual ranks of their own buffers, timed by the same method and checked
+(bench/one_gpu_competitors.py); their waiting grids obey the co-residency
+rule, and a competitor's failed cell stays in its cell (said, not counted in
+the exit status).
+
 This file holds the run (its options' types, the co-residency rule, one cell,
 bench.json); one_gpu_boundaries the boundaries as the virtual ranks run them
 (inputs, calls, grids, reference checks), one_gpu_timing the two methods and
