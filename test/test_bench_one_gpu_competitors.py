@@ -6,16 +6,22 @@ competitor's per-rank calls under the Triton interpreter with N simulated
 ranks over that memory (the kernels run one rank after another: puts before
 waits, a publish-and-wait's peers pre-set) checked as the bench checks them,
 the device signal round's bounded wait, the co-residency of their waiting
-grids, a failed cell kept in its cell, and the table's lines and legend."""
+grids, a failed cell kept in its cell, and the table's lines and legend; on a
+GPU, runs at world 2 and 4 (sliced) by either method with every competitor
+checked."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from _dist import run_workers
 from _fake_cuda_driver import FakeDriver
+from _helpers import requires_gpus
 
 import torch_sdcp  # noqa: F401  (registers the ops)
 from torch_sdcp.bench import one_gpu, one_gpu_competitors, one_gpu_report, one_gpu_timing
@@ -266,3 +272,36 @@ def test_the_table_prints_the_competitors_beside_torch_sdcp():
     assert "the competitors' figures are reproductions" in legend and "docstring says where it differs" in legend
     del results["output_lse"], results["topk"]  # no competitor ran: no competitor legend
     assert "reproductions" not in one_gpu_report.tables({"meta": meta, "results": results})
+
+
+# ---------------------------------------------------------------------------------------------
+# on a GPU
+# ---------------------------------------------------------------------------------------------
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("world, options", [(2, ()), (4, ("--one-gpu-slice",)),
+                                            (2, ("--one-gpu-method", "one-graph"))])
+def test_the_competitors_run_beside_torch_sdcp_on_one_gpu(tmp_path, world, options):
+    out = tmp_path / "onegpu"
+    res = subprocess.run([sys.executable, "-m", "torch_sdcp.bench", "--one-gpu", str(world), "--rows", "1,40",
+                          "--boundaries", "topk,output_lse,output_lse_up", "--trials", "2", "--replays", "3",
+                          *(("--one-gpu-steps", "8") if "one-graph" not in options else ()), *options,
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads((out / "bench.json").read_text())
+    assert data["meta"]["competitor_failures"] == 0, res.stdout + res.stderr
+    for name, rows in data["results"].items():
+        for row in rows:
+            assert set(row["competitors"]) == {c.name for c in competitors_of(name)}, (name, row)
+            for comp, cells in row["competitors"].items():
+                for w in (1, world):
+                    cell = cells[f"world{w}"]
+                    if "skipped" in cell:  # FlashInfer's grid at 40 rows, unsliced
+                        assert comp == "flashinfer" and "--one-gpu-slice" not in options, cell
+                        continue
+                    key = data["meta"]["figure_keys"][0]
+                    assert cell["check"] == "ok" and cell[key] > 0, (name, comp, w, cell)
+    text = (out / "tables.txt").read_text()
+    assert "vLLM a2a:" in text and "FlashInfer fused:" in text and "vLLM direct:" in text
+    assert "the competitors' figures are reproductions" in text and "FAILED" not in text
