@@ -75,3 +75,18 @@ def collect():
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """Installs a stand-in CUDA driver (_fake_cuda_driver.FakeDriver, its
+    arguments the fixture's) under torch_sdcp.bench.virtual_ranks; returns it."""
+    from _fake_cuda_driver import FakeDriver
+
+    from torch_sdcp.bench import virtual_ranks
+
+    def install(**kw):
+        driver = FakeDriver(**kw)
+        monkeypatch.setattr(virtual_ranks, "cu", driver)
+        return driver
+    return install

@@ -7,7 +7,6 @@ driver; on a GPU, short runs at world 2 by either method."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
@@ -16,11 +15,12 @@ import sys
 
 import pytest
 import torch
+from _fake_cuda_driver import FakeDriver
 from _helpers import requires_gpus
 
 import torch_sdcp  # noqa: F401  (registers the ops)
 from torch_sdcp import reference
-from torch_sdcp.bench import one_gpu, one_gpu_boundaries, one_gpu_report, one_gpu_timing, parse_args, virtual_ranks
+from torch_sdcp.bench import one_gpu, one_gpu_boundaries, one_gpu_report, one_gpu_timing, parse_args
 from torch_sdcp.bench.virtual_ranks import VirtualRanks
 from torch_sdcp.families import WorkspaceKind
 
@@ -36,7 +36,8 @@ from torch_sdcp.families import WorkspaceKind
     (["--one-gpu", "4", "--backend", "host"],
      "argument --backend: expected 'cuda' or 'auto' with --one-gpu, got 'host'"),
     (["--one-gpu", "2", "--boundaries", "query,decode"], "argument --boundaries: expected names from ('signal', "
-                                                         "'query', 'topk', 'output_lse') with --one-gpu, got 'decode'"),
+                                                         "'query', 'topk', 'output_lse', 'output_lse_up') with "
+                                                         "--one-gpu, got 'decode'"),
     (["--one-gpu", "4", "--heads", "6"], "argument --heads: expected a multiple of --one-gpu 4, got 6"),
     (["--one-gpu", "2", "--tag"], "argument --tag: expected only without --one-gpu"),
     (["--one-gpu", "2", "--one-gpu-timeout", "0"], "argument --one-gpu-timeout: expected a number of seconds > 0, "
@@ -201,7 +202,7 @@ def reference_results(boundary, inputs, rows, world):
     """What every rank must return, made by the reference (a CPU stand-in for the kernels)."""
     if boundary.name == "signal":
         return [torch.stack([x for (x,) in inputs])] * world
-    if boundary.name == "output_lse":
+    if boundary.name in ("output_lse", "output_lse_up"):
         out, lse = reference.lse_combine_ref64(torch.stack([po for po, _ in inputs]),
                                                torch.stack([pl for _, pl in inputs]))
         return [tuple(t for t in reference.output_lse_shard(out.to(torch.bfloat16), lse.float(), r, world))
@@ -480,88 +481,6 @@ def test_graph_per_rank_counts_the_trials_whose_launches_outlasted_the_head_star
 # ---------------------------------------------------------------------------------------------
 # the virtual ranks' memory over a stand-in driver
 # ---------------------------------------------------------------------------------------------
-
-
-class FakeDriver:
-    """The driver calls VirtualRanks makes, over host memory: allocations are
-    bytearrays, a mapping makes a virtual address an alias of one."""
-
-    GRANULARITY = 2 << 20
-
-    def __init__(self, fail: str | None = None, fail_at: int = 1, swap: bool = False):
-        self.fail, self.fail_at, self.swap = fail, fail_at, swap  # raise at the fail_at-th call of `fail`
-        self.calls: dict[str, int] = {}
-        self.allocations: dict[int, bytearray] = {}
-        self.mappings: dict[int, tuple[int, int]] = {}  # address -> (allocation, bytes)
-        self.ranges: dict[int, int] = {}
-        self.retained = self.pushed = 0
-        self.next_address = 1 << 40
-
-    def _resolve(self, address: int) -> tuple[bytearray, int]:
-        for start, (allocation, size) in self.mappings.items():
-            if start <= address < start + size:
-                return self.allocations[allocation], address - start
-        raise RuntimeError(f"unmapped address 0x{address:x}")
-
-    def __call__(self, name: str, *args):
-        self.calls[name] = self.calls.get(name, 0) + 1
-        if name == self.fail and self.calls[name] == self.fail_at:
-            raise RuntimeError(f"torch_sdcp: {name} failed: injected")
-        if name == "cuDevicePrimaryCtxRetain":
-            self.retained += 1
-        elif name == "cuDevicePrimaryCtxRelease":
-            self.retained -= 1
-        elif name == "cuCtxPushCurrent":
-            self.pushed += 1
-        elif name == "cuCtxPopCurrent":
-            self.pushed -= 1
-        elif name == "cuDeviceGetAttribute":
-            return 1
-        elif name == "cuMemGetAllocationGranularity":
-            return self.GRANULARITY
-        elif name == "cuMemCreate":
-            handle = len(self.allocations) + len(self.calls) * 1000
-            self.allocations[handle] = bytearray(args[0])
-            return handle
-        elif name == "cuMemRelease":
-            del self.allocations[args[0]]
-        elif name == "cuMemAddressReserve":
-            address, self.next_address = self.next_address, self.next_address + args[0] + self.GRANULARITY
-            self.ranges[address] = args[0]
-            return address
-        elif name == "cuMemAddressFree":
-            assert self.ranges.pop(args[0]) == args[1]
-        elif name == "cuMemMap":
-            address, size, _, allocation, _ = args
-            # A wrong mapping: the second range sees the allocations in reverse.
-            if self.swap and len(self.ranges) > 1 and address >= sorted(self.ranges)[1]:
-                handles = sorted(self.allocations)
-                allocation = handles[len(handles) - 1 - handles.index(allocation)]
-            self.mappings[address] = (allocation, size)
-        elif name == "cuMemUnmap":
-            assert self.mappings.pop(args[0])[1] == args[1]
-        elif name in ("cuMemsetD8", "cuMemsetD32"):
-            address, value, count = args
-            width = 1 if name == "cuMemsetD8" else 4
-            memory, offset = self._resolve(address)
-            memory[offset:offset + width * count] = value.to_bytes(width, "little") * count
-        elif name == "cuMemcpyDtoH":
-            host, address, count = args
-            memory, offset = self._resolve(address)
-            ctypes.memmove(host, bytes(memory[offset:offset + count]), count)
-        return None
-
-    def released(self) -> bool:
-        return not (self.allocations or self.mappings or self.ranges or self.retained or self.pushed)
-
-
-@pytest.fixture
-def fake_driver(monkeypatch):
-    def install(**kw):
-        driver = FakeDriver(**kw)
-        monkeypatch.setattr(virtual_ranks, "cu", driver)
-        return driver
-    return install
 
 
 CUDA0 = torch.device("cuda", 0)

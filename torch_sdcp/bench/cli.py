@@ -8,7 +8,8 @@ kernels and communication (LEGEND below).
     python -m torch_sdcp.bench [--world-size N] [--preset glm-5] [--rows 1,8,32]
                                [--boundaries query,topk,output_lse,output_lse_up,decode] [--out DIR]
                                [--topk-distributions]
-    python -m torch_sdcp.bench --one-gpu N [--rows 1,32,128] [--boundaries signal,query,topk,output_lse]
+    python -m torch_sdcp.bench --one-gpu N [--rows 1,32,128]
+                               [--boundaries signal,query,topk,output_lse,output_lse_up]
                                [--one-gpu-method graph-per-rank|one-graph] [--one-gpu-steps 64]
 
 Launches its own local ranks (or runs under torchrun), picks the CUDA backend
@@ -32,7 +33,10 @@ other on N streams, world 1 beside them as the floor (bench/one_gpu.py). The
 kernel side with HBM in place of NVLink: not a multi-GPU figure. Method
 graph-per-rank (the default): each rank's --one-gpu-steps steps (64) in a CUDA
 graph of its own, the N graphs launched on N streams per replay, us per step;
-one-graph: k8 / k1 as above, every rank's call a branch of one graph.
+one-graph: k8 / k1 as above, every rank's call a branch of one graph. The
+competitors (vLLM a2a and FlashInfer fused at output_lse and output_lse_up,
+vLLM direct at topk) run on the same virtual ranks beside torch_sdcp's cells
+(bench/one_gpu_competitors.py).
 """
 
 from __future__ import annotations

@@ -35,6 +35,13 @@ csrc/ and an assumed number of blocks per SM) is skipped and said so, and the
 workspaces' short timeout turns a wrong assumption into a reported error
 instead of a hang.
 
+Beside torch_sdcp's cells of a row, the competitors of the boundary (vLLM a2a
+and FlashInfer fused at output_lse and output_lse_up, vLLM direct at topk) run
+on virtual ranks of their own buffers, timed by the same method and checked
+(bench/one_gpu_competitors.py); their waiting grids obey the co-residency
+rule, and a competitor's failed cell stays in its cell (said, not counted in
+the exit status).
+
 This file holds the run (its options' types, the co-residency rule, one cell,
 bench.json); one_gpu_boundaries the boundaries as the virtual ranks run them
 (inputs, calls, grids, reference checks), one_gpu_timing the two methods and
@@ -51,11 +58,13 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from torch_sdcp.bench.one_gpu_boundaries import BOUNDARY_CLASSES, Boundary, CheckFailed, Geometry
+from torch_sdcp.bench.one_gpu_competitors import CompetitorRanks, WaitingGrid, competitors_of, run_competitor_cell
 from torch_sdcp.bench.one_gpu_report import tables
 from torch_sdcp.bench.one_gpu_timing import GraphPerRank, Method, OneGraph, step
 from torch_sdcp.bench.presets import PRESETS
@@ -63,7 +72,7 @@ from torch_sdcp.bench.timing import Timer
 
 #: The virtual world sizes (the kernels have N-way instances for 2, 4 and 8; 1 is the floor).
 WORLDS = (1, 2, 4, 8)
-BOUNDARIES = ("signal", "query", "topk", "output_lse")
+BOUNDARIES = ("signal", "query", "topk", "output_lse", "output_lse_up")
 DEFAULT_ROWS = "1,32,128"
 DEFAULT_TIMEOUT_S = 3.0
 #: The ways of timing a step (--one-gpu-method), the default first.
@@ -77,10 +86,10 @@ NOTE = "one GPU, {n} virtual ranks: kernel side, HBM in place of NVLink; not a m
 #: data-as-flag kernels run 256 threads at up to 128 registers (ptxas: 107 to
 #: 125, docs/NOTES.md), 2 blocks per SM; the top-K merge runs 1024 threads with
 #: about 144 KiB of shared memory (k = C = 2048), 1 block per SM.
-ASSUMED_BLOCKS_PER_SM = {"signal": 2, "query": 2, "topk": 1, "output_lse": 2}
+ASSUMED_BLOCKS_PER_SM = {"signal": 2, "query": 2, "topk": 1, "output_lse": 2, "output_lse_up": 2}
 #: Blocks the kernels launch per SM they size their grids for (csrc/dataflag.cuh
 #: dataflag_grid: 2; the top-K merge: one per row, at most one per SM).
-GRID_BLOCKS_PER_SM = {"signal": 2, "query": 2, "topk": 1, "output_lse": 2}
+GRID_BLOCKS_PER_SM = {"signal": 2, "query": 2, "topk": 1, "output_lse": 2, "output_lse_up": 2}
 #: The SMs the kernels size their grids for when set (csrc/dataflag.cuh grid_sms; read at the first launch).
 GRID_SMS_ENV = "SDCP_BENCH_GRID_SMS"
 
@@ -110,9 +119,14 @@ def grids_per_rank(pdl: bool) -> int:
     return 2 if pdl else 1
 
 
-def residency(boundary: Boundary, rows: int, world: int, sms: int, blocks_per_sm: int,
+class HasGrid(Protocol):
+    def grid(self, rows: int, world: int, sms: int) -> int: ...
+
+
+def residency(boundary: HasGrid, rows: int, world: int, sms: int, blocks_per_sm: int,
               pdl: bool, grid_sms: int | None = None) -> tuple[int, str | None]:
     """(blocks of one rank's grid, why the N grids cannot all be resident, or None).
+    ``boundary``: a Boundary, or a competitor's waiting grid (one_gpu_competitors.WaitingGrid).
     While PDL is on every rank counts twice its grid: a rank's early-launched
     next kernel can take the slots a late peer's current kernel needs, and the
     current one then waits for that peer until it gives up. ``grid_sms``: the
@@ -187,6 +201,32 @@ def run_cell(boundary: Boundary, rows: int, world: int, method: Method, timeout_
     return cell
 
 
+def competitor_cells(comp: type[CompetitorRanks], boundary: Boundary, rows: int, worlds: list[int], sms: int,
+                     pdl: bool, grid_sms: int | None, method: Method, timeout_s: float) -> tuple[dict, int]:
+    """Competitor ``comp``'s cells of one row, by world ({"world1": cell, ...}), and how many failed.
+    Its waiting grid obeys the co-residency rule; an error or a mismatch stays in its cell."""
+    cells, failed = {}, 0
+    for world in worlds:
+        blocks, skip = residency(WaitingGrid(comp, boundary), rows, world, sms, comp.blocks_per_sm,
+                                 pdl and comp.pdl, grid_sms)
+        cell: dict = {"grid_blocks": blocks}
+        if skip:
+            cell["skipped"] = skip
+        else:
+            try:
+                cell.update(run_competitor_cell(comp, boundary, rows, world, method, timeout_s, grid_sms or sms))
+            except CheckFailed as e:
+                failed += 1
+                cell.update(check="MISMATCH", error=str(e)[:2000])
+                print(f"MISMATCH: {e}", file=sys.stderr, flush=True)
+            except Exception as e:
+                failed += 1
+                cell["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+                traceback.print_exc()
+        cells[f"world{world}"] = cell
+    return cells, failed
+
+
 # ---------------------------------------------------------------------------------------------
 # The run and its JSON
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +252,7 @@ def run(args) -> int:
     print(f"torch_sdcp bench: {NOTE.format(n=n)}; worlds {worlds}, rows {args.rows}, boundaries {args.boundaries}; "
           f"method {args.one_gpu_method}; PDL {'on' if pdl else 'off'}{sized}; writing {args.out}", flush=True)
     started = time.monotonic()
-    failures = 0
+    failures = competitor_failures = 0
     results: dict[str, list] = {}
     own_group = not dist.is_initialized()
     with tempfile.TemporaryDirectory(prefix="sdcp-onegpu-") as tmp:
@@ -248,6 +288,11 @@ def run(args) -> int:
                                 cell["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
                                 traceback.print_exc()
                         row[f"world{world}"] = cell
+                    for comp in competitors_of(name):
+                        cells, failed = competitor_cells(comp, boundary, rows, worlds, sms, pdl, grid_sms, method,
+                                                         args.one_gpu_timeout)
+                        row.setdefault("competitors", {})[comp.name] = cells
+                        competitor_failures += failed
                     results[name].append(row)
                     print(f"[{time.monotonic() - started:6.1f} s] {name} rows={rows} done", file=sys.stderr,
                           flush=True)
@@ -261,7 +306,8 @@ def run(args) -> int:
             "timeout_s": args.one_gpu_timeout, "pdl": pdl, "grids_per_rank": grids_per_rank(pdl),
             "method": args.one_gpu_method, "figure_keys": list(method.keys), "steps_per_graph": args.one_gpu_steps,
             "replays": args.replays, "trials": args.trials,
-            "torch": torch.__version__, "failures": failures, "args": dict(vars(args))}
+            "torch": torch.__version__, "failures": failures, "competitor_failures": competitor_failures,
+            "args": dict(vars(args))}
     data = {"meta": meta, "results": results}
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(data, f, indent=1, default=str)
@@ -272,6 +318,8 @@ def run(args) -> int:
     print(f"raw numbers: {os.path.join(args.out, 'bench.json')}")
     if failures:
         print(f"one-GPU bench: {failures} cell(s) failed (mismatch or error): see the table", file=sys.stderr)
+    if competitor_failures:  # a competitor's reproduction, not torch_sdcp: said, not the exit status
+        print(f"one-GPU bench: {competitor_failures} competitor cell(s) failed: see the table", file=sys.stderr)
     return 1 if failures else 0
 
 

@@ -11,7 +11,13 @@ from typing import Any
 
 import torch
 
-from torch_sdcp.bench.boundaries import output_lse_inputs, query_inputs, signal_input, topk_inputs
+from torch_sdcp.bench.boundaries import (
+    UP_PROJECTED_HEAD_DIM,
+    output_lse_inputs,
+    query_inputs,
+    signal_input,
+    topk_inputs,
+)
 from torch_sdcp.families import WorkspaceKind
 
 # Grid sizes as csrc/ computes them (dataflag_grid in csrc/dataflag.cuh and its
@@ -119,16 +125,21 @@ class OutputLSE(Boundary):
     name, kind = "output_lse", WorkspaceKind.OUTPUT_LSE
     runs = "sdcp::output_lse_combine (bf16): every rank's head shard and LSE stored into its owner's buffer, combined"
 
+    @property
+    def head_dim(self) -> int:
+        """Values per head (the preset's latent width)."""
+        return self.geo.head_dim
+
     def params(self, rows, world):
-        return [rows, self.geo.heads, self.geo.head_dim, 2]
+        return [rows, self.geo.heads, self.head_dim, 2]
 
     def timed_inputs(self, rows, rank, world):  # the bench gives every rank the same partials
-        return output_lse_inputs(torch.Generator().manual_seed(rows), rows, self.geo.heads, self.geo.head_dim,
+        return output_lse_inputs(torch.Generator().manual_seed(rows), rows, self.geo.heads, self.head_dim,
                                  self.device)
 
     def check_inputs(self, rows, rank, world):
         return output_lse_inputs(torch.Generator().manual_seed(self.seed(rows, rank)), rows, self.geo.heads,
-                                 self.geo.head_dim, self.device)
+                                 self.head_dim, self.device)
 
     def call(self, handle, inputs):
         from torch_sdcp import ops
@@ -139,7 +150,7 @@ class OutputLSE(Boundary):
         return dataflag_grid(rows * (self.geo.heads // world), ITEMS_PER_BLOCK, sms)
 
     def rank_bytes(self, rows, world):  # partials and LSEs read once, the rank's heads written once (bf16)
-        h, d = self.geo.heads, self.geo.head_dim
+        h, d = self.geo.heads, self.head_dim
         return rows * h * (d * 2 + 4) + rows * (h // world) * (d * 2 + 4)
 
     def check(self, results, inputs, rows, world):
@@ -154,7 +165,17 @@ class OutputLSE(Boundary):
                 torch.testing.assert_close(got.cpu().double(), want, rtol=1e-2, atol=1e-2)
                 torch.testing.assert_close(got_lse.cpu().double(), want_lse, rtol=1e-5, atol=1e-5)
             except AssertionError as e:
-                raise CheckFailed(f"output_lse, world {world}, rows {rows}: rank {r}: {e}") from None
+                raise CheckFailed(f"{self.name}, world {world}, rows {rows}: rank {r}: {e}") from None
+
+
+class OutputLSEUp(OutputLSE):
+    name = "output_lse_up"
+    runs = ("sdcp::output_lse_combine as output_lse, after the V up-projection: head_dim "
+            f"{UP_PROJECTED_HEAD_DIM}, the same heads (vLLM 0.34 combines there from 8 rows on)")
+
+    @property
+    def head_dim(self) -> int:
+        return UP_PROJECTED_HEAD_DIM
 
 
 class TopK(Boundary):
@@ -244,4 +265,4 @@ class Query(Boundary):
 
 
 BOUNDARY_CLASSES: dict[str, type[Boundary]] = {"signal": Signal, "query": Query, "topk": TopK,
-                                               "output_lse": OutputLSE}
+                                               "output_lse": OutputLSE, "output_lse_up": OutputLSEUp}

@@ -5,9 +5,18 @@ made, the co-residency rule and the legend."""
 from __future__ import annotations
 
 from torch_sdcp.bench.one_gpu_boundaries import BOUNDARY_CLASSES
+from torch_sdcp.bench.one_gpu_competitors import COMPETITORS
 from torch_sdcp.bench.one_gpu_timing import ONE_GRAPH_KS, OneGraph
-from torch_sdcp.bench.report import BANDWIDTH_ROWS, datasheet_bandwidth
+from torch_sdcp.bench.report import BANDWIDTH_ROWS, PATH_NAMES, datasheet_bandwidth
 from torch_sdcp.bench.step_figure import step_lines
+
+#: The legend's line on what the competitors' figures are.
+COMPETITORS_NOTE = ("the competitors' figures are reproductions (torch_sdcp.competitors: the engines' peer-memory "
+                    "paths written here in Triton after their code; each module's docstring says where it differs "
+                    "from the original), on the same virtual ranks: their symmetric buffers in each rank's own "
+                    "allocation, a peer's at a fixed offset from the own one, as torch symmetric memory maps them "
+                    "across processes; checked like torch_sdcp's cells (vLLM direct against vLLM's own selection); "
+                    "a competitor's failed cell is said, not counted in the exit status")
 
 
 def _us(cell: dict, k: str) -> str:
@@ -42,6 +51,55 @@ def bandwidth_cells(row: dict, worlds: list, key: str, device: str) -> str | Non
         return None
     of = f"of {peak / 1e12:.2f} TB/s, the datasheet's" if peak else "no datasheet bandwidth known"
     return f"           bytes the ranks move ({key}; {of}): " + ", ".join(cells)
+
+
+def world_cells(row_cells: dict, worlds: list, keys: list, trials: object) -> tuple[list[str], list[str]]:
+    """Per world, a path's figure (or why it has none) and the notes under it."""
+    cells, notes = [], []
+    for world in worlds:
+        cell = row_cells.get(f"world{world}", {})
+        if "skipped" in cell:
+            cells.append(f"world {world} skipped")
+            notes.append(f"world {world}: {cell['skipped']}")
+        elif "error" in cell:
+            cells.append(f"world {world} {'MISMATCH' if cell.get('check') == 'MISMATCH' else 'failed'}")
+            notes.append(f"world {world}: {cell['error']}")
+        else:
+            cells.append(f"world {world} " + " / ".join(_us(cell, k) for k in keys if k in cell or k == keys[0]))
+            if cell.get("host_late_trials"):
+                notes.append(f"world {world}: the host was still launching when the timed replays began in "
+                             f"{cell['host_late_trials']} of {trials} trials (host "
+                             f"{cell.get('host_us_per_step', float('nan')):.2f} us per step): the figure "
+                             "may include host time")
+    floor, top = row_cells.get("world1", {}), row_cells.get(f"world{worlds[-1]}", {})
+    first = keys[0]
+    if len(worlds) > 1 and all(isinstance(c.get(first), (int, float)) for c in (floor, top)):
+        cells.append(f"world {worlds[-1]} - world 1 {top[first] - floor[first]:+.1f} us ({first})")
+    return cells, notes
+
+
+def checked(row_cells: dict, worlds: list) -> str:
+    ran = [c for c in (row_cells.get(f"world{w}", {}) for w in worlds) if "skipped" not in c]
+    return ("FAILED" if any(c.get("check") == "MISMATCH" for c in ran)
+            else "ok" if all(c.get("check") == "ok" for c in ran)
+            else "not completed (an error, below)")
+
+
+def competitor_lines(row: dict, worlds: list, keys: list, trials: object) -> list[str]:
+    """Each competitor's line under a row (world N, world N - world 1, against torch_sdcp at world N)."""
+    lines = []
+    top, first = f"world{worlds[-1]}", keys[0]
+    ours = row.get(top, {}).get(first)
+    for name, cells in (row.get("competitors") or {}).items():
+        parts, notes = world_cells(cells, worlds, keys, trials)
+        theirs = cells.get(top, {}).get(first)
+        if isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) and ours > 0:
+            parts.append(f"/ torch_sdcp at world {worlds[-1]} {theirs / ours:.2f}x")
+        grids = ", ".join(f"world {w} {cells.get(f'world{w}', {}).get('grid_blocks', '?')}" for w in worlds)
+        lines.append(f"           {PATH_NAMES.get(name, name) + ':':<18} " + " | ".join(parts)
+                     + f"   (waiting grid blocks per rank: {grids}; check {checked(cells, worlds)})")
+        lines += [f"             {note}" for note in notes]
+    return lines
 
 
 def method_lines(meta: dict) -> list[str]:
@@ -87,34 +145,14 @@ def tables(data: dict) -> str:
     for name, rows in data["results"].items():
         lines.append(f"\n{name}")
         for row in rows:
-            cells, notes = [], []
-            for world in worlds:
-                cell = row.get(f"world{world}", {})
-                if "skipped" in cell:
-                    cells.append(f"world {world} skipped")
-                    notes.append(f"world {world}: {cell['skipped']}")
-                elif "error" in cell:
-                    cells.append(f"world {world} {'MISMATCH' if cell.get('check') == 'MISMATCH' else 'failed'}")
-                    notes.append(f"world {world}: {cell['error']}")
-                else:
-                    cells.append(f"world {world} " + " / ".join(_us(cell, k) for k in keys))
-                    if cell.get("host_late_trials"):
-                        notes.append(f"world {world}: the host was still launching when the timed replays began in "
-                                     f"{cell['host_late_trials']} of {meta.get('trials', '?')} trials (host "
-                                     f"{cell.get('host_us_per_step', float('nan')):.2f} us per step): the figure "
-                                     "may include host time")
-            floor, top = row.get("world1", {}), row.get(f"world{worlds[-1]}", {})
-            first = keys[0]
-            if len(worlds) > 1 and all(isinstance(c.get(first), (int, float)) for c in (floor, top)):
-                cells.append(f"world {worlds[-1]} - world 1 {top[first] - floor[first]:+.1f} us ({first})")
+            cells, notes = world_cells(row, worlds, keys, meta.get("trials", "?"))
             grids = ", ".join(f"world {w} {row.get(f'world{w}', {}).get('grid_blocks', '?')}" for w in worlds)
-            ran = [c for c in (row.get(f"world{w}", {}) for w in worlds) if "skipped" not in c]
-            checked = ("FAILED" if any(c.get("check") == "MISMATCH" for c in ran)
-                       else "ok" if all(c.get("check") == "ok" for c in ran)
-                       else "not completed (an error, below)")
-            lines.append(f"  rows {row['rows']:>4}  " + " | ".join(cells)
-                         + f"   (blocks per rank: {grids}; reference check {checked})")
+            label = "torch_sdcp: " if row.get("competitors") else ""
+            lines.append(f"  rows {row['rows']:>4}  {label}" + " | ".join(cells)
+                         + f"   (blocks per rank: {grids}; reference check {checked(row, worlds)})")
             lines += [f"           {note}" for note in notes]
+            lines += competitor_lines(row, worlds, keys, meta.get("trials", "?"))
+            first = keys[0]
             moved_line = bandwidth_cells(row, worlds, first, meta["device"])
             if moved_line:
                 lines.append(moved_line)
@@ -124,9 +162,17 @@ def tables(data: dict) -> str:
                             f"one GPU, {n} virtual ranks: the kernel side only, the link is not in it", ratio=False)
     lines.append("\nlegend (what each virtual rank runs; every rank's region is its own allocation on this GPU, "
                  "so a store into a peer's buffer goes to this GPU's HBM, and the ranks' grids share its SMs)")
-    for name in data["results"]:
+    ran = set()
+    for name, rows in data["results"].items():
         lines.append(f"  {name}: {BOUNDARY_CLASSES[name].runs}")
+        for comp in dict.fromkeys(c for row in rows for c in (row.get("competitors") or {})):
+            ran.add(comp)
+            lines.append(f"  {name} / {PATH_NAMES.get(comp, comp)}: {COMPETITORS[comp].runs}")
+    if ran:
+        lines.append(f"  {COMPETITORS_NOTE}")
     if meta.get("failures"):
         lines.append(f"\n{meta['failures']} cell(s) FAILED (mismatch against the reference, or an error)")
+    if meta.get("competitor_failures"):
+        lines.append(f"{meta['competitor_failures']} competitor cell(s) FAILED (not counted in the exit status)")
     return "\n".join(lines)
 

@@ -99,7 +99,8 @@ class GraphPerRank:
         return time.perf_counter() - t0
 
     def measure(self, streams: Sequence[torch.cuda.Stream], calls: Sequence[Callable[[], Any]],
-                after_first_replay: Callable[[], None]) -> dict:
+                after_first_replay: Callable[[], None], ks: tuple[int, ...] | None = None) -> dict:
+        """``ks``: the one-graph method's figures (this method has one, its steps per graph)."""
         lead = streams[0]
         for _ in range(2):  # warm-up, eager (what capture must not do for the first time)
             step(streams, calls)
@@ -143,8 +144,10 @@ class OneGraph:
         self.replays, self.trials = timer.replays, timer.trials
 
     def measure(self, streams: Sequence[torch.cuda.Stream], calls: Sequence[Callable[[], Any]],
-                after_first_replay: Callable[[], None]) -> dict:
-        return self.timer.measure(lambda: step(streams, calls), ONE_GRAPH_KS)
+                after_first_replay: Callable[[], None], ks: tuple[int, ...] | None = None) -> dict:
+        """``ks``: the steps per graph to time (default ONE_GRAPH_KS; a path whose slot is the host's call
+        parity takes (8,): one step per graph would replay a slot twice in a row)."""
+        return self.timer.measure(lambda: step(streams, calls), ks or ONE_GRAPH_KS)
 
 
 Method = GraphPerRank | OneGraph

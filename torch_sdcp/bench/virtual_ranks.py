@@ -16,6 +16,11 @@ through its range, then they are zeroed again), and the data slots filled
 with the sentinel for the families that start sentinel-filled. Each virtual
 rank's workspace is then registered with ``torch.ops.sdcp.workspace_register``
 under a handle of its own.
+
+``VirtualRegions`` is the memory alone (mapped, zeroed, probed; nothing
+registered): the bench's competitors lay their symmetric buffers over it
+(bench/one_gpu_competitors.py). ``VirtualRanks`` is VirtualRegions of a
+family's region size with a workspace registered per rank.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import contextlib
 import ctypes
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -32,9 +38,11 @@ from torch_sdcp.families import FAMILIES, WorkspaceKind
 from torch_sdcp.peer.cuda_driver import cu, driver
 from torch_sdcp.workspaces import PeerWorkspace, WorkspaceLayout, workspace_layout
 
-__all__ = ["VirtualRanks"]
+__all__ = ["VirtualRanks", "VirtualRegions"]
 
 logger = logging.getLogger("torch_sdcp")
+
+_Regions = TypeVar("_Regions", bound="VirtualRegions")
 
 
 def _probe_word(src: int, dst: int) -> int:
@@ -42,30 +50,29 @@ def _probe_word(src: int, dst: int) -> int:
     return 0x5D00_0000 | ((src & 0xFF) << 8) | (dst & 0xFF)
 
 
-class VirtualRanks:
-    """``world_size`` registered workspaces of family ``kind`` with ``params``
-    on ``device``, one per virtual rank, over ``world_size`` physical
-    allocations mapped into ``world_size`` virtual ranges.
+class VirtualRegions:
+    """``world_size`` physical allocations of ``region_bytes`` (rounded up to
+    the granularity) on ``device``, each mapped into each of ``world_size``
+    virtual ranges rank-major, zeroed and probed (write-and-verify): the
+    memory of N virtual ranks, with nothing registered. VirtualRanks adds a
+    torch_sdcp workspace per rank; the bench's competitors
+    (bench/one_gpu_competitors.py) lay their symmetric buffers over it.
 
-    Attributes: ``handles[r]`` (rank r's workspace handle, for the peer ops),
-    ``bases[r]`` (the start of rank r's range, the base it was registered
-    with), ``stride``, ``layout``, ``closed``.
+    Attributes: ``bases[r]`` (the start of rank r's range), ``stride`` (the
+    distance between two regions in a range), ``closed``. ``region(viewer,
+    owner)``: the address of rank owner's region in rank viewer's range.
 
-    ``close()`` (also ``with VirtualRanks(...)``, and on a failed creation)
-    synchronises the device, unregisters every handle, unmaps every mapping,
-    frees every range and every allocation; it is idempotent, and a step that
-    fails does not stop the next ones (the first failure is raised at the end).
+    ``close()`` (also ``with``, and on a failed creation) synchronises the
+    device, unmaps every mapping, frees every range and every allocation; it
+    is idempotent, and a step that fails does not stop the next ones (the
+    first failure is raised at the end).
     """
 
-    def __init__(self, kind: WorkspaceKind, params: Sequence[int], world_size: int, device: torch.device,
-                 timeout_s: float) -> None:
-        self.kind, self.params, self.world_size = kind, [int(p) for p in params], int(world_size)
+    def __init__(self, region_bytes: int, world_size: int, device: torch.device) -> None:
+        self.region_bytes, self.world_size = int(region_bytes), int(world_size)
         self.device = torch.device(device)
-        self.timeout_s = float(timeout_s)
-        self.handles: list[int] = []
         self.bases: list[int] = []
         self.stride = 0
-        self.layout: WorkspaceLayout = workspace_layout(kind, self.params, self.world_size)
         self.closed = False
         # What creation set up so far, in the order close() undoes it.
         self._cu_device = None
@@ -116,7 +123,7 @@ class VirtualRanks:
         with self._context():
             granularity = int(cu("cuMemGetAllocationGranularity", prop,
                                   drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
-            self.stride = stride = -(-self.layout.region_bytes // granularity) * granularity  # rounded up
+            self.stride = stride = -(-self.region_bytes // granularity) * granularity  # rounded up
             for _ in range(n):
                 self._allocations.append(cu("cuMemCreate", stride, prop, 0))
             access = drv.CUmemAccessDesc()
@@ -135,22 +142,11 @@ class VirtualRanks:
                 cu("cuMemsetD8", self.region(r, r), 0, stride)
             cu("cuCtxSynchronize")
             self._probe()
-            if self._sentinel_filled():
-                for r in range(n):
-                    cu("cuMemsetD8", self.region(r, r) + self.layout.data_offset, 0xFF,
-                        self.layout.slots * self.layout.slot_bytes)
+            self._initialise()
             cu("cuCtxSynchronize")
-        for r in range(n):
-            handle = _registry.new_handle()
-            torch.ops.sdcp.workspace_register(handle, int(self.kind), self.params, self.bases[r], stride, r, n,
-                                              self.device, int(self.timeout_s * 1e9))
-            self.handles.append(handle)
 
-    def _sentinel_filled(self) -> bool:
-        """Whether the family's buffers start as the sentinel (its workspace
-        class says; PeerWorkspace._fill_sentinel fills them)."""
-        cls: type[PeerWorkspace] = FAMILIES[int(self.kind)].load()
-        return cls.SENTINEL_FILLED
+    def _initialise(self) -> None:
+        """What a subclass stores into the zeroed, probed regions (the context current)."""
 
     def region(self, viewer: int, owner: int) -> int:
         """The address of rank ``owner``'s region in rank ``viewer``'s range."""
@@ -180,7 +176,7 @@ class VirtualRanks:
     # -- teardown -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Synchronise, unregister, unmap, free (idempotent; every step is tried)."""
+        """Synchronise, unmap, free (idempotent; every step is tried)."""
         if self.closed:
             return
         self.closed = True
@@ -199,9 +195,7 @@ class VirtualRanks:
             pushed = attempt("cuCtxPushCurrent", cu, "cuCtxPushCurrent", self._context_handle)
             # A kernel still in flight must not fault on memory about to go.
             attempt("cuCtxSynchronize", cu, "cuCtxSynchronize")
-        for handle in self.handles:
-            attempt(f"workspace_unregister({handle})", torch.ops.sdcp.workspace_unregister, handle)
-        self.handles = []
+        self._release_users(attempt)
         for address, size in self._mappings:
             attempt(f"cuMemUnmap(0x{address:x})", cu, "cuMemUnmap", address, size)
         self._mappings = []
@@ -217,10 +211,15 @@ class VirtualRanks:
             self._context_retained = False
             attempt("cuDevicePrimaryCtxRelease", cu, "cuDevicePrimaryCtxRelease", self._cu_device)
         if failures:
-            raise RuntimeError(f"torch_sdcp: virtual ranks of {FAMILIES[int(self.kind)].name}: teardown: "
-                               + "; ".join(failures))
+            raise RuntimeError(f"torch_sdcp: virtual ranks of {self._what()}: teardown: " + "; ".join(failures))
 
-    def __enter__(self) -> VirtualRanks:
+    def _release_users(self, attempt: Callable[..., bool]) -> None:
+        """What a subclass releases once the device is idle, before the memory goes."""
+
+    def _what(self) -> str:
+        return f"{self.region_bytes} bytes"
+
+    def __enter__(self: _Regions) -> _Regions:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -231,6 +230,58 @@ class VirtualRanks:
             self.close()
         except Exception as e:
             logger.warning("%s", e)
+
+    def __repr__(self) -> str:
+        return (f"VirtualRegions({self.region_bytes} bytes, world_size={self.world_size}, device={self.device}, "
+                f"stride={self.stride}{', closed' if self.closed else ''})")
+
+
+class VirtualRanks(VirtualRegions):
+    """``world_size`` registered workspaces of family ``kind`` with ``params``
+    on ``device``, one per virtual rank, over VirtualRegions of the family's
+    region size.
+
+    Attributes (beside VirtualRegions'): ``handles[r]`` (rank r's workspace
+    handle, for the peer ops; registered with base ``bases[r]``), ``layout``.
+    ``close()`` unregisters every handle before the memory goes.
+    """
+
+    def __init__(self, kind: WorkspaceKind, params: Sequence[int], world_size: int, device: torch.device,
+                 timeout_s: float) -> None:
+        self.kind, self.params = kind, [int(p) for p in params]
+        self.timeout_s = float(timeout_s)
+        self.handles: list[int] = []
+        self.layout: WorkspaceLayout = workspace_layout(kind, self.params, int(world_size))
+        super().__init__(self.layout.region_bytes, world_size, device)
+
+    def _create(self) -> None:
+        super()._create()
+        n = self.world_size
+        for r in range(n):
+            handle = _registry.new_handle()
+            torch.ops.sdcp.workspace_register(handle, int(self.kind), self.params, self.bases[r], self.stride, r, n,
+                                              self.device, int(self.timeout_s * 1e9))
+            self.handles.append(handle)
+
+    def _initialise(self) -> None:
+        if self._sentinel_filled():
+            for r in range(self.world_size):
+                cu("cuMemsetD8", self.region(r, r) + self.layout.data_offset, 0xFF,
+                    self.layout.slots * self.layout.slot_bytes)
+
+    def _sentinel_filled(self) -> bool:
+        """Whether the family's buffers start as the sentinel (its workspace
+        class says; PeerWorkspace._fill_sentinel fills them)."""
+        cls: type[PeerWorkspace] = FAMILIES[int(self.kind)].load()
+        return cls.SENTINEL_FILLED
+
+    def _release_users(self, attempt: Callable[..., bool]) -> None:
+        for handle in self.handles:
+            attempt(f"workspace_unregister({handle})", torch.ops.sdcp.workspace_unregister, handle)
+        self.handles = []
+
+    def _what(self) -> str:
+        return FAMILIES[int(self.kind)].name
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"handles={self.handles}"

@@ -26,7 +26,11 @@ signal/wait is the barrier kernel (not fused into the combine); a zero-weight
 payload is not read (so a NaN in an empty shard cannot leak; vLLM multiplies
 it by 0); the global LSE is also returned (``return_lse``); the engine's
 empty-shard mask (seq_lens) is not fused into the dispatch (the benchmark
-passes no mask to any path). NVLink multicast stays off
+passes no mask to any path). On the bench's virtual ranks (``--one-gpu N``,
+bench/one_gpu_competitors.py: no process group behind the buffers) step 3
+is competitors/_signal.py's device signal round instead, closer to vLLM's
+(a release-store flag per peer, bounded acquire spins; its own kernel,
+not fused into the combine). NVLink multicast stays off
 (TORCH_SYMM_MEM_DISABLE_MULTICAST=1); no multimem instruction is used.
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -191,6 +196,20 @@ def a2a_combine(inbox: Tensor, inbox_lse: Tensor, epoch: Tensor, rows: int, base
     return out, out_lse
 
 
+def a2a_call(partial_out: Tensor, partial_lse: Tensor, inbox: Tensor, inbox_lse: Tensor, out_offsets: Tensor,
+             lse_offsets: Tensor, epoch: Tensor, rank: int, signal_round: Callable[[], object],
+             base2: bool = False) -> tuple[Tensor, Tensor]:
+    """One call of rank ``rank`` from its buffers (``a2a_dispatch``'s): the
+    epoch advanced on the stream (1.), the dispatch (2.), ``signal_round()``
+    (3.: every rank signals every peer and waits for every peer), the combine
+    of slot ``epoch % 2`` (4.)."""
+    po, pl = partial_out.contiguous(), partial_lse.contiguous()
+    epoch.add_(1)  # 1. on the stream: a graph replay advances it
+    a2a_dispatch(po, pl, inbox, inbox_lse, out_offsets, lse_offsets, epoch, rank)  # 2.
+    signal_round()  # 3.
+    return a2a_combine(inbox, inbox_lse, epoch, po.size(0), base2)  # 4.
+
+
 class VllmA2AOutputLSE:
     """vLLM's direct symmetric-memory all-to-all for the Output/LSE boundary
     (see the module docstring): epoch, dispatch kernel, one signal round,
@@ -237,10 +256,6 @@ class VllmA2AOutputLSE:
                              f"{self.dtype}, got {list(partial_out.shape)} {partial_out.dtype}")
         if rows > self.max_rows:
             raise ValueError(f"vLLM a2a: argument 'partial_out': expected at most {self.max_rows} rows, got {rows}")
-        po, pl = partial_out.contiguous(), partial_lse.contiguous()
-        self.epoch.add_(1)  # 1. on the stream: a graph replay advances it
-        a2a_dispatch(po, pl, self.inbox, self.inbox_lse, self.out_offsets, self.lse_offsets, self.epoch,
-                     self.rank)  # 2.
-        self.h_out.barrier(channel=0)  # 3. signal every peer, wait for every peer
-        out, lse = a2a_combine(self.inbox, self.inbox_lse, self.epoch, rows, base2)  # 4.
+        out, lse = a2a_call(partial_out, partial_lse, self.inbox, self.inbox_lse, self.out_offsets,
+                            self.lse_offsets, self.epoch, self.rank, lambda: self.h_out.barrier(channel=0), base2)
         return (out, lse) if return_lse else out

@@ -14,7 +14,8 @@ memory:
    a system-scope release add, then spins with acquire loads until every
    peer's epoch reached its own, at most ``max_spins`` rounds (vLLM: 10^8).
    On timeout it traps, as vLLM's does: the CUDA context is lost and the next
-   synchronising call raises. Under the Triton interpreter (CPU tests) the
+   synchronising call raises (on the bench's virtual ranks, which share one
+   CUDA context, it raises a sticky status word the bench checks instead). Under the Triton interpreter (CPU tests) the
    kernel stores the verdict and the caller raises ``RuntimeError``;
 4. select: the stable top-K of the N*C received candidates of each row.
 
@@ -211,8 +212,8 @@ def _kernels():
         if TRAP:  # a peer that never came: trap rather than read a stale slot
             tl.inline_asm_elementwise("{ .reg .pred late; setp.ne.s32 late, $1, 0; @late trap; mov.u32 $0, 0; }",
                                       "=r,r", [pending], dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.store(status_ptr, pending)
+        else:  # sticky: a later call that passes does not clear it
+            tl.atomic_max(status_ptr, pending)
         if launch_pdl:
             tl.extra.cuda.gdc_launch_dependents()
 
@@ -257,16 +258,21 @@ def push_candidates(packed: Tensor, inbox: Tensor, inbox_offsets: Tensor, slot: 
                                            BLOCK=block, launch_pdl=pdl, num_warps=4)
 
 
-def publish_and_wait(signal: Tensor, signal_offsets: Tensor, status: Tensor, max_spins: int = MAX_SPINS) -> None:
+def publish_and_wait(signal: Tensor, signal_offsets: Tensor, status: Tensor, max_spins: int = MAX_SPINS,
+                     trap: bool | None = None) -> None:
     """Step 3: advance this rank's epoch (``signal`` int64 [1]) and wait for
     every peer's (``signal_offsets`` int64 [N] element offsets). On CUDA a
-    timeout traps; under the interpreter it raises ``RuntimeError``."""
+    timeout traps; under the interpreter it raises ``RuntimeError``.
+    ``trap=False`` on CUDA: a timeout raises ``status`` (sticky) instead, for
+    the caller to check (the bench's virtual ranks share one CUDA context that
+    a trap would end)."""
     _, _, kernel = _kernels()
     n = signal_offsets.numel()
-    trap = not _interpreted() and signal.device.type == "cuda"
+    on_cuda = not _interpreted() and signal.device.type == "cuda"
+    trap = on_cuda if trap is None else trap
     kernel[(1,)](signal, signal_offsets, status, N=n, N_POW2=max(2, _pow2(n)), MAX_SPINS=max_spins,
                  launch_pdl=_use_pdl(signal.device), TRAP=trap, num_warps=1)
-    if not trap and int(status[0]):
+    if not trap and not on_cuda and int(status[0]):
         raise RuntimeError(f"vLLM direct: a peer did not publish within {max_spins} spins (on CUDA the kernel "
                            f"traps, as vLLM's does)")
 
@@ -277,6 +283,19 @@ def select_from_inbox(inbox: Tensor, slot: int, rows: int, k: int) -> Tensor:
     scores = inbox[slot, 0, :rows].view(rows, n * c)
     ids = inbox[slot, 1, :rows].view(rows, n * c).view(torch.int32)
     return torch.ops.sdcp.topk_select(scores, ids, k)
+
+
+def direct_call(scores: Tensor, ids: Tensor, packed: Tensor, inbox: Tensor, inbox_offsets: Tensor, signal: Tensor,
+                signal_offsets: Tensor, status: Tensor, slot: int, rank: int, k: int, score_bits: int = 32,
+                max_spins: int = MAX_SPINS, trap: bool | None = None) -> Tensor:
+    """One call of rank ``rank`` from its buffers (those of the steps above):
+    pack, push into slot ``slot`` of every rank's inbox, publish and wait,
+    select: [rows, k] int32."""
+    rows = scores.size(0)
+    pack_candidates(scores.contiguous(), ids.contiguous(), packed, score_bits)
+    push_candidates(packed, inbox, inbox_offsets, slot, rank, rows)
+    publish_and_wait(signal, signal_offsets, status, max_spins, trap)
+    return select_from_inbox(inbox, slot, rows, k)
 
 
 class VllmDirectTopK:
@@ -328,7 +347,5 @@ class VllmDirectTopK:
                              f"direct bound), got {rows}")
         slot = self.calls & 1
         self.calls += 1
-        pack_candidates(scores.contiguous(), ids.contiguous(), self.packed, self.score_bits)
-        push_candidates(self.packed, self.inbox, self.inbox_offsets, slot, self.rank, rows)
-        publish_and_wait(self.signal[:1], self.signal_offsets, self.status, self.max_spins)
-        return select_from_inbox(self.inbox, slot, rows, self.k)
+        return direct_call(scores, ids, self.packed, self.inbox, self.inbox_offsets, self.signal[:1],
+                           self.signal_offsets, self.status, slot, self.rank, self.k, self.score_bits, self.max_spins)
