@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -201,6 +202,22 @@ def run_cell(boundary: Boundary, rows: int, world: int, method: Method, timeout_
     return cell
 
 
+def fill_cell(cell: dict, measure: Callable[[], dict]) -> int:
+    """``cell`` updated with ``measure()``'s figures, or with its mismatch or error (printed); 1
+    when it failed, else 0."""
+    try:
+        cell.update(measure())
+    except CheckFailed as e:
+        cell.update(check="MISMATCH", error=str(e)[:2000])
+        print(f"MISMATCH: {e}", file=sys.stderr, flush=True)
+        return 1
+    except Exception as e:
+        cell["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 def competitor_cells(comp: type[CompetitorRanks], boundary: Boundary, rows: int, worlds: list[int], sms: int,
                      pdl: bool, grid_sms: int | None, method: Method, timeout_s: float) -> tuple[dict, int]:
     """Competitor ``comp``'s cells of one row, by world ({"world1": cell, ...}), and how many failed.
@@ -213,16 +230,8 @@ def competitor_cells(comp: type[CompetitorRanks], boundary: Boundary, rows: int,
         if skip:
             cell["skipped"] = skip
         else:
-            try:
-                cell.update(run_competitor_cell(comp, boundary, rows, world, method, timeout_s, grid_sms or sms))
-            except CheckFailed as e:
-                failed += 1
-                cell.update(check="MISMATCH", error=str(e)[:2000])
-                print(f"MISMATCH: {e}", file=sys.stderr, flush=True)
-            except Exception as e:
-                failed += 1
-                cell["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-                traceback.print_exc()
+            failed += fill_cell(cell, functools.partial(run_competitor_cell, comp, boundary, rows, world, method,
+                                                        timeout_s, grid_sms or sms))
         cells[f"world{world}"] = cell
     return cells, failed
 
@@ -277,16 +286,8 @@ def run(args) -> int:
                         if skip:
                             cell["skipped"] = skip
                         else:
-                            try:
-                                cell.update(run_cell(boundary, rows, world, method, args.one_gpu_timeout))
-                            except CheckFailed as e:
-                                failures += 1
-                                cell.update(check="MISMATCH", error=str(e)[:2000])
-                                print(f"MISMATCH: {e}", file=sys.stderr, flush=True)
-                            except Exception as e:
-                                failures += 1
-                                cell["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-                                traceback.print_exc()
+                            failures += fill_cell(cell, functools.partial(run_cell, boundary, rows, world, method,
+                                                                          args.one_gpu_timeout))
                         row[f"world{world}"] = cell
                     for comp in competitors_of(name):
                         cells, failed = competitor_cells(comp, boundary, rows, worlds, sms, pdl, grid_sms, method,
