@@ -56,3 +56,14 @@ def element_offsets(peers, local: Tensor, device) -> Tensor:
             raise RuntimeError(f"symmetric buffers are not 16-byte aligned to each other (offset {delta} bytes)")
         offs.append(delta // es)
     return torch.tensor(offs, dtype=torch.int64, device=device)
+
+
+def check_partials(who: str, partial_out: Tensor, total_heads: int, head_dim: int, dtype: torch.dtype,
+                   max_rows: int) -> None:
+    """An Output/LSE competitor's ``partial_out``: [T, total_heads, head_dim] of ``dtype``, T <= max_rows."""
+    if partial_out.shape[1:] != (total_heads, head_dim) or partial_out.dtype != dtype:
+        raise ValueError(f"{who}: argument 'partial_out': expected [T, {total_heads}, {head_dim}] {dtype}, got "
+                         f"{list(partial_out.shape)} {partial_out.dtype}")
+    if partial_out.size(0) > max_rows:
+        raise ValueError(f"{who}: argument 'partial_out': expected at most {max_rows} rows, got "
+                         f"{partial_out.size(0)}")

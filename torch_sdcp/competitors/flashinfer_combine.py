@@ -82,6 +82,7 @@ from torch_sdcp.competitors._symm import (
     _enable_for_group,
     _pow2,
     _symmetric_memory,
+    check_partials,
     element_offsets,
 )
 
@@ -278,12 +279,7 @@ class FlashInferFusedCombine:
 
     def combine(self, partial_out: Tensor, partial_lse: Tensor, base2: bool = False, return_lse: bool = True):
         rows = partial_out.size(0)
-        if partial_out.shape[1:] != (self.n * self.hl, self.dim) or partial_out.dtype != self.dtype:
-            raise ValueError(f"FlashInfer fused: argument 'partial_out': expected [T, {self.n * self.hl}, "
-                             f"{self.dim}] {self.dtype}, got {list(partial_out.shape)} {partial_out.dtype}")
-        if rows > self.max_rows:
-            raise ValueError(f"FlashInfer fused: argument 'partial_out': expected at most {self.max_rows} rows, "
-                             f"got {rows}")
+        check_partials("FlashInfer fused", partial_out, self.n * self.hl, self.dim, self.dtype, self.max_rows)
         if not torch.cuda.is_current_stream_capturing():
             self.check()
         po = partial_out if partial_out.stride(-1) == 1 else partial_out.contiguous()

@@ -51,6 +51,7 @@ from torch_sdcp.competitors._symm import (
     _enable_for_group,
     _pow2,
     _symmetric_memory,
+    check_partials,
     element_offsets,
 )
 
@@ -250,12 +251,7 @@ class VllmA2AOutputLSE:
         torch.cuda.synchronize(device)
 
     def combine(self, partial_out: Tensor, partial_lse: Tensor, base2: bool = False, return_lse: bool = True):
-        rows = partial_out.size(0)
-        if partial_out.shape[1:] != (self.n * self.hl, self.dim) or partial_out.dtype != self.dtype:
-            raise ValueError(f"vLLM a2a: argument 'partial_out': expected [T, {self.n * self.hl}, {self.dim}] "
-                             f"{self.dtype}, got {list(partial_out.shape)} {partial_out.dtype}")
-        if rows > self.max_rows:
-            raise ValueError(f"vLLM a2a: argument 'partial_out': expected at most {self.max_rows} rows, got {rows}")
+        check_partials("vLLM a2a", partial_out, self.n * self.hl, self.dim, self.dtype, self.max_rows)
         out, lse = a2a_call(partial_out, partial_lse, self.inbox, self.inbox_lse, self.out_offsets,
                             self.lse_offsets, self.epoch, self.rank, lambda: self.h_out.barrier(channel=0), base2)
         return (out, lse) if return_lse else out
